@@ -1,0 +1,1 @@
+"""Command-line interface: `cli/app.py` registers one module per command group."""

@@ -1,0 +1,9 @@
+"""`hfleet run`."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    pass

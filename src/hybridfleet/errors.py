@@ -1,0 +1,119 @@
+"""The error contract: one exception tree, one exit-code table.
+
+Every error a user can cause is a subclass of `HfleetError` (and of the builtin
+that fits, so callers may catch `ValueError` or `ImportError` as usual). The CLI
+maps each class to the exit code and the one-line hint kept in `EXIT_CODES`, so
+the codes and hints cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    code: int
+    hint: str
+
+
+class HfleetError(Exception):
+    """Base of every error hybridfleet raises for bad input or a bad environment."""
+
+    kind = "error"
+
+
+class SpecError(HfleetError, ValueError):
+    """The job file is invalid; the message names each field path and the fix."""
+
+    kind = "spec"
+
+
+class FrameworkMissingError(HfleetError, ImportError):
+    """A framework the command needs is not installed."""
+
+    kind = "framework_missing"
+
+
+class GpuRequiredError(HfleetError, RuntimeError):
+    """The job asks for GPUs and this machine has none visible."""
+
+    kind = "gpu_required"
+
+
+class CollectiveSmokeError(HfleetError, RuntimeError):
+    """The 2-process all-reduce smoke test failed."""
+
+    kind = "collective_smoke"
+
+
+class EnvDriftError(HfleetError, RuntimeError):
+    """Two environment locks differ at error level."""
+
+    kind = "env_drift"
+
+
+class UnsupportedImageError(HfleetError, ValueError):
+    """The framework/version/CUDA combination has no official base image."""
+
+    kind = "unsupported_image"
+
+
+class DockerUnavailableError(HfleetError, RuntimeError):
+    """No Docker engine answers."""
+
+    kind = "docker_unavailable"
+
+
+class LaunchError(HfleetError, RuntimeError):
+    """A launch preflight check failed or a process group died."""
+
+    kind = "launch"
+
+
+class AuthError(HfleetError, PermissionError):
+    """A token or certificate was rejected."""
+
+    kind = "auth"
+
+
+class ProtocolError(HfleetError, ValueError):
+    """A peer sent something the wire protocol does not allow."""
+
+    kind = "protocol"
+
+
+class CheckpointError(HfleetError, ValueError):
+    """A checkpoint is missing, corrupt or of an unknown layout."""
+
+    kind = "checkpoint"
+
+
+class StoreError(HfleetError, OSError):
+    """A storage URL could not be read or written."""
+
+    kind = "store"
+
+
+EXIT_CODES: dict[str, ExitCode] = {
+    "ok": ExitCode(0, ""),
+    "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
+    "spec": ExitCode(2, "fix the job file at the field paths above; `hfleet spec check FILE` shows the resolved spec"),
+    "framework_missing": ExitCode(3, "install the framework: pip install 'hybridfleet[torch]' or 'hybridfleet[paddle]'"),
+    "gpu_required": ExitCode(4, "the job asks for GPUs but none is visible; set resources.gpus: 0 or run on a GPU machine"),
+    "collective_smoke": ExitCode(5, "the 2-process all-reduce failed; check loopback networking and the backend (gloo/NCCL)"),
+    "unsupported_image": ExitCode(6, "choose one of the published base images listed above"),
+    "docker_unavailable": ExitCode(7, "start a Docker engine (or use `hfleet image render` and build elsewhere)"),
+    "launch": ExitCode(8, "see the failing rank's last log lines above"),
+    "auth": ExitCode(9, "check the token (job, site, role, expiry) and the CA certificate"),
+    "protocol": ExitCode(10, "client and server disagree on the wire protocol; upgrade the older side"),
+    "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
+    "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
+    "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
+}
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The exit code and hint for an exception (unknown ones map to `error`)."""
+    kind = getattr(exc, "kind", "error") if isinstance(exc, HfleetError) else "error"
+    return EXIT_CODES.get(kind, EXIT_CODES["error"])

@@ -1,0 +1,1 @@
+"""Observability: JSON-lines logs and metrics, Prometheus exporter, reports."""

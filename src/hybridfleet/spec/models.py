@@ -1,0 +1,172 @@
+"""The job file's models. Unknown keys are errors everywhere (``extra="forbid"``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SiteSpec(_Strict):
+    """A place where workers run and where their data lives (the data never leaves it)."""
+
+    workers: int = Field(1, ge=1, description="number of worker processes at this site")
+    data: str | None = Field(None, description="the site's data: a path, URL or a named example split")
+    aggregate: bool = Field(False, description="reduce gradients inside the site first; one leader pushes")
+
+
+class OptimizerSpec(_Strict):
+    """The server-side optimizer that applies aggregated gradients."""
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "OptimizerSpec":
+        if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
+            raise ValueError("nesterov: needs name: sgd and momentum > 0")
+        return self
+
+
+class CompressionSpec(_Strict):
+    """How workers compress what they push (agreed with the server at join)."""
+
+    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign"] = "none"
+    ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
+    error_feedback: bool = True
+
+
+class PSSpec(_Strict):
+    """Parameter-server settings."""
+
+    shards: int = Field(1, ge=1)
+    sync: Literal["bsp", "ssp", "asp"] = "bsp"
+    staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
+    optimizer: OptimizerSpec = OptimizerSpec()
+    compression: CompressionSpec = CompressionSpec()
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    block_size_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="tensors above this are split across shards")
+    max_push_bytes: int = Field(1 << 30, ge=1024)
+    host: str = "127.0.0.1"
+    base_port: int = Field(0, ge=0, le=65535, description="first shard port; 0 picks free ports")
+    snapshot_every_s: float | None = Field(None, gt=0)
+    snapshot_every_steps: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _timeout_after_interval(self) -> "PSSpec":
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s: must be greater than heartbeat_interval_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class CollectiveSpec(_Strict):
+    """Collective (AllReduce) data-parallel settings."""
+
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="N or MIN:MAX for elastic")
+    master: str | None = Field(None, description="host:port of the rendezvous")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class TrainSpec(_Strict):
+    """What the entrypoint is asked to do (passed to it as HFLEET_* settings)."""
+
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1)
+    seed: int = 0
+    eval_every_steps: int = Field(0, ge=0)
+
+
+class CheckpointSpec(_Strict):
+    """Checkpoint cadence, retention and where they are stored."""
+
+    every_steps: int | None = Field(None, ge=1)
+    every_s: float | None = Field(None, gt=0)
+    keep_last: int = Field(3, ge=1)
+    keep_best: str | None = Field(None, description="metric name; the best checkpoint by it is kept too")
+    store: str = "file://runs/checkpoints"
+
+
+class SecuritySpec(_Strict):
+    """Transport security and authentication (on by default)."""
+
+    tls: Literal["auto", "off"] | str = Field("auto", description="auto: per-job dev CA; off: plaintext; or a cert dir")
+    mutual_tls: bool = False
+    tokens: Literal["auto", "off"] = "auto"
+    token_ttl_s: float = Field(24 * 3600, gt=0)
+
+
+class RegistrySpec(_Strict):
+    publish_as: str | None = None
+    require: list[str] = []
+    url: str | None = None
+
+
+class ResourcesSpec(_Strict):
+    """Per-process resources (Kubernetes requests/limits; GPU checks)."""
+
+    cpu: float = Field(1.0, gt=0)
+    memory: str = Field("2Gi", pattern=r"^\d+(\.\d+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+    gpus: int = Field(0, ge=0)
+    shm: str = Field("1Gi", pattern=r"^\d+(\.\d+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+
+
+class EnvironmentSpec(_Strict):
+    """The pinned environment: framework version, device flavour, lock, image."""
+
+    version: str | None = Field(None, description="framework version; default: the one installed")
+    device: Literal["cpu", "gpu"] = "cpu"
+    cuda: str | None = Field(None, pattern=r"^\d+\.\d+$")
+    lock: str | None = Field(None, description="path of an hfleet.lock.json")
+    image: str | None = Field(None, description="image reference (repo:tag or repo@sha256:...)")
+    registry: str | None = Field(None, description="image repository to tag built images with")
+
+
+class JobSpec(_Strict):
+    """A whole job: what to train, where, and how."""
+
+    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=53)
+    framework: Literal["torch", "paddle"]
+    entrypoint: str
+    args: list[str] = []
+    mode: Literal["ps", "collective"] = "ps"
+    sites: dict[str, SiteSpec] = {"local": SiteSpec()}
+    ps: PSSpec = PSSpec()
+    collective: CollectiveSpec = CollectiveSpec()
+    train: TrainSpec = TrainSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    security: SecuritySpec = SecuritySpec()
+    registry: RegistrySpec = RegistrySpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    environment: EnvironmentSpec = EnvironmentSpec()
+    max_restarts: int = Field(0, ge=0)
+    run_dir: str = "runs"
+
+    @model_validator(mode="after")
+    def _sites_named_and_present(self) -> "JobSpec":
+        if not self.sites:
+            raise ValueError("sites: needs at least one site, e.g. {local: {workers: 1}}")
+        for site in self.sites:
+            if not site.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"sites.{site}: site names use letters, digits, - and _ only")
+        if self.environment.cuda and self.environment.device != "gpu":
+            raise ValueError("environment.cuda: set environment.device: gpu too (or drop cuda)")
+        return self
+
+    @property
+    def num_workers(self) -> int:
+        """Workers over all sites."""
+        return sum(s.workers for s in self.sites.values())
