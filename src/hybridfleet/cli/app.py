@@ -28,9 +28,16 @@ for _name in COMMAND_MODULES:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; an `HfleetError` becomes its message, a hint and its exit code."""
+    """Entry point: run the app; an `HfleetError` becomes its message, a hint and its exit code.
+
+    Returns normally on success (exit 0); raises SystemExit with the code otherwise.
+    """
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="hfleet")  # standalone mode: usage errors exit 2 with click's message
+    except SystemExit as ex:
+        if ex.code in (0, None):
+            return
+        raise
     except HfleetError as err:
         code = exit_code_for(err)
         console = Console(stderr=True)
@@ -38,17 +45,6 @@ def main(argv: list[str] | None = None) -> None:
         if code.hint:
             console.print(f"hint: {code.hint}", highlight=False, soft_wrap=True)
         sys.exit(code.code)
-    except typer.Exit as ex:
-        sys.exit(ex.exit_code)
-    except typer.Abort:
-        sys.exit(130)
-    except Exception as err:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        raise
 
 
 if __name__ == "__main__":

@@ -2,9 +2,78 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from hybridfleet.errors import AuthError
+from hybridfleet.security import certs, tokens
+
 group = typer.Typer(help="TLS certificates and signed tokens for real deployments.", no_args_is_help=True)
+
+
+@group.command("init")
+def init(
+    directory: Path = typer.Argument(..., help="directory to create the PKI in"),
+    host: list[str] = typer.Option(
+        list(certs.DEFAULT_HOSTS), "--host", help="IP or DNS name the server is dialled at (repeat for each)"
+    ),
+    client: list[str] = typer.Option(
+        list(certs.DEFAULT_CLIENTS), "--client", help="client certificate name for mutual TLS (repeat for each)"
+    ),
+    valid_days: float = typer.Option(certs.DEFAULT_VALID_DAYS, "--valid-days", help="certificate lifetime in days"),
+    force: bool = typer.Option(False, "--force", help="replace an existing PKI in DIRECTORY"),
+) -> None:
+    """Create a CA, a server certificate (one SAN per --host), client certificates and the token signing key."""
+    key_files = [directory / tokens.SIGNING_KEY, directory / tokens.VERIFY_KEY]
+    existing = [str(path) for path in key_files if path.exists()]
+    if existing and not force:  # checked first so a refusal leaves DIRECTORY untouched
+        raise AuthError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace the PKI")
+    try:
+        pki = certs.make_dev_pki(directory, hosts=host, clients=client, valid_days=valid_days, overwrite=force)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    signing_key, verify_key = tokens.generate_signing_key(directory, overwrite=force)
+    for path in [pki.ca_cert, pki.server_cert, pki.server_key, signing_key, verify_key]:
+        typer.echo(str(path))
+    for pair in pki.clients.values():
+        typer.echo(str(pair.cert))
+        typer.echo(str(pair.key))
+
+
+@group.command("token")
+def token(
+    directory: Path = typer.Argument(..., help="PKI directory holding token-signing.key"),
+    job: str = typer.Option(..., "--job", help="job the token is valid for"),
+    site: str = typer.Option(..., "--site", help="site of the caller"),
+    role: str = typer.Option(..., "--role", help="role of the caller (e.g. worker, shard, admin)"),
+    ttl_s: float = typer.Option(24 * 3600, "--ttl-s", help="seconds until the token expires"),
+    subject: str | None = typer.Option(None, "--subject", help="optional subject, e.g. hospital/worker-0"),
+) -> None:
+    """Print a signed token for JOB/SITE/ROLE on stdout."""
+    issuer = tokens.TokenIssuer.from_dir(directory)
+    try:
+        signed = issuer.issue(job=job, site=site, role=role, ttl_s=ttl_s, subject=subject)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    typer.echo(signed)
+
+
+@group.command("show")
+def show(directory: Path = typer.Argument(..., help="PKI directory")) -> None:
+    """Show each certificate's subject, SANs and expiry, and whether the token keys are present."""
+    pki = certs.load_pki(directory)
+    for info in certs.describe_pki(pki):
+        typer.echo(f"{info.name}: {info.path}")
+        typer.echo(f"  subject:   {info.subject}")
+        typer.echo(f"  issuer:    {info.issuer}")
+        if info.sans:
+            typer.echo(f"  sans:      {', '.join(info.sans)}")
+        typer.echo(f"  expires:   {info.not_after.isoformat()}")
+        typer.echo(f"  sha256:    {info.sha256_fingerprint}")
+    for name in (tokens.SIGNING_KEY, tokens.VERIFY_KEY):
+        state = "present" if (pki.directory / name).is_file() else "missing"
+        typer.echo(f"token key {name}: {state}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,10 +1,64 @@
-"""`hfleet ps`: Parameter-server shards (one per machine in real clusters)."""
+"""`hfleet ps`: run one parameter-server shard, or ask shards for their status."""
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from hybridfleet.spec import load_spec
+
 group = typer.Typer(help="Parameter-server shards (one per machine in real clusters).", no_args_is_help=True)
+
+
+@group.command("serve")
+def serve(
+    job: str = typer.Argument(..., help="the job file"),
+    shard: int = typer.Option(..., help="this shard's index, 0..ps.shards-1"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    port: int = typer.Option(50051, help="port to bind (0: any free port)"),
+    certs: Optional[Path] = typer.Option(None, help="directory from `hfleet certs init` (TLS + token key)"),
+    port_file: Optional[Path] = typer.Option(None, help="write host:port here once serving"),
+    expected_workers: int = typer.Option(0, help="hold the first BSP round until this many workers joined"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext", help="serve without TLS (explicit)"),
+    no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
+) -> None:
+    """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
+    from hybridfleet.ps.serve import server_security, start_shard
+
+    spec = load_spec(job)
+    server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
+                         expected_workers)
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(f"{host}:{server.port}\n")
+        tmp.rename(port_file)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace_s=1.0)
+
+
+@group.command("status")
+def status(
+    address: str = typer.Argument(..., help="host:port of a shard"),
+    certs: Optional[Path] = typer.Option(None, help="directory holding the CA certificate"),
+    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token (role admin/monitor/worker)"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
+) -> None:
+    """Print one shard's status as JSON."""
+    from hybridfleet.ps.status import ShardStatusProbe
+
+    probe = ShardStatusProbe(address, certs, token, insecure=insecure_plaintext)
+    try:
+        typer.echo(json.dumps(probe.status(), indent=2))
+    finally:
+        probe.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -1,9 +1,47 @@
-"""`hfleet worker`."""
+"""`hfleet worker`: run one worker of a job against shards on other machines."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from hybridfleet.spec import load_spec
+
+
+def worker(
+    job: str = typer.Argument(..., help="the job file"),
+    site: str = typer.Option(..., help="this worker's site (a key of `sites`)"),
+    rank: int = typer.Option(..., help="global worker rank (0 initialises the shards)"),
+    site_rank: int = typer.Option(0, help="rank within the site (which part of the site's data)"),
+    servers: str = typer.Option(..., help="shard addresses host:port,... in shard order"),
+    certs: Optional[Path] = typer.Option(None, help="directory holding the CA (and client) certificates"),
+    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token for this site"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
+) -> None:
+    """Run the job's entrypoint as one worker; it reaches the shards at SERVERS."""
+    spec = load_spec(job)
+    if site not in spec.sites:
+        raise typer.BadParameter(f"site {site!r} is not in the job ({', '.join(spec.sites)})", param_hint="--site")
+    env = dict(os.environ, HFLEET_JOB=str(Path(job).resolve()), HFLEET_SITE=site, HFLEET_RANK=str(rank),
+               HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers)
+    if token:
+        env["HFLEET_TOKEN"] = token
+    if insecure_plaintext:
+        env["HFLEET_INSECURE"] = "1"
+    elif certs is not None:
+        from hybridfleet.security import load_pki
+
+        pki = load_pki(certs)
+        env["HFLEET_CA_CERT"] = str(pki.ca_cert)
+        if spec.security.mutual_tls and "worker" in pki.clients:
+            env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients["worker"].cert,
+                                                                            pki.clients["worker"].key))
+    os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("worker")(worker)

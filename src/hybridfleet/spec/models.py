@@ -88,6 +88,7 @@ class TrainSpec(_Strict):
     batch_size: int = Field(32, ge=1)
     seed: int = 0
     eval_every_steps: int = Field(0, ge=0)
+    site_baselines: bool = Field(False, description="also train each site alone, for comparison in summary.json")
 
 
 class CheckpointSpec(_Strict):

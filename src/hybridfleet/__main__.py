@@ -1,0 +1,5 @@
+"""``python -m hybridfleet`` is the ``hfleet`` command."""
+
+from hybridfleet.cli.app import main
+
+main()

@@ -1,0 +1,105 @@
+"""Taking a checkpoint's contents into host memory: numpy tensors plus a JSON state.
+
+This is the synchronous half of a save (the training stall of an async save); the
+I/O half is `writer.write_snapshot`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridfleet.frameworks import detect_framework, get_adapter
+from hybridfleet.frameworks.base import python_numpy_rng_state
+
+
+@dataclass
+class Snapshot:
+    """Everything one checkpoint will hold, already copied off the training objects."""
+
+    step: int
+    framework: str | None
+    groups: dict[str, dict[str, np.ndarray]]  # role ("model", "optimizer", "tensors") -> tensors
+    state: dict[str, Any]  # the content of state.json
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(a.nbytes for g in self.groups.values() for a in g.values())
+
+
+def _check_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise ValueError(f"metric {name!r} must be a number (got {type(value).__name__})")
+        out[str(name)] = float(value)
+    return out
+
+
+def _check_json(name: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be JSON-serialisable (no pickle in checkpoints): {err}") from err
+
+
+def _check_tensors(tensors: dict[str, Any]) -> None:
+    for name, arr in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor names must be non-empty strings (got {name!r})")
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"tensor {name!r} must be a numpy array (got {type(arr).__name__})")
+
+
+def take_snapshot(
+    step: int,
+    model: Any = None,
+    optimizer: Any = None,
+    framework: str | None = None,
+    state: dict[str, Any] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+    metrics: dict[str, float] | None = None,
+    copy_tensors: bool = False,
+) -> Snapshot:
+    """Copy model/optimizer state, RNG states and ``state`` into a `Snapshot`.
+
+    Model and optimizer tensors are always copied; raw ``tensors`` are copied only
+    with ``copy_tensors`` (async saves need it, a synchronous save does not). The
+    framework is detected from ``model``/``optimizer`` when not given. Raises
+    ValueError for a bad step, non-JSON ``state`` or non-numeric metrics, before
+    anything is copied.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int (got {step!r})")
+    _check_json("state", state)
+    _check_tensors(tensors or {})
+    checked_metrics = _check_metrics(metrics)
+    owner = model if model is not None else optimizer
+    if framework is None and owner is not None:
+        framework = detect_framework(owner)
+    adapter = get_adapter(framework) if framework else None
+
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    full_state: dict[str, Any] = {"step": step, "framework": framework, "created_s": time.time()}
+    if adapter is not None:
+        full_state["framework_version"] = adapter.version
+        full_state["rng"] = adapter.rng_state()
+    else:
+        full_state["rng"] = python_numpy_rng_state()
+    if model is not None:
+        groups["model"] = adapter.model_state(model)
+        full_state["layouts"] = adapter.module_kinds(model)
+    if optimizer is not None:
+        groups["optimizer"], optimizer_meta = adapter.optimizer_state(optimizer)
+        _check_json("optimizer meta", optimizer_meta)
+        full_state["optimizer_meta"] = optimizer_meta
+    if tensors:
+        groups["tensors"] = {k: np.array(v, copy=True) if copy_tensors else v for k, v in tensors.items()}
+    full_state["metrics"] = checked_metrics
+    full_state["user"] = state or {}
+    return Snapshot(step=step, framework=framework, groups=groups, state=full_state, metrics=checked_metrics)

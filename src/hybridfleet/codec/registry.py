@@ -1,0 +1,59 @@
+"""Codec names -> classes, and building a codec from a name or a job's compression spec."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from hybridfleet.codec.base import Codec
+from hybridfleet.codec.cast import Bf16Codec, Fp16Codec, NoneCodec
+from hybridfleet.codec.frame import CODEC_IDS
+from hybridfleet.codec.int8 import Int8Codec
+from hybridfleet.codec.randomk import RandomKCodec
+from hybridfleet.codec.sign import SignCodec
+from hybridfleet.codec.topk import TopKCodec
+
+_CLASSES: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec, SignCodec)
+}
+assert set(_CLASSES) == set(CODEC_IDS), "every codec needs a wire id in frame.CODEC_IDS"
+
+CODECS: tuple[str, ...] = tuple(CODEC_IDS)
+SPARSE_CODECS: tuple[str, ...] = tuple(name for name in CODECS if _CLASSES[name].sparse)
+
+
+def codec_options(name: str) -> tuple[str, ...]:
+    """The option names codec `name` accepts (ValueError for an unknown name)."""
+    cls = _codec_class(name)
+    parameters = inspect.signature(cls.__init__).parameters
+    return tuple(p for p in parameters if p != "self")
+
+
+def get_codec(name: str, **options: Any) -> Codec:
+    """A new codec `name` built with `options`.
+
+    An unknown name or option is a ValueError that lists the valid ones.
+    Decoding needs no options: every payload says how it was encoded, so a
+    server may decode with `get_codec(name)`.
+    """
+    accepted = codec_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        valid = ", ".join(accepted) or "none"
+        raise ValueError(f"codec {name!r} takes no option {unknown[0]!r} (its options: {valid})")
+    return _CLASSES[name](**options)
+
+
+def codec_for(compression: Any) -> Codec:
+    """The codec for a job's `ps.compression` spec (anything with `.codec` and `.ratio`).
+
+    `ratio` goes only to the codecs that keep a fraction of the elements.
+    """
+    options = {"ratio": compression.ratio} if compression.codec in SPARSE_CODECS else {}
+    return get_codec(compression.codec, **options)
+
+
+def _codec_class(name: str) -> type[Codec]:
+    if name not in _CLASSES:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
+    return _CLASSES[name]

@@ -1,0 +1,112 @@
+"""PaddlePaddle adapter (imported only through `get_adapter("paddle")`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import paddle
+
+from hybridfleet.frameworks.base import Adapter
+
+
+def _kind(layer: Any) -> str | None:
+    nn = paddle.nn
+    if isinstance(layer, nn.Linear):
+        return "linear"
+    if isinstance(layer, (nn.Conv1D, nn.Conv2D, nn.Conv3D, nn.Conv1DTranspose, nn.Conv2DTranspose, nn.Conv3DTranspose)):
+        return "conv"
+    if isinstance(layer, nn.Embedding):
+        return "embedding"
+    if isinstance(layer, (nn.BatchNorm, nn.BatchNorm1D, nn.BatchNorm2D, nn.BatchNorm3D)):
+        return "batchnorm"
+    if isinstance(layer, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(layer, nn.GroupNorm):
+        return "groupnorm"
+    return None
+
+
+def _numpy_dtype(tensor: Any) -> np.dtype:
+    return np.dtype(str(tensor.dtype).split(".")[-1])
+
+
+class PaddleAdapter(Adapter):
+    name = "paddle"
+
+    @property
+    def version(self) -> str:
+        return paddle.__version__
+
+    def owns(self, obj: Any) -> bool:
+        return isinstance(obj, (paddle.nn.Layer, paddle.optimizer.Optimizer, paddle.Tensor))
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        return np.ascontiguousarray(tensor.detach().cpu().numpy())
+
+    def from_numpy(self, arr: np.ndarray) -> Any:
+        arr = np.asarray(arr)
+        if arr.flags.writeable and arr.flags.c_contiguous and arr.ndim > 0:
+            try:
+                return paddle.from_dlpack(arr)  # zero-copy
+            except (BufferError, TypeError, RuntimeError, ValueError):
+                pass
+        return paddle.to_tensor(arr)
+
+    def model_state(self, model: Any) -> dict[str, np.ndarray]:
+        return {k: np.array(v.numpy(), copy=True, order="C") for k, v in model.state_dict().items()}
+
+    def _expected_state(self, model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {k: (tuple(v.shape), str(v.dtype).split(".")[-1]) for k, v in model.state_dict().items()}
+
+    def _assign_state(self, model: Any, state: dict[str, np.ndarray]) -> None:
+        current = model.state_dict()
+        model.set_state_dict({k: np.asarray(v).astype(_numpy_dtype(current[k]), copy=False) for k, v in state.items()})
+
+    def optimizer_state(self, optimizer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        tensors: dict[str, np.ndarray] = {}
+        meta: dict[str, Any] = {}
+        for key, value in optimizer.state_dict().items():
+            if isinstance(value, paddle.Tensor):
+                tensors[key] = np.array(value.numpy(), copy=True, order="C")
+            elif key == "master_weights":
+                for name, tensor in value.items():
+                    tensors[f"master_weights/{name}"] = np.array(tensor.numpy(), copy=True, order="C")
+            else:
+                meta[key] = value
+        return tensors, meta
+
+    def load_optimizer_state(self, optimizer: Any, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        full: dict[str, Any] = dict(meta)
+        for key, arr in tensors.items():
+            tensor = paddle.to_tensor(np.array(arr, copy=True))
+            if key.startswith("master_weights/"):
+                full.setdefault("master_weights", {})[key.split("/", 1)[1]] = tensor
+            else:
+                full[key] = tensor
+        optimizer.set_state_dict(full)
+
+    def _framework_rng_state(self) -> Any:
+        return [list(s.__getstate__()) for s in paddle.get_rng_state()]
+
+    def _set_framework_rng_state(self, state: Any) -> None:
+        kind = type(paddle.get_rng_state()[0])
+        restored = []
+        for entry in state:
+            generator_state = kind.__new__(kind)
+            generator_state.__setstate__(tuple(entry))
+            restored.append(generator_state)
+        paddle.set_rng_state(restored)
+
+    def module_kinds(self, model: Any) -> dict[str, str]:
+        kinds: dict[str, str] = {}
+        names = set(model.state_dict())
+        for prefix, layer in model.named_sublayers(include_self=True):
+            kind = _kind(layer)
+            if kind is None:
+                continue
+            for local in list(layer._parameters) + list(layer._buffers):
+                full = f"{prefix}.{local}" if prefix else local
+                if full in names:
+                    kinds[full] = kind
+        return kinds

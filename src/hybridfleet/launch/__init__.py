@@ -1,0 +1,1 @@
+"""Launching training: collective data parallel (torch / paddle launchers) and local process groups."""

@@ -1,0 +1,144 @@
+"""Optional helpers for a training script run by ``hfleet launch`` (torch or paddle).
+
+They read what the launchers put in the environment, so they work the same whichever
+framework the script imported, and outside a launcher they describe a single process.
+Checkpoints are one safetensors file plus a JSON marker in ``HFLEET_CKPT_DIR``; the
+marker is written last, so a checkpoint without it does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# (rank, world size, local rank) variables each launcher sets.
+_DIST_ENV = {
+    "torch": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "paddle": ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_LOCAL_RANK"),
+}
+
+
+def detect_framework(framework: str | None = None) -> str | None:
+    """``framework`` if given, else the one the script imported, else the one ``HFLEET_FRAMEWORK`` names."""
+    if framework is not None:
+        if framework not in _DIST_ENV:
+            raise ValueError(f"framework must be one of {sorted(_DIST_ENV)} (got {framework!r})")
+        return framework
+    imported = [name for name in _DIST_ENV if name in sys.modules]
+    if len(imported) == 1:
+        return imported[0]
+    return os.environ.get("HFLEET_FRAMEWORK") or None
+
+
+def dist_info(framework: str | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) of this process; (0, 1, 0) outside a launcher."""
+    detected = detect_framework(framework)
+    order = [detected] if detected else list(_DIST_ENV)
+    for name in order:
+        rank_var, world_var, local_var = _DIST_ENV[name]
+        if world_var in os.environ:
+            rank = int(os.environ.get(rank_var, "0"))
+            return rank, int(os.environ[world_var]), int(os.environ.get(local_var, str(rank)))
+    return 0, 1, 0
+
+
+def is_rank0(framework: str | None = None) -> bool:
+    """True on global rank 0 (and in a single process)."""
+    return dist_info(framework)[0] == 0
+
+
+def log_rank0(event: str, **fields: Any) -> None:
+    """On rank 0 only, print one JSON line ``{"event": ..., **fields}`` to stdout."""
+    if is_rank0():
+        print(json.dumps({"event": event, **fields}, default=float), flush=True)
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted the group before this attempt (``HFLEET_RESTART_COUNT``)."""
+    return int(os.environ.get("HFLEET_RESTART_COUNT", "0"))
+
+
+def shard_indices(n: int, rank: int, world: int, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+    """This rank's sample indices for one epoch, the same partition under torch and paddle.
+
+    Like torch's ``DistributedSampler`` (drop_last=False): a permutation seeded by
+    ``seed + epoch`` (numpy, so both frameworks agree), padded by repeating its head to a
+    multiple of ``world``, then every ``world``-th index from ``rank``. Ranks get equal
+    counts and together cover every index.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (got {n})")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank must be in 0..world-1 with world >= 1 (got rank={rank}, world={world})")
+    order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
+    total = -(-n // world) * world
+    padded = np.resize(order, total)  # np.resize repeats from the start
+    return padded[rank:total:world]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint found by `latest_checkpoint`."""
+
+    step: int
+    state: dict[str, np.ndarray]
+    path: Path
+
+
+def ckpt_dir() -> Path | None:
+    """``HFLEET_CKPT_DIR`` as a path, or None when unset."""
+    value = os.environ.get("HFLEET_CKPT_DIR")
+    return Path(value) if value else None
+
+
+def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | None:
+    """On rank 0, write the state atomically to ``HFLEET_CKPT_DIR``; return its path.
+
+    Returns None on other ranks and when ``HFLEET_CKPT_DIR`` is unset (a plain
+    ``python train.py`` run keeps no checkpoints). Raises ValueError when a value is not
+    a numpy array.
+    """
+    for name, value in state_dict_numpy.items():
+        if not isinstance(value, np.ndarray):
+            raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
+    directory = ckpt_dir()
+    if directory is None or not is_rank0():
+        return None
+    return _write_checkpoint(directory, state_dict_numpy, step)
+
+
+def _write_checkpoint(directory: Path, state: dict[str, np.ndarray], step: int) -> Path:
+    """The one place that knows the file layout (to be replaced by ``hybridfleet.ckpt``)."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors_path = directory / f"step-{step:08d}.safetensors"
+    marker_path = directory / f"step-{step:08d}.json"
+    tmp = tensors_path.with_suffix(".safetensors.tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp))
+    os.replace(tmp, tensors_path)
+    tmp_marker = marker_path.with_suffix(".json.tmp")
+    tmp_marker.write_text(json.dumps({"step": step, "file": tensors_path.name}))
+    os.replace(tmp_marker, marker_path)
+    return tensors_path
+
+
+def latest_checkpoint() -> Checkpoint | None:
+    """The newest complete checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
+    from safetensors.numpy import load_file
+
+    directory = ckpt_dir()
+    if directory is None or not directory.is_dir():
+        return None
+    for marker in sorted(directory.glob("step-*.json"), reverse=True):
+        meta = json.loads(marker.read_text())
+        tensors_path = directory / meta["file"]
+        if tensors_path.is_file():
+            return Checkpoint(step=int(meta["step"]), state=load_file(str(tensors_path)), path=tensors_path)
+    return None

@@ -1,0 +1,38 @@
+"""PaddlePaddle adapter for parameter-server training: ``hf.connect(model)`` then ``ps.step()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import paddle
+
+from hybridfleet.ps.frontend import ParameterServerHandle
+from hybridfleet.ps.worker import WorkerConfig
+
+
+class PaddleParameterServer(ParameterServerHandle):
+    framework = "paddle"
+
+    def _named_parameters(self) -> dict[str, Any]:
+        return {n: p for n, p in self.model.named_parameters() if not p.stop_gradient}
+
+    def _to_numpy(self, tensor: Any) -> np.ndarray:
+        return tensor.detach().cpu().astype("float32").numpy()
+
+    def _grad(self, param: Any) -> np.ndarray | None:
+        return None if param.grad is None else param.grad.detach().cpu().astype("float32").numpy()
+
+    def _assign(self, values: dict[str, np.ndarray]) -> None:
+        params = self._named_parameters()
+        for name, arr in values.items():
+            params[name].set_value(np.ascontiguousarray(arr).astype(params[name].numpy().dtype, copy=False))
+
+    def zero_grad(self) -> None:
+        for p in self._named_parameters().values():
+            p.clear_gradient()
+
+
+def connect(model: "paddle.nn.Layer", config: WorkerConfig | None = None) -> PaddleParameterServer:
+    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``."""
+    return PaddleParameterServer(model, config)

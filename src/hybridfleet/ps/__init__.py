@@ -1,0 +1,1 @@
+"""Parameter server: wire protocol, shard state, gRPC server and client, worker sessions."""

@@ -1,0 +1,249 @@
+"""The worker-side client of a sharded parameter server.
+
+One `PSClient` talks to every shard: it joins them, pushes each shard's blocks
+in parallel, pulls changed blocks, sends heartbeats from a background thread and
+counts the bytes it moves (for per-site accounting). Transient failures of a shard
+(``UNAVAILABLE``, e.g. while it restarts from a snapshot) are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from hybridfleet.errors import AuthError, ProtocolError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, WIRE_VERSION
+
+log = get_logger("ps.client")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+@dataclass
+class ClientSecurity:
+    """Channel credentials and bearer token; ``insecure=True`` must be asked for explicitly."""
+
+    channel_credentials: grpc.ChannelCredentials | None = None
+    token: str | None = None
+    insecure: bool = False
+    target_name_override: str | None = None
+
+
+@dataclass
+class ByteCounter:
+    sent: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, direction: str, category: str, n: int) -> None:
+        with self.lock:
+            d = self.sent if direction == "sent" else self.received
+            d[category] = d.get(category, 0) + n
+
+
+class PSClient:
+    """A worker's connection to all shards of one job."""
+
+    def __init__(self, servers: list[str], security: ClientSecurity, worker_id: str, site: str, rank: int,
+                 retry_timeout_s: float = 60.0):
+        if not servers:
+            raise ValueError("servers: at least one shard address host:port is needed")
+        if security.channel_credentials is None and not security.insecure:
+            raise ValueError("the client needs TLS channel credentials; plaintext needs insecure=True explicitly")
+        self.servers = servers
+        self.worker_id, self.site, self.rank = worker_id, site, rank
+        self.retry_timeout_s = retry_timeout_s
+        self.bytes = ByteCounter()
+        self._metadata = (("authorization", f"Bearer {security.token}"),) if security.token else ()
+        options = list(GRPC_OPTIONS)
+        if security.target_name_override:
+            options.append(("grpc.ssl_target_name_override", security.target_name_override))
+        self._channels = [
+            grpc.secure_channel(s, security.channel_credentials, options=options)
+            if security.channel_credentials is not None else grpc.insecure_channel(s, options=options)
+            for s in servers
+        ]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
+        self.plan: ShardingPlan | None = None
+        self.versions = [-1] * len(servers)
+        self.clock = 0
+        self.sync = "bsp"
+        self.initialized = False
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._join_args: tuple | None = None
+
+    # --------------------------------------------------------------- plumbing
+    def _call(self, shard: int, fn, *, what: str):
+        """Run ``fn(stub)`` with retries on UNAVAILABLE; map auth failures to AuthError."""
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return fn(self._stubs[shard])
+            except grpc.RpcError as err:
+                code = err.code()
+                if code in RETRYABLE and time.monotonic() < deadline:
+                    log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    if what != "join" and self._join_args is not None and code == grpc.StatusCode.UNAVAILABLE:
+                        self._needs_rejoin = True
+                    continue
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise AuthError(f"shard {self.servers[shard]} refused {what}: {err.details()}") from None
+                raise
+
+    def _each_shard(self, fn):
+        futs = [self._pool.submit(fn, i) for i in range(len(self.servers))]
+        return [f.result() for f in futs]
+
+    # ------------------------------------------------------------------ join
+    def join(self, params: list[ParamSpec], block_size_bytes: int, codec: str, framework: str) -> dict:
+        """Join every shard; all must agree on the sharding plan. Starts the heartbeat thread."""
+        self._join_args = (params, block_size_bytes, codec, framework)
+        req = ps_pb2.JoinRequest(
+            wire_version=WIRE_VERSION, worker_id=self.worker_id, site=self.site, rank=self.rank,
+            params=[ps_pb2.TensorSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params],
+            num_shards=len(self.servers), block_size_bytes=block_size_bytes, codec=codec, framework=framework)
+        self.bytes.add("sent", "control", req.ByteSize())
+        replies = self._each_shard(lambda i: self._call(i, lambda s: s.Join(req, metadata=self._metadata), what="join"))
+        plans = {r.plan_json for r in replies}
+        if len(plans) != 1:
+            raise ProtocolError("shards disagree on the sharding plan; were they started for the same job?")
+        for i, r in enumerate(replies):
+            if r.shard != i:
+                raise ProtocolError(f"server {self.servers[i]} is shard {r.shard}, expected shard {i}: check the order of --servers")
+        self.plan = ShardingPlan.from_json(replies[0].plan_json)
+        self.clock = max(r.worker_clock for r in replies)
+        self.sync = replies[0].sync
+        self.initialized = all(r.initialized for r in replies)
+        self.versions = [-1] * len(self.servers)
+        self._needs_rejoin = False
+        if self._hb_thread is None:
+            interval = replies[0].heartbeat_interval_s or 1.0
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(interval,), daemon=True,
+                                               name="ps-heartbeat")
+            self._hb_thread.start()
+        return {"versions": [r.version for r in replies], "initialized": self.initialized, "clock": self.clock}
+
+    def _rejoin_if_needed(self) -> None:
+        if getattr(self, "_needs_rejoin", False) and self._join_args is not None:
+            log.info("rejoining", worker=self.worker_id)
+            self.join(*self._join_args)
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._hb_stop.wait(interval_s):
+            for i, stub in enumerate(self._stubs):
+                try:
+                    stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id, step=self.clock),
+                                   metadata=self._metadata, timeout=interval_s * 2)
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        self._needs_rejoin = True
+                    log.debug("heartbeat_failed", shard=i, code=str(err.code()))
+
+    # ------------------------------------------------------------------ push
+    def _push_messages(self, header: ps_pb2.PushHeader, payloads: dict[str, bytes], category: str) -> Iterator:
+        msg = ps_pb2.PushMessage(header=header)
+        self.bytes.add("sent", "control", msg.ByteSize())
+        yield msg
+        for key, payload in payloads.items():
+            view = memoryview(payload)
+            for offset in range(0, len(view), CHUNK_BYTES):
+                piece = view[offset:offset + CHUNK_BYTES]
+                msg = ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(key=key, offset=offset, total_bytes=len(view),
+                                                                   data=bytes(piece)))
+                self.bytes.add("sent", category, len(piece))
+                self.bytes.add("sent", "framing", msg.ByteSize() - len(piece))
+                yield msg
+
+    def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
+             kind: str = "GRADIENT", contributors: int = 1) -> list[ps_pb2.PushResponse]:
+        """Push encoded blocks (key -> payload) to their shards in parallel; one step of this worker's clock."""
+        assert self.plan is not None, "join first"
+        if kind == "GRADIENT":
+            self.clock += 1
+        step = self.clock
+        by_shard: dict[int, dict[str, bytes]] = {}
+        for b in self.plan.blocks:
+            if b.key in payloads:
+                by_shard.setdefault(b.shard, {})[b.key] = payloads[b.key]
+        category = "init" if kind == "INIT" else "gradients"
+
+        def one(i: int):
+            part = by_shard.get(i)
+            if not part:
+                return None
+            header = ps_pb2.PushHeader(
+                worker_id=self.worker_id, step=step, kind=ps_pb2.PushHeader.Kind.Value(kind), codec=codec,
+                base_version=(base_versions[i] if base_versions else max(self.versions[i], 0)),
+                keys=[ps_pb2.KeyBytes(key=k, nbytes=len(v)) for k, v in part.items()], contributors=contributors)
+            return self._call(i, lambda s: s.Push(self._push_messages(header, part, category), metadata=self._metadata),
+                              what="push")
+
+        return self._each_shard(one)
+
+    # ------------------------------------------------------------------ pull
+    def pull(self, wait_for_versions: list[int] | None = None, timeout_s: float = 120.0,
+             full: bool = False) -> dict[str, bytes]:
+        """Pull the blocks changed since this client's versions (all blocks when ``full``)."""
+        self._rejoin_if_needed()
+
+        def one(i: int) -> dict[str, bytes]:
+            req = ps_pb2.PullRequest(worker_id=self.worker_id, since_version=-1 if full else self.versions[i],
+                                     wait_for_version=wait_for_versions[i] if wait_for_versions else -1,
+                                     worker_clock=self.clock, timeout_s=timeout_s)
+            self.bytes.add("sent", "control", req.ByteSize())
+
+            def run(stub):
+                out: dict[str, bytearray] = {}
+                version = None
+                for msg in stub.Pull(req, metadata=self._metadata, timeout=timeout_s + 30):
+                    version = msg.version
+                    if msg.HasField("chunk"):
+                        c = msg.chunk
+                        buf = out.get(c.key)
+                        if buf is None:
+                            buf = out[c.key] = bytearray(c.total_bytes)
+                        buf[c.offset:c.offset + len(c.data)] = c.data
+                        self.bytes.add("received", "params", len(c.data))
+                return version, out
+
+            version, out = self._call(i, run, what="pull")
+            self.versions[i] = version
+            return out
+
+        merged: dict[str, bytes] = {}
+        for part in self._each_shard(one):
+            merged.update(part)
+        self.initialized = True
+        return merged
+
+    def status(self) -> list[dict]:
+        import json
+
+        return [json.loads(self._call(i, lambda s: s.Status(ps_pb2.StatusRequest(), metadata=self._metadata),
+                                      what="status").json) for i in range(len(self.servers))]
+
+    def close(self, leave: bool = True) -> None:
+        """Stop heartbeats, leave the quorum (so BSP rounds do not wait for us) and close channels."""
+        self._hb_stop.set()
+        if leave:
+            for stub in self._stubs:
+                try:
+                    stub.Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), metadata=self._metadata, timeout=5)
+                except grpc.RpcError:
+                    pass
+        for c in self._channels:
+            c.close()
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,381 @@
+"""Server-side optimizers: a parameter-server shard applies aggregated gradients itself.
+
+SGD (momentum, Nesterov, L2 weight decay), Adam (L2 weight decay, bias correction) and
+AdamW (decoupled weight decay) on float32 numpy arrays, in two flavours that reproduce
+the job's framework:
+
+* ``torch``: ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` (dampening 0, no amsgrad).
+* ``paddle``: ``paddle.optimizer.SGD`` (momentum 0) or ``Momentum`` (``use_nesterov``),
+  ``Adam`` and ``AdamW``, with Paddle's own conventions: Adam folds bias correction into
+  ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)`` and scales epsilon by ``sqrt(1 - b2^t)``,
+  keeps ``b1^t`` / ``b2^t`` as float32 accumulators multiplied once per step, applies a
+  float ``weight_decay`` as L2 regularisation (Adam, SGD, Momentum) or as
+  ``p -= lr * coeff * p`` (AdamW).
+
+All arithmetic is float32, rounded where the frameworks' CPU kernels round: both
+frameworks' vectorised kernels use fused multiply-adds for some steps (torch's
+``add(alpha=)``, ``lerp`` and ``addcmul``; Paddle's AVX-512 Adam/AdamW kernels), so
+`_fma` reproduces a single rounding there. Keeping state in float64 instead drifts
+further from both frameworks, not closer.
+
+State is per key and element-wise, so a parameter split into blocks (``"fc.weight#0"``,
+``"fc.weight#1"``) is updated exactly as the whole tensor would be.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+FLAVOURS = ("torch", "paddle")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
+STEP_SLOT = "step"
+
+_F32 = np.float32
+_ONE = np.float32(1.0)
+
+
+def _fma(a: Any, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a * b + c`` rounded once to float32, as a fused multiply-add does.
+
+    The product of two float32 values is exact in float64, so only the final sum is
+    rounded (twice, 64 then 32 bits, which differs from a true FMA only on exact ties).
+    """
+    return (np.float64(a) * b.astype(np.float64) + c.astype(np.float64)).astype(_F32)
+
+
+def _check_finite_number(field: str, value: float, *, low: float, high: float | None = None,
+                         low_inclusive: bool = True) -> float:
+    value = float(value)
+    too_low = value < low if low_inclusive else value <= low
+    if not math.isfinite(value) or too_low or (high is not None and value >= high):
+        bound = f"{'>=' if low_inclusive else '>'} {low:g}" + (f" and < {high:g}" if high is not None else "")
+        raise ValueError(f"{field}: must be a finite number {bound} (got {value!r})")
+    return value
+
+
+class ServerOptimizer(ABC):
+    """Applies gradients to float32 parameters in place, keeping its state per key.
+
+    Subclasses define the tensor-shaped slots they keep (`_tensor_slots`), the
+    scalar slots (`_scalar_slots`) and the update itself (`_update`); this base
+    validates input, counts steps and (de)serialises the state.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, lr: float, weight_decay: float, flavour: str) -> None:
+        if flavour not in FLAVOURS:
+            raise ValueError(f"flavour: must be one of {', '.join(FLAVOURS)} (got {flavour!r})")
+        self._flavour = flavour
+        self.lr = lr
+        self.weight_decay = _check_finite_number("weight_decay", weight_decay, low=0.0)
+        self._state: dict[str, dict[str, np.ndarray]] = {}
+
+    @property
+    def flavour(self) -> str:
+        """The framework whose optimizer this one reproduces: ``torch`` or ``paddle``."""
+        return self._flavour
+
+    @property
+    def lr(self) -> float:
+        """The learning rate used by the next `step` (schedules set it between steps)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _check_finite_number("lr", value, low=0.0)
+
+    # -- what a subclass provides -------------------------------------------------------
+
+    @abstractmethod
+    def _tensor_slots(self) -> tuple[str, ...]:
+        """Names of the state arrays shaped like the parameter."""
+
+    def _scalar_slots(self) -> tuple[str, ...]:
+        """Names of 0-d float32 state values (besides the step count)."""
+        return ()
+
+    def _fresh_scalars(self) -> dict[str, np.ndarray]:
+        """The scalar slots of a key that has not been stepped yet."""
+        return {}
+
+    @abstractmethod
+    def _update(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The new parameter and state after step number ``step`` (1-based).
+
+        Must not modify ``param``, ``grad`` or the arrays in ``state``.
+        """
+
+    # -- public interface ---------------------------------------------------------------
+
+    def step(self, key: str, param: np.ndarray, grad: np.ndarray) -> None:
+        """Apply ``grad`` to ``param`` in place and advance the state kept for ``key``.
+
+        Raises ValueError naming the key and the problem (wrong dtype, shape mismatch,
+        non-finite gradient, state of another shape) and then leaves both the parameter
+        and the optimizer state exactly as they were.
+        """
+        grad32 = self._validated_grad(key, param, grad)
+        state = self._state.get(key)
+        if state is None:
+            state = self._fresh_state(param.shape)
+        else:
+            for slot in self._tensor_slots():
+                if state[slot].shape != param.shape:
+                    raise ValueError(
+                        f"{self.name} step for key {key!r}: param has shape {param.shape} but its "
+                        f"optimizer state {slot!r} has shape {state[slot].shape}"
+                    )
+        step = int(state[STEP_SLOT]) + 1
+        new_param, new_state = self._update(param.astype(_F32, copy=False), grad32, state, step)
+        new_state[STEP_SLOT] = np.array(step, dtype=np.int64)
+        # Commit only once everything is computed, so a failure leaves nothing half-done.
+        param[...] = new_param
+        self._state[key] = new_state
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A flat copy of the state: ``"<key>/<slot>"`` -> numpy array (safetensors-ready)."""
+        return {f"{key}/{slot}": value.copy()
+                for key in sorted(self._state)
+                for slot, value in sorted(self._state[key].items())}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the whole state with ``state`` (as returned by `state_dict`).
+
+        After loading, steps continue bit-identically to an optimizer that was never
+        interrupted. Raises ValueError naming the entry at fault (unknown or missing
+        slot, wrong dtype or shape) and then keeps the current state.
+        """
+        grouped: dict[str, dict[str, np.ndarray]] = {}
+        for name, value in state.items():
+            if not isinstance(name, str) or "/" not in name:
+                raise ValueError(f"optimizer state entry {name!r}: names are '<key>/<slot>'")
+            key, slot = name.rsplit("/", 1)
+            if not isinstance(value, np.ndarray):
+                raise ValueError(f"optimizer state entry {name!r}: must be a numpy array "
+                                 f"(got {type(value).__name__})")
+            grouped.setdefault(key, {})[slot] = value
+        loaded = {key: self._validated_key_state(key, slots) for key, slots in grouped.items()}
+        self._state = loaded
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _fresh_state(self, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        state = {slot: np.zeros(shape, dtype=_F32) for slot in self._tensor_slots()}
+        state.update(self._fresh_scalars())
+        state[STEP_SLOT] = np.array(0, dtype=np.int64)
+        return state
+
+    def _validated_grad(self, key: str, param: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        where = f"{self.name} step for key {key!r}"
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{self.name} step: key must be a non-empty string (got {key!r})")
+        if not isinstance(param, np.ndarray) or param.dtype != _F32:
+            got = param.dtype if isinstance(param, np.ndarray) else type(param).__name__
+            raise ValueError(f"{where}: param must be a float32 numpy array (got {got})")
+        if not param.flags.writeable:
+            raise ValueError(f"{where}: param is read-only; it is updated in place")
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind != "f":
+            got = grad.dtype if isinstance(grad, np.ndarray) else type(grad).__name__
+            raise ValueError(f"{where}: grad must be a floating-point numpy array (got {got})")
+        if grad.shape != param.shape:
+            raise ValueError(f"{where}: grad shape {grad.shape} does not match param shape {param.shape}")
+        with np.errstate(over="ignore"):  # overflow to inf is reported just below
+            grad32 = grad.astype(_F32, copy=False)
+        finite = np.isfinite(grad32)
+        if not finite.all():
+            bad = int(grad32.size - np.count_nonzero(finite))
+            raise ValueError(f"{where}: grad has {bad} non-finite value(s) (NaN or inf, "
+                             f"in float32); the update was not applied")
+        return grad32
+
+    def _validated_key_state(self, key: str, slots: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        where = f"optimizer state for key {key!r}"
+        expected = {STEP_SLOT, *self._tensor_slots(), *self._scalar_slots()}
+        if set(slots) != expected:
+            missing = sorted(expected - set(slots))
+            extra = sorted(set(slots) - expected)
+            raise ValueError(
+                f"{where}: {self.name} ({self.flavour}) keeps slots {sorted(expected)}; "
+                f"missing {missing}, unexpected {extra} (was it saved by another optimizer or flavour?)"
+            )
+        step = slots[STEP_SLOT]
+        if step.shape != () or step.dtype.kind not in "iu" or int(step) < 1:
+            raise ValueError(f"{where}: slot 'step' must be a 0-d integer array >= 1 "
+                             f"(got dtype {step.dtype}, shape {step.shape})")
+        shapes = {slots[s].shape for s in self._tensor_slots()}
+        if len(shapes) > 1:
+            raise ValueError(f"{where}: tensor slots disagree on shape ({sorted(shapes)})")
+        for slot in (*self._tensor_slots(), *self._scalar_slots()):
+            value = slots[slot]
+            if value.dtype != _F32:
+                raise ValueError(f"{where}: slot {slot!r} must be float32 (got {value.dtype})")
+            if slot in self._scalar_slots() and value.shape != ():
+                raise ValueError(f"{where}: slot {slot!r} must be 0-d (got shape {value.shape})")
+        out = {slot: np.array(value, copy=True) for slot, value in slots.items()}
+        out[STEP_SLOT] = out[STEP_SLOT].astype(np.int64)
+        return out
+
+
+class SGD(ServerOptimizer):
+    """Stochastic gradient descent with optional momentum, Nesterov and L2 weight decay.
+
+    torch flavour: ``torch.optim.SGD`` with dampening 0. paddle flavour:
+    ``paddle.optimizer.SGD`` when momentum is 0, else ``paddle.optimizer.Momentum``.
+    """
+
+    name = "sgd"
+
+    def __init__(self, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0, flavour: str = "torch") -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, flavour=flavour)
+        self.momentum = _check_finite_number("momentum", momentum, low=0.0, high=1.0)
+        if nesterov and self.momentum == 0:
+            raise ValueError("nesterov: needs momentum > 0")
+        self.nesterov = bool(nesterov)
+
+    def _tensor_slots(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum > 0 else ()
+
+    def _update(self, param, grad, state, step):
+        if self.flavour == "torch":
+            return self._update_torch(param, grad, state, step)
+        return self._update_paddle(param, grad, state)
+
+    def _update_torch(self, param, grad, state, step):
+        mu = _F32(self.momentum)
+        if self.weight_decay:
+            grad = _fma(_F32(self.weight_decay), param, grad)
+        new_state = {}
+        if self.momentum > 0:
+            # torch starts the buffer as a copy of the first gradient.
+            buf = grad.copy() if step == 1 else state["momentum_buffer"] * mu + grad
+            new_state["momentum_buffer"] = buf
+            grad = _fma(mu, buf, grad) if self.nesterov else buf
+        return _fma(-_F32(self.lr), grad, param), new_state
+
+    def _update_paddle(self, param, grad, state):
+        lr, mu = _F32(self.lr), _F32(self.momentum)
+        if self.weight_decay:
+            grad = param * _F32(self.weight_decay) + grad
+        if self.momentum == 0:
+            return param - lr * grad, {}
+        velocity = state["momentum_buffer"] * mu + grad
+        if self.nesterov:
+            new_param = param - (grad + velocity * mu) * lr
+        else:
+            new_param = param - lr * velocity
+        return new_param, {"momentum_buffer": velocity}
+
+
+class Adam(ServerOptimizer):
+    """Adam with bias correction; ``weight_decay`` is L2 added to the gradient.
+
+    torch flavour: ``torch.optim.Adam``. paddle flavour: ``paddle.optimizer.Adam``
+    (epsilon scaled by ``sqrt(1 - b2^t)``, float32 ``beta1_pow``/``beta2_pow`` state).
+    """
+
+    name = "adam"
+    decoupled_weight_decay: ClassVar[bool] = False
+
+    def __init__(self, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, flavour: str = "torch") -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, flavour=flavour)
+        if len(betas) != 2:
+            raise ValueError(f"betas: must be two numbers (got {betas!r})")
+        self.beta1 = _check_finite_number("betas[0]", betas[0], low=0.0, high=1.0)
+        self.beta2 = _check_finite_number("betas[1]", betas[1], low=0.0, high=1.0)
+        self.eps = _check_finite_number("eps", eps, low=0.0, low_inclusive=False)
+
+    def _tensor_slots(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _scalar_slots(self) -> tuple[str, ...]:
+        return ("beta1_pow", "beta2_pow") if self.flavour == "paddle" else ()
+
+    def _fresh_scalars(self) -> dict[str, np.ndarray]:
+        if self.flavour != "paddle":
+            return {}
+        # Paddle's accumulators start at beta (= beta^1, the power used by step 1).
+        return {"beta1_pow": np.array(self.beta1, dtype=_F32),
+                "beta2_pow": np.array(self.beta2, dtype=_F32)}
+
+    def _update(self, param, grad, state, step):
+        if self.flavour == "torch":
+            return self._update_torch(param, grad, state, step)
+        return self._update_paddle(param, grad, state)
+
+    def _update_torch(self, param, grad, state, step):
+        lr, wd = self.lr, self.weight_decay
+        if wd and self.decoupled_weight_decay:
+            param = param * _F32(1 - lr * wd)
+        elif wd:
+            grad = _fma(_F32(wd), param, grad)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # exp_avg.lerp_(grad, 1 - beta1), as torch's vectorised lerp computes it.
+        weight = _F32(1 - self.beta1)
+        if weight < 0.5:
+            exp_avg = _fma(weight, grad - exp_avg, exp_avg)
+        else:
+            exp_avg = _fma(weight - _ONE, grad - exp_avg, grad)
+        exp_avg_sq = _fma(_F32(1 - self.beta2) * grad, grad, exp_avg_sq * _F32(self.beta2))
+        bias_correction1 = 1 - self.beta1 ** step
+        bias_correction2_sqrt = (1 - self.beta2 ** step) ** 0.5
+        step_size = lr / bias_correction1
+        denom = np.sqrt(exp_avg_sq) / _F32(bias_correction2_sqrt) + _F32(self.eps)
+        new_param = param + (_F32(-step_size) * exp_avg) / denom
+        return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+    def _update_paddle(self, param, grad, state):
+        beta1, beta2 = _F32(self.beta1), _F32(self.beta2)
+        beta1_pow, beta2_pow = _F32(state["beta1_pow"]), _F32(state["beta2_pow"])
+        lr = _F32(self.lr)
+        if self.weight_decay and self.decoupled_weight_decay:
+            coeff = lr * _ONE * _F32(self.weight_decay)  # old_lr * lr_ratio * coeff
+            param = _fma(-coeff, param, param)
+        elif self.weight_decay:
+            grad = grad + param * _F32(self.weight_decay)
+        lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
+        eps_t = _F32(self.eps)
+        exp_avg = _fma(beta1, state["exp_avg"], (_ONE - beta1) * grad)
+        exp_avg_sq = _fma(beta2, state["exp_avg_sq"], (_ONE - beta2) * (grad * grad))
+        new_param = _fma(-lr_t, exp_avg / (np.sqrt(exp_avg_sq) + eps_t), param)
+        return new_param, {
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+            "beta1_pow": np.array(beta1_pow * beta1, dtype=_F32),
+            "beta2_pow": np.array(beta2_pow * beta2, dtype=_F32),
+        }
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``torch.optim.AdamW`` / ``paddle.optimizer.AdamW``)."""
+
+    name = "adamw"
+    decoupled_weight_decay = True
+
+
+def make_optimizer(spec: Any, flavour: str = "torch") -> ServerOptimizer:
+    """The server optimizer an `OptimizerSpec` describes, reproducing ``flavour``'s framework.
+
+    ``spec`` needs ``name`` (sgd, adam, adamw), ``lr``, ``momentum``, ``nesterov``,
+    ``weight_decay``, ``betas`` and ``eps``. Raises ValueError for an unknown name or
+    flavour, listing the valid ones.
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour: must be one of {', '.join(FLAVOURS)} (got {flavour!r})")
+    name = getattr(spec, "name", None)
+    if name == "sgd":
+        return SGD(lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
+                   weight_decay=spec.weight_decay, flavour=flavour)
+    if name in ("adam", "adamw"):
+        cls = Adam if name == "adam" else AdamW
+        return cls(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                   weight_decay=spec.weight_decay, flavour=flavour)
+    raise ValueError(f"optimizer name: unknown {name!r}; valid names: {', '.join(OPTIMIZER_NAMES)}")

@@ -1,0 +1,47 @@
+"""Regenerate the gRPC/protobuf modules from ``proto/``: ``python -m hybridfleet.ps.proto_gen``.
+
+The generated files under ``hybridfleet/ps/_proto/`` are committed and never
+edited by hand; running this again gives the same files for the same
+grpcio-tools version.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+PROTO_ROOT = REPO / "proto"
+OUT = Path(__file__).resolve().parent / "_proto"
+
+
+def main() -> int:
+    from grpc_tools import protoc  # dev dependency: pip install 'hybridfleet[dev]'
+
+    OUT.mkdir(exist_ok=True)
+    src = PROTO_ROOT / "hybridfleet/ps/v1/ps.proto"
+    tmp = OUT / "_gen"
+    tmp.mkdir(exist_ok=True)
+    include = Path(protoc.__file__).parent / "_proto"
+    rc = protoc.main([
+        "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}",
+        f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--pyi_out={tmp}", str(src),
+    ])
+    if rc != 0:
+        return rc
+    gen = tmp / "hybridfleet/ps/v1"
+    for f in sorted(gen.iterdir()):
+        text = f.read_text()
+        # generated imports are absolute from the proto root; make them package-relative
+        text = re.sub(r"^from hybridfleet\.ps\.v1 import ps_pb2", "from hybridfleet.ps._proto import ps_pb2", text, flags=re.M)
+        (OUT / f.name).write_text(text)
+    for p in sorted(tmp.rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    tmp.rmdir()
+    (OUT / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.proto_gen; do not edit."""\n')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

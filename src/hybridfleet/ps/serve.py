@@ -1,0 +1,38 @@
+"""Start one shard from a job spec: security from a certificate directory, or explicitly none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridfleet.ps.server import ServerSecurity, ShardServer, method_roles
+from hybridfleet.ps.shard import ShardState
+from hybridfleet.spec.models import JobSpec
+
+
+def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plaintext: bool = False,
+                    no_auth: bool = False) -> ServerSecurity:
+    """TLS (mutual when the job asks) and token checks from ``certs_dir``; each may only be
+    switched off explicitly."""
+    creds, interceptors = None, ()
+    if not insecure_plaintext or not no_auth:
+        if certs_dir is None:
+            raise ValueError("--certs DIR is required (make one with `hfleet certs init DIR`), "
+                             "unless both --insecure-plaintext and --no-auth are given")
+    if not insecure_plaintext:
+        from hybridfleet.security import load_pki, server_credentials
+
+        creds = server_credentials(load_pki(certs_dir), mutual_tls=job.security.mutual_tls)
+    if not no_auth:
+        from hybridfleet.security import AuthInterceptor, TokenVerifier
+
+        interceptors = (AuthInterceptor(TokenVerifier.from_dir(certs_dir, job=job.name), method_roles()),)
+    return ServerSecurity(server_credentials=creds, interceptors=interceptors, insecure=insecure_plaintext)
+
+
+def start_shard(job: JobSpec, shard: int, host: str, port: int, security: ServerSecurity,
+                expected_workers: int = 0) -> ShardServer:
+    """Create the shard's state and serve it; returns the running server (``.port`` is the bound port)."""
+    if not 0 <= shard < job.ps.shards:
+        raise ValueError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})")
+    state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers)
+    return ShardServer(state, host, port, security, job.ps.max_push_bytes).start()

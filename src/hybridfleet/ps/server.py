@@ -1,0 +1,217 @@
+"""The gRPC shard server: moves bytes between the wire and `ShardState`.
+
+Every RPC is authenticated by the interceptor from `hybridfleet.security` unless
+the server was started with ``insecure=True`` (an explicit flag); the verified
+token's site is what a push is attributed to.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.shard import Reject, ShardState
+from hybridfleet.ps.sharding import ParamSpec
+from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, METHOD_ROLES, WIRE_VERSION
+
+log = get_logger("ps.server")
+
+
+def _claims_site(default: str) -> str:
+    """The site of the caller's verified token, or ``default`` when auth is off."""
+    try:
+        from hybridfleet.security.grpc_auth import current_claims
+    except ImportError:  # pragma: no cover - the security package ships with hybridfleet
+        return default
+    claims = current_claims()
+    return claims.site if claims is not None else default
+
+
+class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
+    """Implements the ParameterServer service over one `ShardState`."""
+
+    def __init__(self, state: ShardState, max_push_bytes: int):
+        self.state = state
+        self.max_push_bytes = max_push_bytes
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, rej: Reject):
+        context.abort(getattr(grpc.StatusCode, rej.code), rej.message)
+
+    def Join(self, request, context):
+        if request.wire_version != WIRE_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"wire version {request.wire_version} != server's {WIRE_VERSION}; upgrade the older side")
+        site = _claims_site(request.site)
+        if site != request.site:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"token is for site {site!r}, join claims site {request.site!r}")
+        params = [ParamSpec(p.name, tuple(p.shape), p.dtype or "float32") for p in request.params]
+        try:
+            res = self.state.join(request.worker_id, request.site, params, request.num_shards,
+                                  request.block_size_bytes, request.codec)
+        except Reject as rej:
+            self._abort(context, rej)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return ps_pb2.JoinResponse(
+            wire_version=WIRE_VERSION, shard=self.state.shard, plan_json=res["plan"].to_json(),
+            version=res["version"], initialized=res["initialized"], sync=self.state.sync,
+            staleness_bound=self.state.spec.staleness_bound, worker_clock=res["worker_clock"],
+            live_workers=res["live"], heartbeat_interval_s=self.state.spec.heartbeat_interval_s)
+
+    def Pull(self, request, context):
+        try:
+            version, items = self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
+                                             request.worker_clock, request.timeout_s or 60.0)
+        except Reject as rej:
+            self._abort(context, rej)
+        if not items:
+            yield ps_pb2.PullChunk(version=version)
+            return
+        for key, payload in items:
+            view = memoryview(payload)
+            total = len(view)
+            for offset in range(0, max(total, 1), CHUNK_BYTES):
+                yield ps_pb2.PullChunk(version=version, chunk=ps_pb2.TensorChunk(
+                    key=key, offset=offset, total_bytes=total, data=bytes(view[offset:offset + CHUNK_BYTES])))
+
+    def Push(self, request_iterator, context):
+        header = None
+        buffers: dict[str, bytearray] = {}
+        filled: dict[str, int] = {}
+        received = 0
+        try:
+            for msg in request_iterator:
+                which = msg.WhichOneof("body")
+                if which == "header":
+                    if header is not None:
+                        raise Reject("INVALID_ARGUMENT", "push has two headers")
+                    header = msg.header
+                    declared = sum(k.nbytes for k in header.keys)
+                    if declared > self.max_push_bytes:
+                        raise Reject("RESOURCE_EXHAUSTED",
+                                     f"push of {declared} bytes exceeds the cap of {self.max_push_bytes} bytes")
+                    for k in header.keys:
+                        if k.key in buffers:
+                            raise Reject("INVALID_ARGUMENT", f"key {k.key!r} appears twice in the push header")
+                        buffers[k.key] = bytearray(k.nbytes)
+                        filled[k.key] = 0
+                elif which == "chunk":
+                    if header is None:
+                        raise Reject("INVALID_ARGUMENT", "push chunk before its header")
+                    c = msg.chunk
+                    buf = buffers.get(c.key)
+                    if buf is None:
+                        raise Reject("INVALID_ARGUMENT", f"chunk for key {c.key!r} not declared in the header")
+                    end = c.offset + len(c.data)
+                    if c.offset != filled[c.key] or end > len(buf):
+                        raise Reject("INVALID_ARGUMENT",
+                                     f"key {c.key!r}: chunk at byte {c.offset} (+{len(c.data)}) does not continue "
+                                     f"the {filled[c.key]} of {len(buf)} bytes received")
+                    buf[c.offset:end] = c.data
+                    filled[c.key] = end
+                    received += len(c.data)
+                    if received > self.max_push_bytes:
+                        raise Reject("RESOURCE_EXHAUSTED", f"push exceeds the cap of {self.max_push_bytes} bytes")
+            if header is None:
+                raise Reject("INVALID_ARGUMENT", "empty push: no header")
+            short = [k for k, buf in buffers.items() if filled[k] != len(buf)]
+            if short:
+                raise Reject("INVALID_ARGUMENT", f"push ended early: key {short[0]!r} got {filled[short[0]]} "
+                                                 f"of {len(buffers[short[0]])} bytes")
+            site = _claims_site(self.state.members.get(header.worker_id).site
+                                if header.worker_id in self.state.members else "")
+            kind = ps_pb2.PushHeader.Kind.Name(header.kind)
+            version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
+                                               header.codec, {k: bytes(v) for k, v in buffers.items()},
+                                               header.contributors or 1)
+        except Reject as rej:
+            log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
+            self._abort(context, rej)
+        return ps_pb2.PushResponse(version=version, applied=applied)
+
+    def Heartbeat(self, request, context):
+        try:
+            self.state.heartbeat(request.worker_id)
+        except Reject as rej:
+            self._abort(context, rej)
+        return ps_pb2.HeartbeatResponse(version=self.state.version, live_workers=sorted(self.state.live_members()))
+
+    def Leave(self, request, context):
+        try:
+            self.state.leave(request.worker_id)
+        except Reject as rej:
+            self._abort(context, rej)
+        return ps_pb2.LeaveResponse()
+
+    def Status(self, request, context):
+        return ps_pb2.StatusResponse(json=json.dumps(self.state.status()))
+
+
+@dataclass
+class ServerSecurity:
+    """How a shard is secured. ``insecure=True`` (plaintext, no auth) must be asked for explicitly."""
+
+    server_credentials: grpc.ServerCredentials | None = None
+    interceptors: tuple = ()
+    insecure: bool = False
+
+
+class ShardServer:
+    """A running shard: gRPC server + reaper thread for heartbeat timeouts."""
+
+    def __init__(self, state: ShardState, host: str, port: int, security: ServerSecurity,
+                 max_push_bytes: int, max_workers: int = 32):
+        if security.server_credentials is None and not security.insecure:
+            raise ValueError("a shard needs TLS credentials; plaintext needs insecure=True explicitly")
+        self.state = state
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                  interceptors=list(security.interceptors), options=GRPC_OPTIONS)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(ShardServicer(state, max_push_bytes), self.server)
+        address = f"{host}:{port}"
+        if security.server_credentials is not None:
+            self.port = self.server.add_secure_port(address, security.server_credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self.host = host
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="ps-reaper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "ShardServer":
+        self.server.start()
+        self._reaper.start()
+        log.info("shard_serving", shard=self.state.shard, address=self.address)
+        return self
+
+    def _reap_loop(self) -> None:
+        interval = min(1.0, self.state.spec.heartbeat_interval_s)
+        while not self._stop.wait(interval):
+            self.state.reap()
+            with self.state.cond:
+                self.state._maybe_finish_rounds()
+                self.state.cond.notify_all()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def method_roles() -> dict[str, set[str]]:
+    """Which token roles may call each RPC."""
+    return dict(METHOD_ROLES)

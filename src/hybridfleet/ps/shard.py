@@ -1,0 +1,353 @@
+"""One parameter-server shard's state: parameters, optimizer, membership and consistency.
+
+The gRPC layer (`server.py`) only moves bytes; everything that decides whether a
+push is valid and when it is applied lives here, behind one lock, so it can be
+tested without a network. A rejected push raises `Reject` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
+from hybridfleet.spec.models import PSSpec
+
+log = get_logger("ps.shard")
+
+DTYPE = np.dtype("<f4")
+
+
+class Reject(Exception):
+    """A request the shard refuses; ``code`` names the gRPC status (e.g. ``INVALID_ARGUMENT``)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Member:
+    worker_id: str
+    site: str
+    last_seen: float
+    clock: int = 0          # pushes applied or accepted from this worker
+    alive: bool = True
+
+
+@dataclass
+class _Round:
+    """A BSP round in progress: summed gradients and who contributed."""
+
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    contributors: set[str] = field(default_factory=set)
+    weight: int = 0
+
+
+class ShardState:
+    """Parameters and optimizer state of one shard, with BSP/SSP/ASP consistency."""
+
+    def __init__(self, shard: int, spec: PSSpec, flavour: str = "torch", expected_workers: int = 0,
+                 codec: str | None = None, clock=time.monotonic):
+        from hybridfleet.ps.optim import make_optimizer
+
+        self.shard = shard
+        self.spec = spec
+        self.sync = spec.sync
+        self.codec_name = codec or spec.compression.codec
+        self.expected_workers = expected_workers
+        self.optimizer = make_optimizer(spec.optimizer, flavour)
+        self.plan: ShardingPlan | None = None
+        self.params: dict[str, np.ndarray] = {}
+        self.key_version: dict[str, int] = {}
+        self.initialized: set[str] = set()
+        self.version = 0
+        self.members: dict[str, Member] = {}
+        self.rounds: dict[int, _Round] = {}
+        self.applied_pushes = 0
+        self.rejected_pushes = 0
+        self._first_join: float | None = None
+        self._now = clock
+        self.cond = threading.Condition()
+        self._codec = None
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def keys(self) -> list[str]:
+        return [b.key for b in self.plan.blocks_for_shard(self.shard)] if self.plan else []
+
+    def codec(self):
+        if self._codec is None:
+            from hybridfleet.codec import get_codec
+
+            self._codec = get_codec(self.codec_name, **self._codec_options())
+        return self._codec
+
+    def _codec_options(self) -> dict:
+        c = self.spec.compression
+        return {"ratio": c.ratio} if self.codec_name in ("topk", "randomk") else {}
+
+    def live_members(self) -> set[str]:
+        return {w for w, m in self.members.items() if m.alive}
+
+    def is_initialized(self) -> bool:
+        return self.plan is not None and len(self.initialized) == len(self.keys)
+
+    # -------------------------------------------------------------- membership
+    def join(self, worker_id: str, site: str, params: list[ParamSpec], num_shards: int,
+             block_size_bytes: int, codec: str) -> dict:
+        """Register (or re-register) a worker; the first join fixes the sharding plan."""
+        if codec != self.codec_name:
+            raise Reject("FAILED_PRECONDITION",
+                         f"codec {codec!r} does not match this job's codec {self.codec_name!r}")
+        if not 0 <= self.shard < num_shards:
+            raise Reject("INVALID_ARGUMENT", f"shard {self.shard} is not in a plan of {num_shards} shard(s)")
+        try:
+            self.codec()
+        except ValueError as err:
+            raise Reject("INVALID_ARGUMENT", str(err)) from None
+        plan = ShardingPlan.build(params, num_shards, block_size_bytes)
+        with self.cond:
+            if self.plan is None:
+                self.plan = plan
+                for b in plan.blocks_for_shard(self.shard):
+                    self.params[b.key] = np.zeros(b.stop - b.start, dtype=DTYPE)
+                    self.key_version[b.key] = 0
+                log.info("plan_fixed", shard=self.shard, keys=len(self.keys), digest=plan.digest())
+            elif plan.digest() != self.plan.digest():
+                raise Reject("FAILED_PRECONDITION",
+                             f"worker {worker_id}: its model's parameters or shard count differ from the job's "
+                             f"(plan digest {plan.digest()[:12]} != {self.plan.digest()[:12]})")
+            now = self._now()
+            if self._first_join is None:
+                self._first_join = now
+            member = self.members.get(worker_id)
+            if member is None:
+                member = self.members[worker_id] = Member(worker_id, site, now)
+            elif member.site != site:
+                raise Reject("PERMISSION_DENIED", f"worker {worker_id} belongs to site {member.site!r}, not {site!r}")
+            rejoined = not member.alive
+            member.alive, member.last_seen = True, now
+            log.info("worker_joined", shard=self.shard, worker=worker_id, site=site, rejoin=rejoined,
+                     live=len(self.live_members()))
+            self.cond.notify_all()
+            return {"plan": self.plan, "version": self.version, "initialized": self.is_initialized(),
+                    "worker_clock": member.clock, "live": sorted(self.live_members())}
+
+    def heartbeat(self, worker_id: str) -> None:
+        with self.cond:
+            member = self._member(worker_id)
+            member.last_seen = self._now()
+            if not member.alive:
+                raise Reject("FAILED_PRECONDITION", f"worker {worker_id} timed out of the quorum; join again")
+
+    def leave(self, worker_id: str) -> None:
+        with self.cond:
+            member = self._member(worker_id)
+            member.alive = False
+            log.info("worker_left", shard=self.shard, worker=worker_id)
+            self._maybe_finish_rounds()
+            self.cond.notify_all()
+
+    def reap(self) -> list[str]:
+        """Drop workers silent longer than the heartbeat timeout from the quorum; returns who was dropped."""
+        with self.cond:
+            now = self._now()
+            dropped = [w for w, m in self.members.items()
+                       if m.alive and now - m.last_seen > self.spec.heartbeat_timeout_s]
+            for w in dropped:
+                self.members[w].alive = False
+                log.warning("worker_timed_out", shard=self.shard, worker=w,
+                            silent_s=round(now - self.members[w].last_seen, 2))
+            self._maybe_finish_rounds()
+            if dropped:
+                self.cond.notify_all()
+            return dropped
+
+    def _member(self, worker_id: str) -> Member:
+        member = self.members.get(worker_id)
+        if member is None:
+            raise Reject("FAILED_PRECONDITION", f"worker {worker_id!r} has not joined this shard; call Join first")
+        return member
+
+    # -------------------------------------------------------------------- push
+    def push(self, worker_id: str, site: str, kind: str, step: int, base_version: int, codec: str,
+             payloads: dict[str, bytes], contributors: int = 1) -> tuple[int, bool]:
+        """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected."""
+        with self.cond:
+            member = self._member(worker_id)
+            if member.site != site:
+                raise Reject("PERMISSION_DENIED", f"token is for site {site!r}, worker {worker_id} is at {member.site!r}")
+            if kind == "INIT":
+                return self._push_init(worker_id, payloads)
+            if not self.is_initialized():
+                raise Reject("FAILED_PRECONDITION", "parameters are not initialized yet; pull first")
+            if step <= member.clock:
+                self.rejected_pushes += 1
+                raise Reject("ALREADY_EXISTS",
+                             f"push (worker {worker_id}, step {step}) replays an applied step "
+                             f"(last applied step {member.clock}); nothing changed")
+            if codec != self.codec_name:
+                raise Reject("INVALID_ARGUMENT", f"push codec {codec!r} differs from the agreed {self.codec_name!r}")
+            if self.sync == "bsp" and base_version != self.version:
+                self.rejected_pushes += 1
+                raise Reject("FAILED_PRECONDITION",
+                             f"stale push: computed on version {base_version}, round {self.version} is open; pull and retry")
+            grads = self._decode_all(payloads)
+            member.clock = step
+            member.last_seen = self._now()
+            if not member.alive:
+                member.alive = True
+            weight = max(1, contributors)
+            if self.sync == "bsp":
+                rnd = self.rounds.setdefault(self.version, _Round())
+                for k, g in grads.items():
+                    if k in rnd.sums:
+                        rnd.sums[k] += g
+                    else:
+                        rnd.sums[k] = g.astype(DTYPE, copy=True)
+                rnd.contributors.add(worker_id)
+                rnd.weight += weight
+                applied = self._maybe_finish_rounds()
+            else:
+                self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()})
+                applied = True
+            self.cond.notify_all()
+            return self.version, applied
+
+    def _push_init(self, worker_id: str, payloads: dict[str, bytes]) -> tuple[int, bool]:
+        values = {}
+        for key, payload in payloads.items():
+            values[key] = self._decode_raw(key, payload)
+        fresh = 0
+        for key, arr in values.items():
+            if key not in self.initialized:
+                self.params[key][:] = arr
+                self.initialized.add(key)
+                fresh += 1
+        log.info("params_initialized", shard=self.shard, worker=worker_id, keys=fresh)
+        self.cond.notify_all()
+        return self.version, fresh > 0
+
+    def _expected_keys(self, payloads: dict[str, bytes]) -> None:
+        keys = set(self.keys)
+        unknown = sorted(set(payloads) - keys)
+        if unknown:
+            raise Reject("INVALID_ARGUMENT", f"unknown key(s) for shard {self.shard}: {', '.join(unknown[:5])}")
+        missing = sorted(keys - set(payloads))
+        if missing:
+            raise Reject("INVALID_ARGUMENT", f"push lacks key(s) of shard {self.shard}: {', '.join(missing[:5])}")
+
+    def _decode_raw(self, key: str, payload: bytes) -> np.ndarray:
+        if key not in self.params:
+            raise Reject("INVALID_ARGUMENT", f"unknown key {key!r} for shard {self.shard}")
+        n = self.params[key].size
+        if len(payload) != n * DTYPE.itemsize:
+            raise Reject("INVALID_ARGUMENT",
+                         f"key {key!r}: {len(payload)} bytes, expected {n * DTYPE.itemsize} (float32 x {n})")
+        arr = np.frombuffer(payload, dtype=DTYPE)
+        if not np.isfinite(arr).all():
+            raise Reject("INVALID_ARGUMENT", f"key {key!r}: non-finite values (NaN or Inf)")
+        return arr
+
+    def _decode_all(self, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+        self._expected_keys(payloads)
+        codec = self.codec()
+        out = {}
+        for key, payload in payloads.items():
+            try:
+                arr = codec.decode(payload)
+            except ValueError as err:  # ProtocolError subclasses ValueError
+                raise Reject("INVALID_ARGUMENT", f"key {key!r}: {err}") from None
+            expected = self.params[key].size
+            if arr.dtype != DTYPE:
+                raise Reject("INVALID_ARGUMENT", f"key {key!r}: dtype {arr.dtype}, expected float32")
+            if arr.size != expected:
+                raise Reject("INVALID_ARGUMENT",
+                             f"key {key!r}: shape {tuple(arr.shape)} ({arr.size} elements), expected {expected} elements")
+            arr = arr.reshape(-1)
+            if not np.isfinite(arr).all():
+                raise Reject("INVALID_ARGUMENT", f"key {key!r}: gradient has non-finite values (NaN or Inf)")
+            out[key] = arr
+        return out
+
+    def _maybe_finish_rounds(self) -> bool:
+        """Apply the open BSP round when every live worker has pushed it."""
+        rnd = self.rounds.get(self.version)
+        if rnd is None or not rnd.contributors:
+            return False
+        if not self.live_members() <= rnd.contributors:
+            return False
+        if self.expected_workers and len(self.members) < self.expected_workers:
+            waited = self._now() - (self._first_join or self._now())
+            if waited < self.spec.heartbeat_timeout_s:
+                return False
+        del self.rounds[self.version]
+        self._apply({k: s / rnd.weight for k, s in rnd.sums.items()})
+        return True
+
+    def _apply(self, grads: dict[str, np.ndarray]) -> None:
+        for key, grad in grads.items():
+            self.optimizer.step(key, self.params[key], grad)
+        self.version += 1
+        for key in grads:
+            self.key_version[key] = self.version
+        self.applied_pushes += 1
+
+    # -------------------------------------------------------------------- pull
+    def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
+             timeout_s: float) -> tuple[int, list[tuple[str, bytes]]]:
+        """Wait per the consistency mode, then return ``(version, [(key, bytes)])`` of keys changed since."""
+        deadline = self._now() + max(0.0, timeout_s)
+        with self.cond:
+            self._member(worker_id)
+            while not self._pull_ready(worker_id, wait_for_version, worker_clock):
+                left = deadline - self._now()
+                if left <= 0:
+                    raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
+                self.cond.wait(min(left, 0.5))
+                self._maybe_finish_rounds()
+            out = [(k, self.params[k].tobytes()) for k in self.keys if self.key_version[k] > since_version]
+            return self.version, out
+
+    def _pull_ready(self, worker_id: str, wait_for_version: int, worker_clock: int) -> bool:
+        if not self.is_initialized():
+            return False
+        if wait_for_version >= 0 and self.version < wait_for_version:
+            return False
+        if self.sync == "ssp":
+            live = [m.clock for m in self.members.values() if m.alive and m.worker_id != worker_id]
+            if live and worker_clock - min(live) > self.spec.staleness_bound:
+                return False
+        return True
+
+    def _wait_reason(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str:
+        if not self.is_initialized():
+            return "parameters not initialized yet"
+        if self.version < wait_for_version:
+            rnd = self.rounds.get(self.version)
+            have = sorted(rnd.contributors) if rnd else []
+            return f"round {self.version} waits for {sorted(self.live_members() - set(have))}"
+        return f"worker {worker_id} at clock {worker_clock} is more than {self.spec.staleness_bound} steps ahead"
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        with self.cond:
+            return {
+                "shard": self.shard, "version": self.version, "sync": self.sync, "codec": self.codec_name,
+                "keys": len(self.keys), "initialized": self.is_initialized(),
+                "param_bytes": int(sum(p.nbytes for p in self.params.values())),
+                "live_workers": sorted(self.live_members()),
+                "members": {w: {"site": m.site, "clock": m.clock, "alive": m.alive} for w, m in self.members.items()},
+                "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
+            }
+
+    def snapshot_arrays(self) -> dict[str, np.ndarray]:
+        """A copy of the parameters (for tests and snapshots)."""
+        with self.cond:
+            return {k: v.copy() for k, v in self.params.items()}

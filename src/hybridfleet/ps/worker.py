@@ -1,0 +1,225 @@
+"""Framework-agnostic worker session: numpy gradients in, numpy parameters out.
+
+The torch and paddle adapters (`hybridfleet.torch`, `hybridfleet.paddle`) turn
+tensors into numpy arrays and back; everything else (joining, initialising,
+encoding with error feedback, pushing, waiting per the consistency mode,
+pulling, accounting) happens here, identically for both frameworks.
+
+Without servers (``HFLEET_SERVERS`` unset) the session trains locally with the
+same optimizer the shards use, so a single-site baseline and a joint run differ
+only in where the update is computed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from hybridfleet.errors import ProtocolError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.client import ClientSecurity, PSClient
+from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
+from hybridfleet.spec.models import JobSpec
+
+log = get_logger("ps.worker")
+
+DTYPE = np.dtype("<f4")
+
+
+@dataclass
+class WorkerConfig:
+    """Where this worker sits and how it reaches the shards (read from ``HFLEET_*`` variables)."""
+
+    job: JobSpec
+    site: str = "local"
+    rank: int = 0
+    site_rank: int = 0
+    servers: list[str] = field(default_factory=list)
+    security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.site}-{self.site_rank}"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
+        """Build the config from ``HFLEET_JOB``, ``HFLEET_SITE``, ``HFLEET_RANK``, ``HFLEET_SERVERS``, ..."""
+        from hybridfleet.spec import load_spec
+
+        env = dict(os.environ if env is None else env)
+        job_path = env.get("HFLEET_JOB")
+        if not job_path:
+            raise ValueError("HFLEET_JOB is not set: run the script with `hfleet run JOB` or `hfleet worker JOB ...`")
+        job = load_spec(job_path)
+        servers = [s for s in env.get("HFLEET_SERVERS", "").split(",") if s]
+        site = env.get("HFLEET_SITE", next(iter(job.sites)))
+        if site not in job.sites:
+            raise ValueError(f"HFLEET_SITE={site!r} is not a site of job {job.name!r} ({', '.join(job.sites)})")
+        return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
+                   site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
+                   security=client_security_from_env(env))
+
+
+def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
+    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``;
+    plaintext only with ``HFLEET_INSECURE=1``."""
+    if env.get("HFLEET_INSECURE") == "1":
+        return ClientSecurity(insecure=True, token=env.get("HFLEET_TOKEN") or None)
+    ca = env.get("HFLEET_CA_CERT")
+    if not ca:
+        return ClientSecurity(insecure=False, token=env.get("HFLEET_TOKEN") or None)
+    cert, key = env.get("HFLEET_CLIENT_CERT"), env.get("HFLEET_CLIENT_KEY")
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None)
+    return ClientSecurity(channel_credentials=creds, token=env.get("HFLEET_TOKEN") or None)
+
+
+class PSSession:
+    """One worker's training session against the parameter server (or locally without one)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], config: WorkerConfig, framework: str):
+        self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+        self.config = config
+        self.framework = framework
+        self.step_count = 0
+        self.ps = config.job.ps
+        self.codec_name = self.ps.compression.codec
+        self.client: PSClient | None = None
+        self.plan: ShardingPlan | None = None
+        self._flat: dict[str, np.ndarray] = {}
+        self._encoder = None  # encode(key, block) -> bytes, made on first use
+        self._local_opt = None
+        self._started = time.monotonic()
+
+    @property
+    def local(self) -> bool:
+        return not self.config.servers
+
+    # ----------------------------------------------------------------- start
+    def start(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Join the shards; the first worker's values initialise them. Returns the job's current parameters."""
+        self._check_names(params)
+        if self.local:
+            from hybridfleet.ps.optim import make_optimizer
+
+            self._local_opt = make_optimizer(self.ps.optimizer, self.framework)
+            self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
+            return self.parameters()
+        cfg = self.config
+        self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank)
+        specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
+        info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
+        self.plan = self.client.plan
+        self.step_count = self.client.clock
+        if not info["initialized"] and cfg.rank == 0:
+            init = {}
+            for name, arr in params.items():
+                init.update({k: np.ascontiguousarray(v, dtype=DTYPE).tobytes()
+                             for k, v in self.plan.split(name, np.asarray(arr, dtype=DTYPE).reshape(-1)).items()})
+            self.client.push(init, codec="none", kind="INIT")
+        self._flat = {k: np.zeros(int(np.prod(s)) if s else 1, dtype=DTYPE) for k, s in self.shapes.items()}
+        self._apply_pulled(self.client.pull(full=True))
+        log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
+                 resumed_clock=self.step_count, sync=self.client.sync)
+        return self.parameters()
+
+    def _check_names(self, arrays: dict[str, np.ndarray]) -> None:
+        if set(arrays) != set(self.shapes):
+            missing, extra = sorted(set(self.shapes) - set(arrays)), sorted(set(arrays) - set(self.shapes))
+            raise ValueError(f"parameter names differ from the model's: missing {missing[:3]}, unexpected {extra[:3]}")
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The current parameters, shaped like the model's."""
+        return {k: v.reshape(self.shapes[k]) for k, v in self._flat.items()}
+
+    # ------------------------------------------------------------------ step
+    def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Send this step's gradients and return the parameters to train on next."""
+        self._check_names(grads)
+        for k, g in grads.items():
+            if not np.isfinite(g).all():
+                raise ValueError(f"gradient of {k!r} has non-finite values (NaN or Inf) at step {self.step_count + 1}; "
+                                 "nothing was sent")
+        if self.local:
+            for k, g in grads.items():
+                self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
+            self.step_count += 1
+            return self.parameters()
+        assert self.client is not None and self.plan is not None
+        payloads = self._encode(grads)
+        base = list(self.client.versions)
+        try:
+            self.client.push(payloads, codec=self.codec_name, base_versions=base)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            # a stale BSP round (e.g. after a rejoin): catch up and go on with fresh parameters
+            log.warning("push_stale", worker=self.config.worker_id, detail=err.details())
+            self._apply_pulled(self.client.pull())
+            return self.parameters()
+        self.step_count = self.client.clock
+        wait = None
+        if self.client.sync == "bsp":
+            shards_with_keys = {b.shard for b in self.plan.blocks}
+            wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
+        self._apply_pulled(self.client.pull(wait_for_versions=wait))
+        return self.parameters()
+
+    def _encode(self, grads: dict[str, np.ndarray]) -> dict[str, bytes]:
+        if self._encoder is None:
+            self._encoder = self._make_encoder()
+        out = {}
+        for name, g in grads.items():
+            for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
+                out[key] = self._encoder(key, part)
+        return out
+
+    def _make_encoder(self):
+        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker."""
+        from hybridfleet.codec import get_codec
+
+        c = self.ps.compression
+        codec = get_codec(self.codec_name, **({"ratio": c.ratio} if self.codec_name in ("topk", "randomk") else {}))
+        if c.error_feedback and self.codec_name != "none":
+            from hybridfleet.codec.feedback import ErrorFeedback
+
+            return ErrorFeedback(codec).encode
+        return lambda key, block: codec.encode(block)
+
+    def _apply_pulled(self, pulled: dict[str, bytes]) -> None:
+        for b in self.plan.blocks:
+            data = pulled.get(b.key)
+            if data is None:
+                continue
+            arr = np.frombuffer(data, dtype=DTYPE)
+            if arr.size != b.stop - b.start:
+                raise ProtocolError(f"pulled {arr.size} elements for {b.key!r}, expected {b.stop - b.start}")
+            self._flat[b.param][b.start:b.stop] = arr
+
+    # --------------------------------------------------------------- metrics
+    def bytes_moved(self) -> dict[str, int]:
+        if self.client is None:
+            return {"sent": 0, "received": 0, "raw_data_sent": 0}
+        sent, received = dict(self.client.bytes.sent), dict(self.client.bytes.received)
+        return {"sent": sum(sent.values()), "received": sum(received.values()),
+                # the protocol has no message that carries samples: only parameter blocks, gradients and control
+                "raw_data_sent": sent.get("data", 0), **{f"sent_{k}": v for k, v in sent.items()},
+                **{f"received_{k}": v for k, v in received.items()}}
+
+    def report(self, **metrics) -> None:
+        """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`)."""
+        c = self.config
+        log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
+                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None

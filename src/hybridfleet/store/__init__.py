@@ -1,0 +1,19 @@
+"""URL-addressed storage: local files and S3-compatible object stores behind one `Store`."""
+
+from __future__ import annotations
+
+from hybridfleet.store.base import Store
+from hybridfleet.store.blobs import BLOB_PREFIX, blob_path, download_verified, put_blob, sha256_parts
+from hybridfleet.store.registry import STORES, StoreBackendMissingError, open_store
+
+__all__ = [
+    "BLOB_PREFIX",
+    "STORES",
+    "Store",
+    "StoreBackendMissingError",
+    "blob_path",
+    "download_verified",
+    "open_store",
+    "put_blob",
+    "sha256_parts",
+]

@@ -1,0 +1,112 @@
+"""The `Store` interface: a flat, URL-rooted namespace of immutable-ish byte objects.
+
+Paths are relative, '/'-separated and never contain '..'; every backend (local
+files, S3, any fsspec filesystem) implements the same seven operations and passes
+the same conformance tests.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Union
+
+from hybridfleet.errors import StoreError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def clean_path(path: str) -> str:
+    """``path`` normalised to 'a/b/c'; StoreError for absolute paths or '..' components."""
+    if not isinstance(path, str):
+        raise StoreError(f"store path must be a string (got {type(path).__name__})")
+    if path.startswith("/") or "\\" in path:
+        raise StoreError(f"store path must be relative with '/' separators (got {path!r})")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise StoreError(f"store path must not contain '..' (got {path!r})")
+    return "/".join(parts)
+
+
+class Store(ABC):
+    """Byte storage addressed by relative paths under one root URL.
+
+    ``bytes_written`` / ``bytes_read`` count payload bytes moved through this
+    instance, so callers can check how much an operation really uploaded.
+    """
+
+    url: str = ""
+
+    def __init__(self) -> None:
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    # -- the narrow part each backend implements -------------------------------------------
+    @abstractmethod
+    def _put_parts(self, path: str, parts: list[Buffer]) -> None:
+        """Publish the concatenation of ``parts`` at ``path`` atomically (readers see all or nothing)."""
+
+    @abstractmethod
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        """Bytes [start, end) of ``path``; StoreError if it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """True when a file exists at ``path``."""
+
+    @abstractmethod
+    def _ls(self, prefix: str) -> list[str]:
+        """Immediate children (files and folders) of ``prefix``, as root-relative paths."""
+
+    @abstractmethod
+    def _rm(self, path: str, recursive: bool) -> None:
+        """Remove a file, or a folder with everything under it when ``recursive``."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size of the file at ``path`` in bytes; StoreError if it does not exist."""
+
+    # -- derived operations ---------------------------------------------------------------------
+    def put_bytes(self, path: str, data: Buffer) -> None:
+        """Write ``data`` at ``path`` atomically, replacing any previous file."""
+        self.put_parts(path, [data])
+
+    def put_parts(self, path: str, parts: Iterable[Buffer]) -> None:
+        """Write the concatenation of ``parts`` at ``path`` atomically, without joining them in memory."""
+        path = clean_path(path)
+        if not path:
+            raise StoreError("cannot write to the store root; give a file path")
+        parts = list(parts)
+        self._put_parts(path, parts)
+        self.bytes_written += sum(memoryview(p).nbytes for p in parts)
+
+    def get_bytes(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The bytes of ``path`` (or the range [start, end)); StoreError if missing."""
+        if start is not None and start < 0 or end is not None and end < 0:
+            raise StoreError(f"byte range must be non-negative (got start={start}, end={end})")
+        data = self._get(clean_path(path), start, end)
+        self.bytes_read += len(data)
+        return data
+
+    def read_buffer(self, path: str) -> Buffer:
+        """The whole file as a writable buffer (a private memory map where the backend allows)."""
+        return bytearray(self.get_bytes(path))
+
+    def ls(self, prefix: str = "") -> list[str]:
+        """Sorted immediate children of ``prefix`` (root-relative paths); [] when it does not exist."""
+        return sorted(self._ls(clean_path(prefix)))
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        """Remove ``path`` (a folder only with ``recursive=True``); missing paths are ignored."""
+        path = clean_path(path)
+        if not path:
+            raise StoreError("refusing to remove the store root")
+        self._rm(path, recursive)
+
+    def join(self, *parts: str) -> str:
+        """Join relative path parts with '/'."""
+        return clean_path(posixpath.join(*parts))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,39 @@
+"""PyTorch adapter for parameter-server training: ``hf.connect(model)`` then ``ps.step()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridfleet.ps.frontend import ParameterServerHandle
+from hybridfleet.ps.worker import WorkerConfig
+
+
+class TorchParameterServer(ParameterServerHandle):
+    framework = "torch"
+
+    def _named_parameters(self) -> dict[str, Any]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _to_numpy(self, tensor: Any) -> np.ndarray:
+        return tensor.detach().to("cpu", torch.float32).numpy()
+
+    def _grad(self, param: Any) -> np.ndarray | None:
+        return None if param.grad is None else param.grad.detach().to("cpu", torch.float32).numpy()
+
+    def _assign(self, values: dict[str, np.ndarray]) -> None:
+        params = self._named_parameters()
+        with torch.no_grad():
+            for name, arr in values.items():
+                p = params[name]
+                p.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(p.device, p.dtype))
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+def connect(model: "torch.nn.Module", config: WorkerConfig | None = None) -> TorchParameterServer:
+    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``."""
+    return TorchParameterServer(model, config)

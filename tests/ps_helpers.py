@@ -1,0 +1,86 @@
+"""Helpers for parameter-server tests: a real TLS + token shard on 127.0.0.1 and clients for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybridfleet.ps.client import ClientSecurity, PSClient
+from hybridfleet.ps.serve import server_security, start_shard
+from hybridfleet.ps.sharding import ParamSpec
+from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
+from hybridfleet.spec import parse_spec
+
+PARAMS = [ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))]
+
+
+def job_spec(**ps):
+    ps_conf = {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.5},
+               "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, **ps}
+    return parse_spec({"name": "unit", "framework": "torch", "entrypoint": "train.py",
+                       "sites": {"a": {"workers": 1}, "b": {"workers": 1}}, "ps": ps_conf})
+
+
+@dataclass
+class Cluster:
+    spec: object
+    certs: Path
+    issuer: TokenIssuer
+    servers: list
+    insecure: bool = False
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def token(self, site: str = "a", role: str = "worker", ttl_s: float = 600, job: str | None = None) -> str:
+        return self.issuer.issue(job or self.spec.name, site, role, ttl_s)
+
+    def client(self, site: str = "a", rank: int = 0, token: str | None = None, worker_id: str | None = None,
+               retry_timeout_s: float = 2.0) -> PSClient:
+        import grpc
+
+        ca = load_pki(self.certs).ca_cert.read_bytes()
+        sec = ClientSecurity(channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
+                             token=token if token is not None else self.token(site))
+        return PSClient(self.addresses, sec, worker_id or f"{site}-{rank}", site, rank, retry_timeout_s=retry_timeout_s)
+
+    def params(self) -> dict[str, np.ndarray]:
+        out = {}
+        for s in self.servers:
+            out.update(s.state.snapshot_arrays())
+        return out
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop(0)
+
+
+def start_cluster(tmp_path: Path, expected_workers: int = 0, **ps) -> Cluster:
+    spec = job_spec(**ps)
+    certs = tmp_path / "certs"
+    make_dev_pki(certs)
+    generate_signing_key(certs)
+    security = server_security(spec, certs)
+    servers = [start_shard(spec, i, "127.0.0.1", 0, security, expected_workers) for i in range(spec.ps.shards)]
+    return Cluster(spec, certs, TokenIssuer.from_dir(certs), servers)
+
+
+def raw(arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {k: np.ascontiguousarray(v, dtype="<f4").reshape(-1).tobytes() for k, v in arrays.items()}
+
+
+def initial_values() -> dict[str, np.ndarray]:
+    return {"fc.weight": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "fc.bias": np.ones(4, np.float32)}
+
+
+def join_and_init(cluster: Cluster, client: PSClient, init: bool = True) -> None:
+    client.join(PARAMS, cluster.spec.ps.block_size_bytes, cluster.spec.ps.compression.codec, "torch")
+    if init:
+        blocks = {}
+        for name, arr in initial_values().items():
+            blocks.update(client.plan.split(name, arr.reshape(-1)))
+        client.push(raw(blocks), codec="none", kind="INIT")
+    client.pull(full=True)
