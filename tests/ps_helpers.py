@@ -11,6 +11,7 @@ from hybridfleet.ps.client import ClientSecurity, PSClient
 from hybridfleet.ps.serve import server_security, start_shard
 from hybridfleet.ps.sharding import ParamSpec
 from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
+from hybridfleet.security.tokens import SIGNING_KEY
 from hybridfleet.spec import parse_spec
 
 PARAMS = [ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))]
@@ -35,8 +36,14 @@ class Cluster:
     def addresses(self) -> list[str]:
         return [s.address for s in self.servers]
 
-    def token(self, site: str = "a", role: str = "worker", ttl_s: float = 600, job: str | None = None) -> str:
-        return self.issuer.issue(job or self.spec.name, site, role, ttl_s)
+    def token(self, site: str = "a", role: str = "worker", ttl_s: float = 600, job: str | None = None,
+              issued_ago_s: float = 0.0) -> str:
+        issuer = self.issuer
+        if issued_ago_s:
+            import time
+
+            issuer = TokenIssuer((self.certs / SIGNING_KEY).read_bytes(), clock=lambda: time.time() - issued_ago_s)
+        return issuer.issue(job or self.spec.name, site, role, ttl_s)
 
     def client(self, site: str = "a", rank: int = 0, token: str | None = None, worker_id: str | None = None,
                retry_timeout_s: float = 2.0) -> PSClient:

@@ -61,7 +61,7 @@ def test_bad_token_is_rejected_and_params_unchanged(cluster, tmp_path, case, exp
         generate_signing_key(tmp_path / "other")
         token = TokenIssuer.from_dir(tmp_path / "other").issue(cluster.spec.name, "a", "worker", 600)
     elif case == "expired":
-        token = cluster.token(ttl_s=-60)
+        token = cluster.token(ttl_s=60, issued_ago_s=600)
     elif case == "wrong_role":
         token = cluster.token(role="monitor")
     else:
@@ -106,9 +106,12 @@ def test_nan_gradient_is_rejected_and_params_unchanged(cluster):
     client = cluster.client("a")
     join_and_init(cluster, client)
     before = cluster.params()
-    g = grads(1.0)
-    g["fc.bias"][2] = np.nan
-    err = _push_error(client, encoded(client, g), base_versions=[0])
+    payloads = encoded(client, grads(1.0))
+    # the codec refuses to encode NaN, so forge the frame a faulty client could send
+    one, nan = np.float32(1.0).tobytes(), np.float32(np.nan).tobytes()
+    assert one in payloads["fc.bias"]
+    payloads["fc.bias"] = payloads["fc.bias"].replace(one, nan, 1)
+    err = _push_error(client, payloads, base_versions=[0])
     assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT,)
     assert "non-finite" in err.details() or "NaN" in err.details()
     after = cluster.params()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -289,6 +288,36 @@ def test_stop_kills_a_process_that_ignores_sigterm_after_the_grace(tmp_path):
     assert _gone(pid)
 
 
+@pytest.mark.timeout(30)
+def test_skip_grace_cuts_a_long_grace_short(tmp_path):
+    # Prepare: a process ignoring SIGTERM and a stop with a grace far longer than the test.
+    lines = Lines()
+    code = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(600)
+    """
+    sup = Supervisor(tmp_path, echo=False, on_line=lines)
+    sup.start(ProcessSpec("stubborn", _py(code)))
+    lines.wait_for("stubborn", "ready")
+    result: dict = {}
+    stopper = threading.Thread(target=lambda: result.update(sup.stop(grace_s=600)))
+    stopper.start()
+    deadline_s = time.monotonic() + WAIT_S
+    while not _events(sup, "stubborn", "stop") and time.monotonic() < deadline_s:
+        time.sleep(0.02)
+
+    # Execute
+    sup.skip_grace()
+    stopper.join(WAIT_S)
+    sup.close()
+
+    # Assert
+    assert not stopper.is_alive()
+    assert result == {"stubborn": -signal.SIGKILL}
+
+
 def test_stop_terminates_the_whole_process_tree(tmp_path):
     # Prepare: a child that spawns a grandchild and prints its pid.
     lines = Lines()
@@ -344,7 +373,7 @@ SUPERVISOR_SCRIPT = """
     print(sup.pid("a"), sup.pid("b"), flush=True)
     if sys.argv[2] == "wrapped":
         with sup:
-            run_supervised(sup, lambda: sup.wait(), grace_s=5.0)
+            run_supervised(sup, lambda: (print("handlers installed", flush=True), sup.wait()), grace_s=5.0)
     else:
         time.sleep(60)
 """
@@ -366,6 +395,7 @@ def test_supervisor_killed_by_sigkill_leaves_no_orphan(tmp_path):
     # Execute
     script.kill()
     script.wait()
+    script.stdout.close()
 
     # Assert: PR_SET_PDEATHSIG takes the children down with it.
     assert all(_wait_gone(pid) for pid in child_pids)
@@ -376,14 +406,12 @@ def test_supervisor_killed_by_sigkill_leaves_no_orphan(tmp_path):
 def test_signal_to_a_supervised_run_stops_all_children_and_exits_128_plus_signal(tmp_path, sig, expected_code):
     # Prepare
     script, child_pids = _start_supervisor_script(tmp_path, "wrapped")
-    deadline_s = time.monotonic() + WAIT_S
-    while '"event":"start"' not in (tmp_path / "events.jsonl").read_text() and time.monotonic() < deadline_s:
-        time.sleep(0.02)
-    time.sleep(0.2)  # let the script enter run_supervised before signalling
+    assert script.stdout.readline().strip() == "handlers installed"
 
     # Execute
     script.send_signal(sig)
     code = script.wait(timeout=WAIT_S)
+    script.stdout.close()
 
     # Assert
     assert code == expected_code
@@ -571,3 +599,20 @@ def test_a_stopped_supervisor_refuses_new_processes(tmp_path):
     with pytest.raises(RuntimeError, match="this supervisor was stopped; create a new one"):
         sup.start(ProcessSpec("late", _py("pass")))
     sup.close()
+
+
+def test_run_dir_that_cannot_be_written_raises_launch_error_and_registers_nothing(tmp_path):
+    # Prepare: the run directory would have to live below a regular file.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    sup = Supervisor(blocker / "run", echo=False)
+
+    # Execute
+    with pytest.raises(LaunchError) as err:
+        sup.start(ProcessSpec("w", _py("import time; time.sleep(60)")))
+    sup.close()
+
+    # Assert
+    assert f"cannot start 'w': cannot write under {blocker / 'run'}" in str(err.value)
+    with pytest.raises(ValueError, match="unknown process name 'w'"):
+        sup.returncode("w")

@@ -34,7 +34,7 @@ def _little_endian_contiguous(name: str, arr: Any) -> np.ndarray:
         raise CheckpointError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored; supported: {sorted(DTYPE_CODES)}")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(arr)
+    return arr if arr.flags.c_contiguous else np.array(arr, order="C")
 
 
 def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> list[Buffer]:

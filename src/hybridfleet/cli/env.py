@@ -65,7 +65,7 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (keys: see hybridfleet.env.check)"),
     job: Optional[str] = typer.Option(None, "--job", help="job file: check its framework and its GPU needs"),
     smoke: bool = typer.Option(True, "--smoke/--no-smoke", help="run the 2-process all-reduce test"),
-    timeout_s: float = typer.Option(SMOKE_TIMEOUT_S, "--timeout-s", help="bound for each probe and smoke test"),
+    timeout_s: float = typer.Option(SMOKE_TIMEOUT_S, "--timeout-s", help="bound for each all-reduce smoke test"),
 ) -> None:
     """Is this machine able to train? Host, frameworks, devices and a real all-reduce."""
     names = [framework.value] if framework else None

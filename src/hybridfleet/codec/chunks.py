@@ -1,15 +1,22 @@
-"""Per-chunk reductions and scalings over a flat array, vectorised.
+"""Per-chunk scales: the base of int8 and sign, and vectorised chunk helpers.
 
 int8 and sign both keep one float32 scale per run of `chunk_size` elements
-(the last run may be shorter); these helpers avoid padding copies by handling
-the whole chunks as a 2-D view and the tail apart.
+(the last run may be shorter). Their payloads start with the same two fields,
+params (chunk_size u32) and scales (float32 per chunk), then their own codes.
+The helpers avoid padding copies by handling the whole chunks as a 2-D view
+and the tail apart.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Callable
 
 import numpy as np
+
+from hybridfleet.codec.base import Codec
+from hybridfleet.codec.frame import Frame
+from hybridfleet.errors import ProtocolError
 
 DEFAULT_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 2**32 - 1
@@ -50,3 +57,29 @@ def chunk_multiply(flat: np.ndarray, per_chunk: np.ndarray, chunk_size: int) -> 
     if tail.size:
         np.multiply(tail, per_chunk[whole_chunks], out=out[head.size :])
     return out
+
+
+_PARAMS = struct.Struct("<I")  # chunk_size
+
+
+class ChunkedCodec(Codec):
+    """A codec with one float32 scale per chunk; subclasses add the per-element codes."""
+
+    num_fields = 3
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        self.chunk_size = check_chunk_size(chunk_size, self.name)
+
+    def options(self) -> dict:
+        return {"chunk_size": self.chunk_size}
+
+    def _chunk_fields(self, scales: np.ndarray) -> list:
+        """The params and scales fields that start every payload of this codec."""
+        return [_PARAMS.pack(self.chunk_size), scales.astype("<f4", copy=False)]
+
+    def _read_chunking(self, frame: Frame) -> tuple[int, np.ndarray]:
+        """(chunk_size, scales) of a payload, validated against its element count."""
+        (chunk_size,) = frame.params(0, _PARAMS, "params")
+        if chunk_size < 1:
+            raise ProtocolError(f"{self.name} payload has chunk_size {chunk_size}; it must be >= 1")
+        return chunk_size, frame.array(1, "<f4", num_chunks(frame.header.numel, chunk_size), "scales")

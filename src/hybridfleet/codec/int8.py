@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
-from hybridfleet.codec.base import Codec
-from hybridfleet.codec.chunks import DEFAULT_CHUNK_SIZE, check_chunk_size, chunk_multiply, chunk_reduce, num_chunks
+from hybridfleet.codec.chunks import ChunkedCodec, chunk_multiply, chunk_reduce
 from hybridfleet.codec.frame import Frame
-from hybridfleet.errors import ProtocolError
-
-_PARAMS = struct.Struct("<I")  # chunk_size
 
 
-class Int8Codec(Codec):
+class Int8Codec(ChunkedCodec):
     """Each chunk of `chunk_size` elements becomes int8 codes times one float32 scale.
 
     scale = max|x| / 127 over the chunk, code = round-half-even(x / scale), so
@@ -24,29 +18,15 @@ class Int8Codec(Codec):
     """
 
     name = "int8"
-    num_fields = 3
-
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
-        self.chunk_size = check_chunk_size(chunk_size, self.name)
-
-    def options(self) -> dict:
-        return {"chunk_size": self.chunk_size}
 
     def _encode_fields(self, flat: np.ndarray) -> list:
-        absmax = chunk_reduce(np.abs(flat), self.chunk_size, np.max) if flat.size else np.empty(0, np.float32)
+        absmax = chunk_reduce(np.abs(flat), self.chunk_size, np.max)
         inverse = np.divide(np.float32(127), absmax, out=np.zeros_like(absmax), where=absmax > 0)
         codes = np.rint(chunk_multiply(flat, inverse, self.chunk_size))
         np.clip(codes, -127, 127, out=codes)
-        scales = (absmax / np.float32(127)).astype("<f4")
-        return [_PARAMS.pack(self.chunk_size), scales, codes.astype(np.int8)]
+        return [*self._chunk_fields(absmax / np.float32(127)), codes.astype(np.int8)]
 
     def _decode_fields(self, frame: Frame) -> np.ndarray:
-        (chunk_size,) = frame.params(0, _PARAMS, "params")
-        if chunk_size < 1:
-            raise ProtocolError(f"int8 payload has chunk_size {chunk_size}; it must be >= 1")
-        numel = frame.header.numel
-        scales = frame.array(1, "<f4", num_chunks(numel, chunk_size), "scales")
-        codes = frame.array(2, np.int8, numel, "codes")
-        if numel == 0:
-            return np.empty(0, np.float32)
+        chunk_size, scales = self._read_chunking(frame)
+        codes = frame.array(2, np.int8, frame.header.numel, "codes")
         return chunk_multiply(codes, scales, chunk_size)

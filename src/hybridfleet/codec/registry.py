@@ -26,7 +26,8 @@ def codec_options(name: str) -> tuple[str, ...]:
     """The option names codec `name` accepts (ValueError for an unknown name)."""
     cls = _codec_class(name)
     parameters = inspect.signature(cls.__init__).parameters
-    return tuple(p for p in parameters if p != "self")
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in parameters.items() if name != "self" and p.kind in named)
 
 
 def get_codec(name: str, **options: Any) -> Codec:

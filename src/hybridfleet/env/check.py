@@ -36,7 +36,7 @@ _PROBLEM_ORDER: list[type[HfleetError]] = [FrameworkMissingError, GpuRequiredErr
 
 def _framework_report(name: str, smoke: bool, timeout_s: float, problems: list[dict]) -> dict[str, Any]:
     try:
-        facts = probe_framework(name, timeout_s=timeout_s)
+        facts = probe_framework(name)
     except FrameworkMissingError as err:
         return {"installed": False, "error": str(err), "smoke": None}
     report: dict[str, Any] = {"installed": True, **facts, "smoke": None}
@@ -64,7 +64,7 @@ def check_environment(
     A named framework that is missing is a problem (``require_frameworks``
     defaults to True when names are given); with no names, having neither is a
     problem. ``gpus_required`` > 0 makes "no GPU visible" a problem. Each smoke
-    test and probe is bounded by ``timeout_s``. Raises ValueError for an unknown
+    test is bounded by ``timeout_s`` (each probe by its own fixed bound). Raises ValueError for an unknown
     framework name or a non-positive timeout, before doing anything.
     """
     names = list(frameworks) if frameworks is not None else None

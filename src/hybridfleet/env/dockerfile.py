@@ -19,6 +19,7 @@ from hybridfleet.errors import SpecError
 
 DEFAULT_REPOSITORY = "hfleet"
 HASH_CHARS_IN_TAG = 12
+CUDA_WHEEL_PREFIXES = ("nvidia-",)  # CUDA runtime wheels (nvidia-cudnn-cu12, nvidia-nccl-cu12, ...)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
             left_out[name] = "installed from a local directory; comes with the copied project"
         elif name in others:
             left_out[name] = "belongs to the other framework"
+        elif name.startswith(CUDA_WHEEL_PREFIXES):
+            left_out[name] = ("CUDA library; the base image brings CUDA" if base.device == "gpu"
+                              else "CUDA library; a cpu image needs none")
         elif base.pip_index and name in base.family:
             framework_pins.append(f"{name}=={base_version(version)}")
         elif name in base.provided or name.startswith(base.provided_prefixes):

@@ -27,6 +27,33 @@ def _kind(layer: Any) -> str | None:
     return None
 
 
+def _param_names(optimizer: Any) -> list[str]:
+    params = optimizer._parameter_list or []
+    if params and isinstance(params[0], dict):  # parameter groups
+        params = [p for group in params for p in group["params"]]
+    return [p.name for p in params]
+
+
+def _by_position(key: str, names: list[str]) -> str:
+    # Accumulator names embed the global parameter name (linear_3.w_0_moment1_0), which
+    # depends on how many layers the process built before; positions do not.
+    matches = [i for i, n in enumerate(names) if key.startswith(n + "_")]
+    if not matches:
+        return key
+    index = max(matches, key=lambda i: len(names[i]))
+    return f"param{index}{key[len(names[index]):]}"
+
+
+def _by_name(key: str, names: list[str]) -> str:
+    head, sep, rest = key.partition("_")
+    if head.startswith("param") and head[5:].isdigit() and sep:
+        index = int(head[5:])
+        if index >= len(names):
+            raise ValueError(f"optimizer state {key!r} refers to parameter {index}, but the optimizer has {len(names)}")
+        return f"{names[index]}_{rest}"
+    return key
+
+
 def _numpy_dtype(tensor: Any) -> np.dtype:
     return np.dtype(str(tensor.dtype).split(".")[-1])
 
@@ -42,7 +69,8 @@ class PaddleAdapter(Adapter):
         return isinstance(obj, (paddle.nn.Layer, paddle.optimizer.Optimizer, paddle.Tensor))
 
     def to_numpy(self, tensor: Any) -> np.ndarray:
-        return np.ascontiguousarray(tensor.detach().cpu().numpy())
+        arr = tensor.detach().cpu().numpy()
+        return arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d shapes
 
     def from_numpy(self, arr: np.ndarray) -> Any:
         arr = np.asarray(arr)
@@ -66,9 +94,10 @@ class PaddleAdapter(Adapter):
     def optimizer_state(self, optimizer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         tensors: dict[str, np.ndarray] = {}
         meta: dict[str, Any] = {}
+        names = _param_names(optimizer)
         for key, value in optimizer.state_dict().items():
             if isinstance(value, paddle.Tensor):
-                tensors[key] = np.array(value.numpy(), copy=True, order="C")
+                tensors[_by_position(key, names)] = np.array(value.numpy(), copy=True, order="C")
             elif key == "master_weights":
                 for name, tensor in value.items():
                     tensors[f"master_weights/{name}"] = np.array(tensor.numpy(), copy=True, order="C")
@@ -78,12 +107,13 @@ class PaddleAdapter(Adapter):
 
     def load_optimizer_state(self, optimizer: Any, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         full: dict[str, Any] = dict(meta)
+        names = _param_names(optimizer)
         for key, arr in tensors.items():
             tensor = paddle.to_tensor(np.array(arr, copy=True))
             if key.startswith("master_weights/"):
                 full.setdefault("master_weights", {})[key.split("/", 1)[1]] = tensor
             else:
-                full[key] = tensor
+                full[_by_name(key, names)] = tensor
         optimizer.set_state_dict(full)
 
     def _framework_rng_state(self) -> Any:

@@ -39,7 +39,7 @@ def detect_framework(framework: str | None = None) -> str | None:
 def dist_info(framework: str | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) of this process; (0, 1, 0) outside a launcher."""
     detected = detect_framework(framework)
-    order = [detected] if detected else list(_DIST_ENV)
+    order = sorted(_DIST_ENV, key=lambda name: name != detected)  # the detected one first
     for name in order:
         rank_var, world_var, local_var = _DIST_ENV[name]
         if world_var in os.environ:

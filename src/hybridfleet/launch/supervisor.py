@@ -133,6 +133,8 @@ class _SpawnThread:
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="supervisor-spawn", daemon=True)
         self._thread.start()
 
@@ -146,11 +148,18 @@ class _SpawnThread:
 
     def call(self, fn: Callable[[], T]) -> T:
         future: Future = Future()
-        self._jobs.put((fn, future))
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError("this supervisor is closed; create a new one")
+            self._jobs.put((fn, future))
         return future.result()
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
         self._thread.join()
 
 
@@ -209,7 +218,8 @@ class Supervisor:
             )
             if self._spawner is None:
                 self._spawner = _SpawnThread()
-        self._spawner.call(lambda: self._launch(managed, first=True))
+            spawner = self._spawner
+        spawner.call(lambda: self._launch(managed, first=True))
 
     def wait(
         self,
@@ -267,6 +277,10 @@ class Supervisor:
             _log.error("stop_incomplete", processes=[n for n, m in self._procs.items() if m.final_rc is None])
         with self._lock:
             return {n: m.final_rc for n, m in self._procs.items()}
+
+    def skip_grace(self) -> None:
+        """Make a `stop` in progress (or the next one) send SIGKILL now instead of waiting out its grace."""
+        self._kill_now.set()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the named process itself (not its group), as a crash would; restarts apply."""
@@ -371,15 +385,22 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
-                    start_new_session=False,
+                    start_new_session=True,
                     preexec_fn=_pdeathsig_preexec(),
                 )
-            except (FileNotFoundError, PermissionError, NotADirectoryError) as err:
+            except OSError as err:
                 raise LaunchError(f"cannot start {spec.name!r}: {spec.argv[0]!r}: {err.strerror}") from err
             if first:
+                try:
+                    managed.log_path.parent.mkdir(parents=True, exist_ok=True)
+                    managed.log_file = open(managed.log_path, "ab")
+                    self._open_events_file()
+                except OSError as err:
+                    _signal_group(popen.pid, signal.SIGKILL)
+                    popen.wait()
+                    popen.stdout.close()
+                    raise LaunchError(f"cannot start {spec.name!r}: cannot write under {self.run_dir}: {err}") from err
                 self._procs[spec.name] = managed
-                managed.log_path.parent.mkdir(parents=True, exist_ok=True)
-                managed.log_file = open(managed.log_path, "ab")
             managed.popen = popen
             managed.attempt = attempt
             self._record(managed, "start")
@@ -455,19 +476,19 @@ class Supervisor:
         if self._stop_requested.wait(managed.spec.restart_delay_s):
             self._finish(managed, last_rc)
             return
-        with managed.log_lock:
-            if managed.log_file is not None:
-                managed.log_file.write(f"--- restart {managed.attempt} ---\n".encode())
-                managed.log_file.flush()
         with self._lock:
             if self._stopping:
                 self._finish(managed, last_rc)
                 return
             self._record(managed, "restart", last_rc, attempt=managed.attempt + 1)
+        with managed.log_lock:
+            if managed.log_file is not None:
+                managed.log_file.write(f"--- restart {managed.attempt} ---\n".encode())
+                managed.log_file.flush()
         try:
             spawner = self._spawner
             if spawner is None:
-                raise RuntimeError("closed")
+                raise RuntimeError("this supervisor is closed; create a new one")
             spawner.call(lambda: self._launch(managed, first=False))
         except (LaunchError, RuntimeError) as err:
             _log.error("restart_failed", process=managed.spec.name, error=str(err))
@@ -480,6 +501,12 @@ class Supervisor:
         with self._lock:
             managed.final_rc = rc
             self._changed.notify_all()
+
+    def _open_events_file(self) -> IO[str]:
+        if self._events_file is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._events_file = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
+        return self._events_file
 
     def _record(self, managed: _Managed, event: str, returncode: int | None = None, attempt: int | None = None) -> None:
         """Append one event to ``events``, ``run_dir/events.jsonl`` and the JSON-lines log (lock held)."""
@@ -494,10 +521,7 @@ class Supervisor:
             "pid": None if popen is None else popen.pid,
         }
         self.events.append(record)
-        if self._events_file is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._events_file = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
-        self._events_file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._open_events_file().write(json.dumps(record, separators=(",", ":")) + "\n")
         self._events_file.flush()
         level = "error" if event == "gave_up" else "warning" if event == "exit" and returncode else "info"
         fields = {k: v for k, v in record.items() if k not in ("ts", "event")}
@@ -529,7 +553,7 @@ def stop_on_signals(
 
     def on_signal(signum: int, frame: Any) -> None:
         if state["signalled"]:
-            supervisor._kill_now.set()
+            supervisor.skip_grace()
             return
         state["signalled"] = True
         raise _Interrupted(signum)

@@ -16,7 +16,11 @@ All arithmetic is float32, rounded where the frameworks' CPU kernels round: both
 frameworks' vectorised kernels use fused multiply-adds for some steps (torch's
 ``add(alpha=)``, ``lerp`` and ``addcmul``; Paddle's AVX-512 Adam/AdamW kernels), so
 `_fma` reproduces a single rounding there. Keeping state in float64 instead drifts
-further from both frameworks, not closer.
+further from both frameworks, not closer. One framework choice is not followed: Paddle's
+plain SGD uses its vector kernel (separate multiply and subtract, as here) only for
+tensors whose size is a multiple of 8 and a fused loop otherwise; following that would
+make results depend on how a tensor is cut into blocks, so those tensors may differ from
+Paddle by one float32 rounding per step.
 
 State is per key and element-wise, so a parameter split into blocks (``"fc.weight#0"``,
 ``"fc.weight#1"``) is updated exactly as the whole tensor would be.
@@ -45,7 +49,9 @@ def _fma(a: Any, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     The product of two float32 values is exact in float64, so only the final sum is
     rounded (twice, 64 then 32 bits, which differs from a true FMA only on exact ties).
     """
-    return (np.float64(a) * b.astype(np.float64) + c.astype(np.float64)).astype(_F32)
+    acc = np.asarray(np.multiply(a, b, dtype=np.float64))  # asarray: 0-d params give scalars
+    np.add(acc, c, out=acc)
+    return acc.astype(_F32)
 
 
 def _check_finite_number(field: str, value: float, *, low: float, high: float | None = None,
@@ -342,7 +348,7 @@ class Adam(ServerOptimizer):
         elif self.weight_decay:
             grad = grad + param * _F32(self.weight_decay)
         lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
-        eps_t = _F32(self.eps)
+        eps_t = _F32(self.eps) * np.sqrt(_ONE - beta2_pow)
         exp_avg = _fma(beta1, state["exp_avg"], (_ONE - beta1) * grad)
         exp_avg_sq = _fma(beta2, state["exp_avg_sq"], (_ONE - beta2) * (grad * grad))
         new_param = _fma(-lr_t, exp_avg / (np.sqrt(exp_avg_sq) + eps_t), param)

@@ -33,3 +33,23 @@ class S3Store(FsspecStore):
         )
         super().__init__(fs, bucket_and_prefix, f"s3://{bucket_and_prefix}")
         self.endpoint_url = endpoint_url
+
+    def _rm(self, path: str, recursive: bool) -> None:
+        super()._rm(path, recursive)
+        if recursive:
+            self._remove_folder_markers(self._full(path))
+
+    def _remove_folder_markers(self, full: str) -> None:
+        # Some S3 servers (SeaweedFS) keep folder entries after their objects are
+        # deleted; deleting the "folder/" key removes them, so `ls` stays truthful.
+        try:
+            entries = self.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.get("type") == "directory" and entry["name"].rstrip("/") != full.rstrip("/"):
+                self._remove_folder_markers(entry["name"].rstrip("/"))
+        try:
+            self.fs.rm_file(full.rstrip("/") + "/")
+        except (FileNotFoundError, OSError):
+            pass

@@ -1,0 +1,144 @@
+"""`hfleet launch` end to end on CPU: both frameworks, real processes, gloo.
+
+Each test starts real torch / paddle process groups through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridfleet.launch.collective import group_pids
+
+REPO = Path(__file__).resolve().parents[1]
+HFLEET = [sys.executable, "-m", "hybridfleet.cli.app"]
+FRAMEWORKS = ["torch", "paddle"]
+EPOCHS = "20"
+
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _final(output: str) -> dict:
+    lines = [line.split("]:", 1)[-1] for line in output.splitlines() if '"event": "final"' in line]
+    assert lines, output[-3000:]
+    return json.loads(lines[-1])
+
+
+def _launch(framework: str, log_dir: Path, script: Path, *args: str, flags: tuple[str, ...] = (), **env: str):
+    cmd = [*HFLEET, "launch", "--framework", framework, "--nproc-per-node", "2", "--device", "cpu",
+           "--log-dir", str(log_dir), *flags, str(script), *args]
+    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=240)
+
+
+def _rank0_log(log_dir: Path, framework: str, attempt: int) -> str:
+    attempt_dir = log_dir / f"attempt_{attempt}"
+    pattern = "*/attempt_*/0/stdout.log" if framework == "torch" else "workerlog.0"
+    return "".join(p.read_text() for p in attempt_dir.glob(pattern))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_two_process_run_reaches_the_one_process_accuracy(framework, tmp_path):
+    # Prepare
+    script = REPO / "examples" / "collective" / f"train_{framework}.py"
+    single = subprocess.run([sys.executable, str(script), "--epochs", EPOCHS], env=_env(),
+                            capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    # Execute
+    double = _launch(framework, tmp_path / "logs", script, "--epochs", EPOCHS)
+
+    # Assert
+    assert double.returncode == 0, double.stdout[-3000:] + double.stderr[-3000:]
+    one, two = _final(single.stdout), _final(_rank0_log(tmp_path / "logs", framework, 0))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["test_acc"] >= 0.93
+    assert abs(one["test_acc"] - two["test_acc"]) <= 0.02
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(framework, tmp_path):
+    # Prepare: rank 1 SIGKILLs itself in epoch 3 of the first attempt; checkpoints every 2 epochs
+    script = REPO / "examples" / "collective" / f"train_{framework}.py"
+    log_dir = tmp_path / "logs"
+
+    # Execute
+    run = _launch(framework, log_dir, script, "--epochs", "4", "--ckpt-every", "2",
+                  flags=("--max-restarts", "1"), HFLEET_EXAMPLE_KILL_RANK1_AT_EPOCH="3")
+
+    # Assert
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    first, second = _rank0_log(log_dir, framework, 0), _rank0_log(log_dir, framework, 1)
+    assert '"final"' not in first
+    resumed = [json.loads(line) for line in second.splitlines() if line.startswith('{"event": "resumed"')]
+    assert resumed == [{"event": "resumed", "checkpoint_epoch": 2, "start_epoch": 3, "restart": 1}]
+    epochs = [json.loads(line)["epoch"] for line in second.splitlines() if line.startswith('{"event": "epoch"')]
+    assert epochs == [3, 4]
+    assert _final(second)["world_size"] == 2
+
+
+DYING_SCRIPT = """
+import os, sys, time
+framework = sys.argv[1]
+if framework == "torch":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+else:
+    import paddle.distributed as dist
+    dist.init_parallel_env()
+if dist.get_rank() == 1:
+    print("rank 1 about to die", flush=True)
+    os.kill(os.getpid(), 9)
+time.sleep(120)  # rank 0 would outlive its peer without the launcher
+"""
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_dead_rank_stops_the_group_and_is_reported_with_exit_code_and_log(framework, tmp_path):
+    # Prepare
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_SCRIPT)
+
+    # Execute
+    run = _launch(framework, tmp_path / "logs", script, framework)
+
+    # Assert
+    assert run.returncode == 8
+    assert "rank 1 failed with exit code -9 (killed by signal 9)" in run.stderr
+    assert "rank 1 about to die" in run.stderr
+    leftovers = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert str(script) not in leftovers
+    assert not [p for p in _pids_with_env("HFLEET_LOG_DIR", str(tmp_path / "logs"))]
+
+
+def _pids_with_env(name: str, value: str) -> list[int]:
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_group_pids_finds_tagged_processes_only_while_they_live(tmp_path):
+    # Prepare
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env=_env(HFLEET_LAUNCH_ID="tag-under-test"))
+    try:
+        # Execute / Assert
+        assert group_pids("tag-under-test") == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert group_pids("tag-under-test") == []
