@@ -224,6 +224,26 @@ def test_scalar_parameter_is_updated_in_place():
     assert param == np.float32(0.75)
 
 
+@pytest.mark.parametrize("flavour", ["torch", "paddle"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_scalar_parameter_steps_like_a_one_element_tensor(config, flavour):
+    # Prepare
+    spec = OptimizerSpec(**CONFIGS[config])
+    opt = make_optimizer(spec, flavour)
+    scalar, vector = np.array(0.7, dtype=np.float32), np.array([0.7], dtype=np.float32)
+
+    # Execute
+    for i in range(5):
+        grad = np.float32(0.3 * i - 0.2)
+        opt.step("scalar", scalar, np.array(grad))
+        opt.step("vector", vector, np.array([grad]))
+
+    # Assert
+    assert scalar.shape == ()
+    assert scalar == vector[0]
+    assert scalar != np.float32(0.7)
+
+
 def _stepped_adam() -> tuple[Adam, np.ndarray, dict[str, np.ndarray]]:
     opt = Adam(lr=0.01, weight_decay=0.01)
     param = np.linspace(-1, 1, 6, dtype=np.float32)

@@ -109,6 +109,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "protocol": ExitCode(10, "client and server disagree on the wire protocol; upgrade the older side"),
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
+    "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }
 

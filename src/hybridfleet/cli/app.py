@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     except HfleetError as err:
         code = exit_code_for(err)
         console = Console(stderr=True)
-        console.print(f"[red]error:[/red] {err}", markup=True, highlight=False, soft_wrap=True)
+        console.print("[red]error:[/red] ", end="")
+        console.print(str(err), markup=False, highlight=False, soft_wrap=True)
         if code.hint:
-            console.print(f"hint: {code.hint}", highlight=False, soft_wrap=True)
+            console.print(f"hint: {code.hint}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(code.code)
 
 

@@ -76,6 +76,8 @@ def convert(src: str = typer.Argument(..., help="source checkpoint root"),
     """Convert a checkpoint's model weights to the other framework's layout (optimizer state is dropped)."""
     from hybridfleet.ckpt import convert_checkpoint
 
+    if to not in ("torch", "paddle"):
+        raise typer.BadParameter(f"--to must be torch or paddle (got {to!r})")
     opts = _options(endpoint_url)
     info = convert_checkpoint(src, dst, to, step=step, src_options=opts, dst_options=opts)
     typer.echo(f"wrote step {info.step} for {to} to {info.url}")

@@ -26,7 +26,7 @@ def run(
 
     summary = run_ps_job(spec, job, echo=not quiet, run_root=run_root, baselines=False if no_baselines else None)
     _print_summary(summary)
-    if summary["status"] != "completed":
+    if summary["status"] == "failed":
         raise LaunchError(f"job {spec.name} failed; exit codes {summary['exit_codes']}; logs in {summary['run_dir']}/logs")
 
 
@@ -35,9 +35,10 @@ def _print_summary(summary: dict) -> None:
     table = Table(title=f"{summary['job']} ({summary['framework']}, {summary['sync']})", show_header=True)
     table.add_column("")
     table.add_column("value", justify="right")
+    table.add_row("status", summary["status"])
     table.add_row("joint test accuracy", f"{summary['test_accuracy']}")
     for site, acc in summary["site_alone_accuracy"].items():
-        table.add_row(f"{site} alone", f"{acc}")
+        table.add_row(f"{site} alone", "-" if acc is None else f"{acc:.4f}")
     for site, n in summary["bytes_sent_by_site"].items():
         table.add_row(f"bytes sent by {site}", f"{n:,}")
     table.add_row("raw data bytes sent", f"{summary['raw_data_bytes_sent']}")

@@ -211,11 +211,17 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     accs = [r["test_accuracy"] for r in workers.values() if "test_accuracy" in r]
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
-    ok = bool(worker_codes) and all(c == 0 for c in worker_codes.values()) and len(accs) == spec.num_workers
+    finished = [n for n, c in worker_codes.items() if c == 0 and n in workers]
+    if finished and len(finished) == spec.num_workers:
+        status = "completed"
+    elif finished:
+        status = "degraded"  # some workers died for good; the others trained to the end
+    else:
+        status = "failed"
     return {
         "job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "shards": spec.ps.shards,
-        "workers": spec.num_workers, "status": "completed" if ok else "failed",
-        "test_accuracy": round(min(accs), 5) if accs else None,
+        "workers": spec.num_workers, "status": status,
+        "test_accuracy": round(min(accs), 5) if accs else None,  # the worst worker's view of the model
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,

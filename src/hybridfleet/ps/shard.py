@@ -198,6 +198,11 @@ class ShardState:
                 self.rejected_pushes += 1
                 raise Reject("FAILED_PRECONDITION",
                              f"stale push: computed on version {base_version}, round {self.version} is open; pull and retry")
+            rnd = self.rounds.get(self.version) if self.sync == "bsp" else None
+            if rnd is not None and worker_id in rnd.contributors:
+                self.rejected_pushes += 1
+                raise Reject("ALREADY_EXISTS", f"worker {worker_id} already pushed round {self.version}; "
+                                               "wait for the round to close, then pull")
             grads = self._decode_all(payloads)
             member.clock = step
             member.last_seen = self._now()

@@ -117,6 +117,9 @@ class PSSession:
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
+        if self.client.sync == "bsp":
+            # a (re)joining worker takes up the open round, not the steps it missed while away
+            self.client.clock = max(self.client.clock, max(info["versions"]))
         self.step_count = self.client.clock
         if not info["initialized"] and cfg.rank == 0:
             init = {}
@@ -158,12 +161,10 @@ class PSSession:
         try:
             self.client.push(payloads, codec=self.codec_name, base_versions=base)
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
-            # a stale BSP round (e.g. after a rejoin): catch up and go on with fresh parameters
-            log.warning("push_stale", worker=self.config.worker_id, detail=err.details())
-            self._apply_pulled(self.client.pull())
-            return self.parameters()
+            # a stale or already-pushed BSP round (after a rejoin): catch up with the job's parameters
+            log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
         self.step_count = self.client.clock
         wait = None
         if self.client.sync == "bsp":
