@@ -142,3 +142,26 @@ def test_group_pids_finds_tagged_processes_only_while_they_live(tmp_path):
         proc.kill()
         proc.wait()
     assert group_pids("tag-under-test") == []
+
+
+def test_script_arguments_pass_through_untouched_even_when_they_look_like_launch_flags(tmp_path):
+    # Prepare: a one-process torch script that records its argv and the launcher's settings
+    script = tmp_path / "argv.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "keys = ['HFLEET_RESTART_COUNT', 'HFLEET_CKPT_DIR', 'HFLEET_DIST_BACKEND']\n"
+        "json.dump({'argv': sys.argv[1:], **{k: os.environ.get(k) for k in keys}}, open(sys.argv[-1], 'w'))\n"
+    )
+    out = tmp_path / "argv.json"
+    script_args = ["--log-dir", "inner", "-n", "5", "--framework", "x", "--", str(out)]
+
+    # Execute
+    run = subprocess.run([*HFLEET, "launch", "--framework", "torch", "--device", "cpu", "--log-dir",
+                          str(tmp_path / "logs"), str(script), *script_args],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+
+    # Assert
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen == {"argv": script_args, "HFLEET_RESTART_COUNT": "0",
+                    "HFLEET_CKPT_DIR": str(tmp_path / "logs" / "ckpt"), "HFLEET_DIST_BACKEND": "gloo"}

@@ -141,7 +141,8 @@ def test_missing_script_is_an_error_and_creates_no_log_dir(tmp_path, capsys):
         ({"nproc_per_node": 0}, "--nproc-per-node must be >= 1"),
         ({"max_restarts": -1}, "--max-restarts must be >= 0"),
         ({"nnodes": "2", "node_rank": 2, "master": "127.0.0.1:1"}, r"--node-rank must be in 0..1"),
-        ({"nnodes": "2"}, "--nnodes > 1 needs --master"),
+        ({"nnodes": "2", "node_rank": 0}, "--nnodes > 1 needs --master"),
+        ({"nnodes": "2", "master": "127.0.0.1:1"}, "torch with --nnodes > 1 needs --node-rank"),
         ({"framework": "paddle", "nnodes": "1:2", "master": "h:1"}, "needs an etcd master"),
     ],
 )

@@ -41,6 +41,18 @@ def test_put_then_get_returns_same_bytes_and_size(store):
     assert store.exists("a/b/c.bin")
 
 
+def test_large_odd_sized_file_round_trips_exactly(store):
+    # Above the size where the file store switches to unbuffered (O_DIRECT) writes.
+    from hybridfleet.store.file import DIRECT_MIN_BYTES
+
+    data = os.urandom(DIRECT_MIN_BYTES + 4097)
+
+    store.put_parts("big.bin", [data[:5], memoryview(data)[5:]])
+
+    assert store.size("big.bin") == len(data)
+    assert store.get_bytes("big.bin") == data
+
+
 def test_range_read_returns_requested_slice(store):
     data = bytes(range(256)) * 4
     store.put_bytes("r.bin", data)

@@ -18,7 +18,7 @@ import numpy as np
 
 from hybridfleet.ckpt.checkpoint import CheckpointInfo, write_checkpoint
 from hybridfleet.ckpt.retention import gc
-from hybridfleet.ckpt.snapshot import Snapshot, take_snapshot
+from hybridfleet.ckpt.snapshot import HostBuffers, Snapshot, take_snapshot
 from hybridfleet.ckpt.writer import SHARD_BYTES
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
@@ -61,6 +61,7 @@ class AsyncCheckpointer:
         self._pending_step: int | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._buffers = HostBuffers()  # reused: at most one snapshot is in flight
         atexit.register(self._at_exit)
 
     @property
@@ -87,7 +88,7 @@ class AsyncCheckpointer:
                 return None
             self._join()
         self._report_failure()
-        snapshot = take_snapshot(step, model, optimizer, self.framework, state, tensors, metrics, copy_tensors=True)
+        snapshot = take_snapshot(step, model, optimizer, self.framework, state, tensors, metrics, copy_tensors=True, buffers=self._buffers)
         self._pending_step = step
         self._thread = threading.Thread(target=self._write, args=(snapshot,), name=f"ckpt-write-{step}", daemon=True)
         self._thread.start()

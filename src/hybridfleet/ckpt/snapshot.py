@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,33 @@ class Snapshot:
     @property
     def tensor_bytes(self) -> int:
         return sum(a.nbytes for g in self.groups.values() for a in g.values())
+
+
+class HostBuffers:
+    """Reusable host arrays for snapshots: the second and later saves copy into memory
+    that is already mapped, which is several times faster than fresh allocations."""
+
+    COPY_SLICE_BYTES = 32 << 20
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+
+    def copy(self, role: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Copies of ``tensors`` in this pool's buffers (valid until the next `copy` of the same keys)."""
+        out: dict[str, np.ndarray] = {}
+        jobs = []
+        for name, arr in tensors.items():
+            buf = self._arrays.get((role, name))
+            if buf is None or buf.shape != arr.shape or buf.dtype != arr.dtype:
+                buf = self._arrays[(role, name)] = np.empty(arr.shape, dtype=arr.dtype)
+            out[name] = buf
+            flat_src, flat_dst = arr.reshape(-1), buf.reshape(-1)
+            step = max(1, self.COPY_SLICE_BYTES // max(1, arr.itemsize))
+            jobs += [(flat_dst[i : i + step], flat_src[i : i + step]) for i in range(0, flat_src.size, step)]
+        # numpy releases the GIL while copying, so two threads use both memory channels/cores.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda job: np.copyto(*job), jobs))
+        return out
 
 
 def _check_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
@@ -65,6 +93,7 @@ def take_snapshot(
     tensors: dict[str, np.ndarray] | None = None,
     metrics: dict[str, float] | None = None,
     copy_tensors: bool = False,
+    buffers: HostBuffers | None = None,
 ) -> Snapshot:
     """Copy model/optimizer state, RNG states and ``state`` into a `Snapshot`.
 
@@ -72,7 +101,8 @@ def take_snapshot(
     with ``copy_tensors`` (async saves need it, a synchronous save does not). The
     framework is detected from ``model``/``optimizer`` when not given. Raises
     ValueError for a bad step, non-JSON ``state`` or non-numeric metrics, before
-    anything is copied.
+    anything is copied. With ``buffers``, copies go into that reusable pool instead of
+    fresh memory (the caller must not reuse the pool while a previous snapshot is in use).
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int (got {step!r})")
@@ -92,14 +122,20 @@ def take_snapshot(
     else:
         full_state["rng"] = python_numpy_rng_state()
     if model is not None:
-        groups["model"] = adapter.model_state(model)
+        if buffers is not None:
+            groups["model"] = buffers.copy("model", adapter.model_views(model))
+        else:
+            groups["model"] = adapter.model_state(model)
         full_state["layouts"] = adapter.module_kinds(model)
     if optimizer is not None:
         groups["optimizer"], optimizer_meta = adapter.optimizer_state(optimizer)
         _check_json("optimizer meta", optimizer_meta)
         full_state["optimizer_meta"] = optimizer_meta
     if tensors:
-        groups["tensors"] = {k: np.array(v, copy=True) if copy_tensors else v for k, v in tensors.items()}
+        if buffers is not None:
+            groups["tensors"] = buffers.copy("tensors", tensors)
+        else:
+            groups["tensors"] = {k: np.array(v, copy=True) if copy_tensors else v for k, v in tensors.items()}
     full_state["metrics"] = checked_metrics
     full_state["user"] = state or {}
     return Snapshot(step=step, framework=framework, groups=groups, state=full_state, metrics=checked_metrics)

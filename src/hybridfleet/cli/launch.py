@@ -16,7 +16,7 @@ def launch_command(
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "-n", help="processes on this node"),
     nnodes: str = typer.Option("1", "--nnodes", help="N, or MIN:MAX for elastic"),
     master: str = typer.Option(None, "--master", help="host:port of the rendezvous (node rank 0)"),
-    node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
+    node_rank: int = typer.Option(None, "--node-rank", help="this node's rank (default 0 on one node; paddle assigns it)"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the whole group this many times"),
     log_dir: Path = typer.Option(None, "--log-dir", help="per-rank logs; default runs/launch-<time>"),
     ckpt_dir: Path = typer.Option(None, "--ckpt-dir", help="HFLEET_CKPT_DIR; default <log-dir>/ckpt"),

@@ -41,6 +41,10 @@ class Adapter(ABC):
     def model_state(self, model: Any) -> dict[str, np.ndarray]:
         """A snapshot (independent copies) of every parameter and buffer, by state-dict name."""
 
+    def model_views(self, model: Any) -> dict[str, np.ndarray]:
+        """Parameters and buffers as numpy arrays that may share the model's memory (no snapshot)."""
+        return self.model_state(model)
+
     @abstractmethod
     def _expected_state(self, model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, numpy dtype name) of the model's state dict."""

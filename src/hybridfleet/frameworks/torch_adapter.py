@@ -54,6 +54,9 @@ class TorchAdapter(Adapter):
     def model_state(self, model: Any) -> dict[str, np.ndarray]:
         return {k: np.array(v.detach().cpu().numpy(), copy=True, order="C") for k, v in model.state_dict().items()}
 
+    def model_views(self, model: Any) -> dict[str, np.ndarray]:
+        return {k: self.to_numpy(v) for k, v in model.state_dict().items()}
+
     def _expected_state(self, model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
 

@@ -43,7 +43,7 @@ class LaunchConfig:
     nproc_per_node: int = 1
     nnodes: str = "1"
     master: str | None = None
-    node_rank: int = 0
+    node_rank: int | None = None  # None: 0 on one node; paddle's master assigns it on several
     max_restarts: int = 0
     log_dir: Path = Path("runs/launch")
     ckpt_dir: Path | None = None
@@ -71,14 +71,14 @@ def build_command(config: LaunchConfig, master: str, attempt_dir: Path) -> list[
                f"--nproc-per-node={config.nproc_per_node}", f"--nnodes={config.nnodes}",
                "--max-restarts=0", f"--log-dir={attempt_dir}", "--redirects=3", "--tee=3"]
         if low == high:
-            cmd += [f"--node-rank={config.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
+            cmd += [f"--node-rank={config.node_rank or 0}", f"--master-addr={host}", f"--master-port={port}"]
         else:
             cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id=hfleet-{host}-{port}"]
     else:
         cmd = [config.python, "-m", "paddle.distributed.launch",
                f"--nproc_per_node={config.nproc_per_node}", f"--nnodes={config.nnodes}",
                f"--master={master}", f"--log_dir={attempt_dir}", "--max_restart=0", "--job_id=hfleet"]
-        if low == high:
+        if low == high and config.node_rank is not None:
             cmd.append(f"--rank={config.node_rank}")
         if config.device == "gpu":
             cmd.append("--devices=" + ",".join(str(i) for i in range(config.nproc_per_node)))
@@ -115,8 +115,10 @@ def _validate(config: LaunchConfig) -> None:
     if config.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0 (got {config.max_restarts})")
     low, high = preflight.parse_nnodes(config.nnodes)
-    if not 0 <= config.node_rank < high:
+    if config.node_rank is not None and not 0 <= config.node_rank < high:
         raise LaunchError(f"--node-rank must be in 0..{high - 1} for --nnodes {config.nnodes} (got {config.node_rank})")
+    if config.framework == "torch" and low == high > 1 and config.node_rank is None:
+        raise LaunchError("torch with --nnodes > 1 needs --node-rank (0 on the master node)")
     if config.framework == "paddle" and low != high and not (config.master or "").startswith("etcd://"):
         raise LaunchError("paddle elastic --nnodes MIN:MAX needs an etcd master: --master etcd://host:port")
     if not Path(config.script).is_file():
@@ -131,6 +133,8 @@ def _resolve_master(config: LaunchConfig) -> str:
     master = config.master or DEFAULT_MASTER
     if master.startswith("etcd://"):
         return master
+    if config.node_rank is None and preflight.parse_nnodes(config.nnodes)[1] > 1:
+        return master  # paddle assigns node ranks itself: this node may or may not be the master
     return preflight.resolve_master(master, config.nnodes, config.node_rank, config.connect_timeout_s)
 
 
@@ -159,7 +163,7 @@ def launch(config: LaunchConfig, echo: Callable[[str], None] | None = None) -> L
         if code == 0:
             log.info("attempt_ok", attempt=attempt)
             return LaunchResult(attempts=attempt + 1, master=master, log_dir=log_dir, failures=failures)
-        failure = diagnose(config.framework, output, attempt_dir, config.node_rank, config.nproc_per_node)
+        failure = diagnose(config.framework, output, attempt_dir, config.node_rank or 0, config.nproc_per_node)
         failures.append(failure)
         log.error("attempt_failed", attempt=attempt, launcher_exit_code=code, rank=failure.rank,
                   exit_code=failure.exit_code, logs=[str(p) for p in failure.log_files])

@@ -195,35 +195,40 @@ class PSClient:
 
     # ------------------------------------------------------------------ pull
     def pull(self, wait_for_versions: list[int] | None = None, timeout_s: float = 120.0,
-             full: bool = False) -> dict[str, bytes]:
-        """Pull the blocks changed since this client's versions (all blocks when ``full``)."""
+             full: bool = False) -> dict[str, list[tuple[int, bytes]]]:
+        """Pull the blocks changed since this client's versions (all blocks when ``full``).
+
+        Returns key -> ``[(byte offset, piece), ...]`` in order, so callers copy each piece once,
+        straight to where it belongs."""
         self._rejoin_if_needed()
 
-        def one(i: int) -> dict[str, bytes]:
+        def one(i: int) -> dict[str, list[tuple[int, bytes]]]:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, since_version=-1 if full else self.versions[i],
                                      wait_for_version=wait_for_versions[i] if wait_for_versions else -1,
                                      worker_clock=self.clock, timeout_s=timeout_s)
             self.bytes.add("sent", "control", req.ByteSize())
 
             def run(stub):
-                out: dict[str, bytearray] = {}
-                version = None
+                parts: dict[str, list[tuple[int, bytes]]] = {}
+                filled: dict[str, int] = {}
+                version, nbytes = None, 0
                 for msg in stub.Pull(req, metadata=self._metadata, timeout=timeout_s + 30):
                     version = msg.version
                     if msg.HasField("chunk"):
                         c = msg.chunk
-                        buf = out.get(c.key)
-                        if buf is None:
-                            buf = out[c.key] = bytearray(c.total_bytes)
-                        buf[c.offset:c.offset + len(c.data)] = c.data
-                        self.bytes.add("received", "params", len(c.data))
-                return version, out
+                        if c.offset != filled.get(c.key, 0):
+                            raise ProtocolError(f"pull of {c.key!r}: chunk at byte {c.offset} is out of order")
+                        parts.setdefault(c.key, []).append((c.offset, c.data))
+                        filled[c.key] = c.offset + len(c.data)
+                        nbytes += len(c.data)
+                self.bytes.add("received", "params", nbytes)
+                return version, parts
 
             version, out = self._call(i, run, what="pull")
             self.versions[i] = version
             return out
 
-        merged: dict[str, bytes] = {}
+        merged: dict[str, list[tuple[int, bytes]]] = {}
         for part in self._each_shard(one):
             merged.update(part)
         self.initialized = True

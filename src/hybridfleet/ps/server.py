@@ -75,16 +75,17 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         if not items:
             yield ps_pb2.PullChunk(version=version)
             return
-        for key, payload in items:
-            view = memoryview(payload)
-            total = len(view)
-            for offset in range(0, max(total, 1), CHUNK_BYTES):
+        for key, pieces, total in items:
+            offset = 0
+            for piece in pieces:
                 yield ps_pb2.PullChunk(version=version, chunk=ps_pb2.TensorChunk(
-                    key=key, offset=offset, total_bytes=total, data=bytes(view[offset:offset + CHUNK_BYTES])))
+                    key=key, offset=offset, total_bytes=total, data=piece))
+                offset += len(piece)
 
     def Push(self, request_iterator, context):
         header = None
-        buffers: dict[str, bytearray] = {}
+        parts: dict[str, list[bytes]] = {}
+        expected: dict[str, int] = {}
         filled: dict[str, int] = {}
         received = 0
         try:
@@ -99,39 +100,37 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                         raise Reject("RESOURCE_EXHAUSTED",
                                      f"push of {declared} bytes exceeds the cap of {self.max_push_bytes} bytes")
                     for k in header.keys:
-                        if k.key in buffers:
+                        if k.key in expected:
                             raise Reject("INVALID_ARGUMENT", f"key {k.key!r} appears twice in the push header")
-                        buffers[k.key] = bytearray(k.nbytes)
-                        filled[k.key] = 0
+                        expected[k.key], filled[k.key], parts[k.key] = k.nbytes, 0, []
                 elif which == "chunk":
                     if header is None:
                         raise Reject("INVALID_ARGUMENT", "push chunk before its header")
                     c = msg.chunk
-                    buf = buffers.get(c.key)
-                    if buf is None:
+                    if c.key not in expected:
                         raise Reject("INVALID_ARGUMENT", f"chunk for key {c.key!r} not declared in the header")
                     end = c.offset + len(c.data)
-                    if c.offset != filled[c.key] or end > len(buf):
+                    if c.offset != filled[c.key] or end > expected[c.key]:
                         raise Reject("INVALID_ARGUMENT",
                                      f"key {c.key!r}: chunk at byte {c.offset} (+{len(c.data)}) does not continue "
-                                     f"the {filled[c.key]} of {len(buf)} bytes received")
-                    buf[c.offset:end] = c.data
+                                     f"the {filled[c.key]} of {expected[c.key]} bytes received")
+                    parts[c.key].append(c.data)
                     filled[c.key] = end
                     received += len(c.data)
                     if received > self.max_push_bytes:
                         raise Reject("RESOURCE_EXHAUSTED", f"push exceeds the cap of {self.max_push_bytes} bytes")
             if header is None:
                 raise Reject("INVALID_ARGUMENT", "empty push: no header")
-            short = [k for k, buf in buffers.items() if filled[k] != len(buf)]
+            short = [k for k, n in expected.items() if filled[k] != n]
             if short:
                 raise Reject("INVALID_ARGUMENT", f"push ended early: key {short[0]!r} got {filled[short[0]]} "
-                                                 f"of {len(buffers[short[0]])} bytes")
-            site = _claims_site(self.state.members.get(header.worker_id).site
-                                if header.worker_id in self.state.members else "")
+                                                 f"of {expected[short[0]]} bytes")
+            member = self.state.members.get(header.worker_id)
+            site = _claims_site(member.site if member is not None else "")
             kind = ps_pb2.PushHeader.Kind.Name(header.kind)
+            payloads = {k: v[0] if len(v) == 1 else b"".join(v) for k, v in parts.items()}
             version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
-                                               header.codec, {k: bytes(v) for k, v in buffers.items()},
-                                               header.contributors or 1)
+                                               header.codec, payloads, header.contributors or 1)
         except Reject as rej:
             log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
             self._abort(context, rej)

@@ -15,6 +15,7 @@ import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire import CHUNK_BYTES
 from hybridfleet.spec.models import PSSpec
 
 log = get_logger("ps.shard")
@@ -65,6 +66,7 @@ class ShardState:
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
         self.key_version: dict[str, int] = {}
+        self._wire_cache: dict[str, tuple[int, list[bytes]]] = {}
         self.initialized: set[str] = set()
         self.version = 0
         self.members: dict[str, Member] = {}
@@ -215,7 +217,7 @@ class ShardState:
                     if k in rnd.sums:
                         rnd.sums[k] += g
                     else:
-                        rnd.sums[k] = g.astype(DTYPE, copy=True)
+                        rnd.sums[k] = g if g.flags.writeable else g.copy()  # decode() returns a fresh array
                 rnd.contributors.add(worker_id)
                 rnd.weight += weight
                 applied = self._maybe_finish_rounds()
@@ -234,6 +236,7 @@ class ShardState:
             if key not in self.initialized:
                 self.params[key][:] = arr
                 self.initialized.add(key)
+                self._wire_cache.pop(key, None)
                 fresh += 1
         log.info("params_initialized", shard=self.shard, worker=worker_id, keys=fresh)
         self.cond.notify_all()
@@ -275,10 +278,7 @@ class ShardState:
             if arr.size != expected:
                 raise Reject("INVALID_ARGUMENT",
                              f"key {key!r}: shape {tuple(arr.shape)} ({arr.size} elements), expected {expected} elements")
-            arr = arr.reshape(-1)
-            if not np.isfinite(arr).all():
-                raise Reject("INVALID_ARGUMENT", f"key {key!r}: gradient has non-finite values (NaN or Inf)")
-            out[key] = arr
+            out[key] = arr.reshape(-1)  # decode() has checked the values are finite
         return out
 
     def _maybe_finish_rounds(self) -> bool:
@@ -306,8 +306,9 @@ class ShardState:
 
     # -------------------------------------------------------------------- pull
     def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
-             timeout_s: float) -> tuple[int, list[tuple[str, bytes]]]:
-        """Wait per the consistency mode, then return ``(version, [(key, bytes)])`` of keys changed since."""
+             timeout_s: float) -> tuple[int, list[tuple[str, list[bytes], int]]]:
+        """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes)])`` of the
+        keys changed since ``since_version``."""
         deadline = self._now() + max(0.0, timeout_s)
         with self.cond:
             self._member(worker_id)
@@ -317,8 +318,20 @@ class ShardState:
                     raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
                 self.cond.wait(min(left, 0.5))
                 self._maybe_finish_rounds()
-            out = [(k, self.params[k].tobytes()) for k in self.keys if self.key_version[k] > since_version]
+            out = [(k, self._wire_chunks(k), self.params[k].nbytes)
+                   for k in self.keys if self.key_version[k] > since_version]
             return self.version, out
+
+    def _wire_chunks(self, key: str) -> list[bytes]:
+        """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""
+        cached = self._wire_cache.get(key)
+        if cached is not None and cached[0] == self.key_version[key]:
+            return cached[1]
+        p = self.params[key]
+        step = CHUNK_BYTES // DTYPE.itemsize
+        chunks = [p[i:i + step].tobytes() for i in range(0, max(p.size, 1), step)]
+        self._wire_cache[key] = (self.key_version[key], chunks)
+        return chunks
 
     def _pull_ready(self, worker_id: str, wait_for_version: int, worker_clock: int) -> bool:
         if not self.is_initialized():

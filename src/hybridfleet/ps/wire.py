@@ -13,8 +13,8 @@ CHUNK_BYTES = 1 << 20
 
 # gRPC channel/server options: allow a little more than one chunk per message.
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
-    ("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
+    ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 

@@ -194,15 +194,19 @@ class PSSession:
             return ErrorFeedback(codec).encode
         return lambda key, block: codec.encode(block)
 
-    def _apply_pulled(self, pulled: dict[str, bytes]) -> None:
+    def _apply_pulled(self, pulled: dict[str, list[tuple[int, bytes]]]) -> None:
         for b in self.plan.blocks:
-            data = pulled.get(b.key)
-            if data is None:
+            pieces = pulled.get(b.key)
+            if pieces is None:
                 continue
-            arr = np.frombuffer(data, dtype=DTYPE)
-            if arr.size != b.stop - b.start:
-                raise ProtocolError(f"pulled {arr.size} elements for {b.key!r}, expected {b.stop - b.start}")
-            self._flat[b.param][b.start:b.stop] = arr
+            total = sum(len(p) for _, p in pieces)
+            if total != (b.stop - b.start) * DTYPE.itemsize:
+                raise ProtocolError(f"pulled {total} bytes for {b.key!r}, expected {(b.stop - b.start) * DTYPE.itemsize}")
+            dest = self._flat[b.param]
+            for offset, piece in pieces:
+                start = b.start + offset // DTYPE.itemsize
+                arr = np.frombuffer(piece, dtype=DTYPE)
+                dest[start:start + arr.size] = arr
 
     # --------------------------------------------------------------- metrics
     def bytes_moved(self) -> dict[str, int]:

@@ -8,8 +8,17 @@ import shutil
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 from hybridfleet.errors import StoreError
 from hybridfleet.store.base import Buffer, Store
+
+# Files at least this large are written with O_DIRECT through a page-aligned staging
+# buffer: the disk reads straight from it (no page-cache copy), which leaves the CPU
+# to the checkpoint's sha256 hashing and gets close to the disk's raw bandwidth.
+DIRECT_MIN_BYTES = 16 << 20
+DIRECT_ALIGN_BYTES = 4096
+DIRECT_STAGE_BYTES = 8 << 20
 
 
 def _write_all(fd: int, data: Buffer) -> None:
@@ -17,6 +26,43 @@ def _write_all(fd: int, data: Buffer) -> None:
     while view.nbytes:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _write_direct(path: Path, parts: list[Buffer], total_bytes: int) -> bool:
+    """Write ``parts`` to a new file at ``path`` with O_DIRECT; False if the filesystem refuses it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return False
+    try:
+        stage = mmap.mmap(-1, DIRECT_STAGE_BYTES)  # anonymous maps are page-aligned
+        staged = np.frombuffer(stage, dtype=np.uint8)
+        filled = 0
+        for part in parts:
+            src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
+            offset = 0
+            while offset < src.size:
+                n = min(src.size - offset, DIRECT_STAGE_BYTES - filled)
+                staged[filled : filled + n] = src[offset : offset + n]
+                filled += n
+                offset += n
+                if filled == DIRECT_STAGE_BYTES:
+                    _write_all(fd, stage)
+                    filled = 0
+        if filled:
+            padded = -(-filled // DIRECT_ALIGN_BYTES) * DIRECT_ALIGN_BYTES
+            staged[filled:padded] = 0
+            _write_all(fd, memoryview(stage)[:padded])
+        os.ftruncate(fd, total_bytes)  # drop the alignment padding
+        os.fsync(fd)
+    except OSError as err:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if err.errno == 22:  # EINVAL: O_DIRECT accepted at open but not for these writes
+            return False
+        raise
+    os.close(fd)
+    return True
 
 
 class FileStore(Store):
@@ -34,6 +80,10 @@ class FileStore(Store):
         target = self._full(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
+        total_bytes = sum(memoryview(p).nbytes for p in parts)
+        if total_bytes >= DIRECT_MIN_BYTES and _write_direct(tmp, parts, total_bytes):
+            self._publish(tmp, target)
+            return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for part in parts:
@@ -44,6 +94,10 @@ class FileStore(Store):
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
+        self._publish(tmp, target)
+
+    @staticmethod
+    def _publish(tmp: Path, target: Path) -> None:
         os.replace(tmp, target)
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:

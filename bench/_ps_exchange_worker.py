@@ -1,0 +1,37 @@
+"""One worker of bench/ps_exchange.py: timed dense push + pull rounds through the shard(s)."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from hybridfleet.ps.worker import PSSession, WorkerConfig, client_security_from_env
+from hybridfleet.spec import load_spec
+
+
+def main() -> None:
+    job, rank, rounds, numel, tensors = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    spec = load_spec(job)
+    site = list(spec.sites)[rank]
+    config = WorkerConfig(job=spec, site=site, rank=rank, site_rank=0, servers=os.environ["HFLEET_SERVERS"].split(","),
+                          security=client_security_from_env(dict(os.environ)))
+    shapes = {f"layer{i}.weight": (numel // tensors,) for i in range(tensors)}
+    rng = np.random.default_rng(rank)
+    params = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    grads = {k: rng.standard_normal(s, dtype=np.float32) * 1e-3 for k, s in shapes.items()}
+    session = PSSession(shapes, config, "torch")
+    session.start(params)
+    times = []
+    for _ in range(rounds + 1):  # the first round warms up connections and buffers
+        t0 = time.perf_counter()
+        session.step(grads)
+        times.append(time.perf_counter() - t0)
+    moved = session.bytes_moved()
+    session.close()
+    print(json.dumps({"rank": rank, "round_s": times[1:], "sent": moved["sent"], "received": moved["received"]}))
+
+
+if __name__ == "__main__":
+    main()

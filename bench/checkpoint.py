@@ -1,0 +1,191 @@
+"""Checkpoint benchmark: our format vs torch.save/load, paddle.save/load and plain safetensors.
+
+    OMP_NUM_THREADS=1 python bench/checkpoint.py [--quick] [--size-mb 1024] [--dir DIR]
+
+Durable saves (every method's files are fsync'd before the clock stops), loads into
+framework tensors with every byte read (ours: each byte is also sha256-verified; every
+method's tensors then get one read per 4 KiB page, so lazy memory maps count too), `dd oflag=direct` on the same disk as the
+physical write limit, and the training stall of an async save vs a synchronous save.
+Loads read from a warm page cache for every method alike. Prints a table, then one
+JSON line: {"bench": "checkpoint", "save_vs_torch": t_torch / t_ours, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TENSOR_MB = 64
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def dd_direct_bw(work: Path, size_bytes: int) -> float:
+    """Bytes/s of `dd oflag=direct` writing ``size_bytes`` to the benchmark's disk."""
+    target = work / "dd.bin"
+    count = max(1, size_bytes // (64 << 20))
+    out = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync"],
+                         capture_output=True, text=True, check=True).stderr  # fmt: skip
+    target.unlink()
+    seconds = float(re.search(r"copied, ([0-9.]+) s", out).group(1))
+    return count * (64 << 20) / seconds
+
+
+def touch_pages(tensors) -> None:
+    """Read one element per 4 KiB page of every tensor, so lazily mapped loads really load."""
+    for t in tensors.values():
+        flat = t.reshape([-1])
+        if flat.shape[0]:
+            float(flat[:: 1024].sum())
+
+
+def make_state(size_bytes: int):
+    import torch
+
+    rng = np.random.default_rng(0)
+    per = min(size_bytes, TENSOR_MB << 20) // 4
+    count = max(1, size_bytes // (per * 4))
+    arrays = {f"layer{i:03d}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(count)}
+    return arrays, {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+def bench(size_bytes: int, work: Path, repeats: int) -> dict[str, float]:
+    import paddle
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hybridfleet.ckpt import AsyncCheckpointer, load_tensors_checkpoint, save_tensors_checkpoint
+    from hybridfleet.frameworks import get_adapter
+
+    arrays, torch_state = make_state(size_bytes)
+    total = sum(a.nbytes for a in arrays.values())
+    paddle_state = {k: paddle.to_tensor(v) for k, v in arrays.items()}
+    torch_adapter = get_adapter("torch")
+    results: dict[str, float] = {"state_bytes": total}
+
+    def best(name: str, fn) -> float:
+        times = []
+        for i in range(repeats):
+            times.append(timed(lambda: fn(work / f"{name}-{i}")))
+        results[name] = min(times)
+        return results[name]
+
+    def ours_save(path: Path) -> None:
+        save_tensors_checkpoint(str(path), 1, {k: torch_adapter.to_numpy(v) for k, v in torch_state.items()})
+
+    def torch_save(path: Path) -> None:
+        with open(path, "wb") as f:
+            torch.save(torch_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def paddle_save(path: Path) -> None:
+        paddle.save(paddle_state, str(path))
+        fsync_path(path)
+
+    def st_save(path: Path) -> None:
+        save_file(torch_state, str(path))
+        fsync_path(path)
+
+    for name, fn in [("save_ours", ours_save), ("save_torch", torch_save), ("save_paddle", paddle_save), ("save_safetensors", st_save)]:
+        best(name, fn)
+
+    def ours_load(path: Path) -> None:
+        _, tensors, _ = load_tensors_checkpoint(str(work / "save_ours-0"))
+        loaded = {k: torch_adapter.from_numpy(v) for k, v in tensors.items()}
+        touch_pages(loaded)
+
+    def torch_load(path: Path) -> None:
+        touch_pages(torch.load(work / "save_torch-0", weights_only=True))
+
+    def paddle_load(path: Path) -> None:
+        touch_pages(paddle.load(str(work / "save_paddle-0")))
+
+    def st_load(path: Path) -> None:
+        touch_pages(load_file(str(work / "save_safetensors-0")))
+
+    for name, fn in [("load_ours", ours_load), ("load_torch", torch_load), ("load_paddle", paddle_load), ("load_safetensors", st_load)]:
+        best(name, fn)
+
+    # Async: steady-state stall (second save onward reuses the host buffers) vs a sync save.
+    stalls = []
+    with AsyncCheckpointer(str(work / "async")) as saver:
+        for step in range(1, repeats + 2):
+            stalls.append(saver.save(step, tensors=arrays))
+            saver.wait()
+    results["async_stall"] = min(stalls[1:])
+    results["dd_bw"] = dd_direct_bw(work, total)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB state, one repeat (< 1 min)")
+    parser.add_argument("--size-mb", type=int, default=None, help="state size in MiB (default 1024)")
+    parser.add_argument("--dir", default=None, help="work directory on the disk to measure (default: a temp dir under .)")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    size_mb = args.size_mb or (64 if args.quick else 1024)
+    repeats = args.repeats or (1 if args.quick else 2)
+    os.environ.setdefault("HFLEET_LOG_LEVEL", "warning")
+    from hybridfleet.obs.log import configure
+
+    configure(level="warning")
+    work = Path(tempfile.mkdtemp(prefix="hfleet-bench-ckpt-", dir=args.dir or "."))
+    try:
+        r = bench(size_mb << 20, work, repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = r["state_bytes"] / 1e9
+    print(f"checkpoint benchmark: {r['state_bytes'] / 2**20:.0f} MiB float32 state, best of {repeats}, disk {work.parent}")
+    print(f"{'method':<14}{'save s':>9}{'save GB/s':>11}{'load s':>9}{'load GB/s':>11}")
+    for name in ("ours", "torch", "paddle", "safetensors"):
+        s, l = r[f"save_{name}"], r[f"load_{name}"]
+        print(f"{name:<14}{s:>9.3f}{gb / s:>11.2f}{l:>9.3f}{gb / l:>11.2f}")
+    print(f"{'dd direct':<14}{gb * 1e9 / r['dd_bw']:>9.3f}{r['dd_bw'] / 1e9:>11.2f}")
+    print(f"async save stall {r['async_stall']:.3f} s vs sync save {r['save_ours']:.3f} s")
+    summary = {
+        "bench": "checkpoint",
+        "save_vs_torch": round(r["save_torch"] / r["save_ours"], 3),
+        "save_vs_paddle": round(r["save_paddle"] / r["save_ours"], 3),
+        "load_vs_torch": round(r["load_torch"] / r["load_ours"], 3),
+        "load_vs_paddle": round(r["load_paddle"] / r["load_ours"], 3),
+        "async_stall_fraction": round(r["async_stall"] / r["save_ours"], 3),
+        "disk_fraction": round((r["state_bytes"] / r["save_ours"]) / r["dd_bw"], 3),
+        "state_bytes": int(r["state_bytes"]),
+    }
+    print(json.dumps(summary))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

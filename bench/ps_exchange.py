@@ -1,0 +1,173 @@
+"""Dense push+pull through one parameter-server shard vs gloo all_reduce vs raw TCP.
+
+    python bench/ps_exchange.py            # 64 MB parameter set, 5 rounds
+    python bench/ps_exchange.py --quick    # 16 MB, 3 rounds (under a minute)
+
+Two workers push a dense fp32 gradient of the whole parameter set and pull the
+updated parameters (BSP, server-side SGD) through ONE shard over gRPC with TLS
+and tokens (the default security; --plaintext for comparison). The anchor is
+torch's gloo ``all_reduce`` of the same tensors in 2 processes started by
+torchrun, and the physical yardstick is raw TCP throughput on loopback for the
+bytes the shard moves.
+
+One shard must move 4x the tensor bytes per round (2 pushes in, 2 pulls out)
+while ring all-reduce moves 2x per process, so ratio ~1.4 is the floor here.
+The last line is JSON: ps_s and gloo_s are median seconds per round,
+ratio = ps_s / gloo_s, wire_efficiency = (bytes through the shard / ps_s) /
+raw TCP bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+TENSORS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
+    """Throughput of one TCP stream on loopback between two processes' worth of sockets (threads here)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    received = [0]
+
+    def sink():
+        conn, _ = server.accept()
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while received[0] < total_bytes:
+            n = conn.recv_into(view)
+            if not n:
+                break
+            received[0] += n
+        conn.close()
+
+    t = threading.Thread(target=sink)
+    t.start()
+    payload = os.urandom(chunk)
+    client = socket.create_connection(("127.0.0.1", port))
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < total_bytes:
+        client.sendall(payload)
+        sent += chunk
+    client.shutdown(socket.SHUT_WR)
+    t.join()
+    elapsed = time.perf_counter() - t0
+    client.close()
+    server.close()
+    return received[0] / elapsed
+
+
+def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path) -> dict:
+    job = {
+        "name": "bench-ps-exchange", "framework": "torch", "entrypoint": "unused.py",
+        "sites": {"w0": {"workers": 1}, "w1": {"workers": 1}},
+        "ps": {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.01},
+               "block_size_bytes": 64 << 20, "heartbeat_timeout_s": 60},
+        "security": {"tls": "off" if plaintext else "auto", "tokens": "off" if plaintext else "auto"},
+    }
+    job_path = workdir / "job.yaml"
+    job_path.write_text(yaml.safe_dump(job))
+    from hybridfleet.launch.psjob import prepare_security, worker_env
+    from hybridfleet.spec import load_spec
+
+    spec = load_spec(job_path)
+    layout = prepare_security(spec, workdir)
+    port_file = workdir / "shard.port"
+    argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", "0", "--port", "0",
+            "--port-file", str(port_file), "--expected-workers", "2"]
+    argv += ["--insecure-plaintext", "--no-auth"] if plaintext else ["--certs", str(layout.certs_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HFLEET_LOG_LEVEL="warning")
+    shard = subprocess.Popen(argv, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if time.monotonic() > deadline or shard.poll() is not None:
+                raise RuntimeError("shard did not start")
+            time.sleep(0.05)
+        layout.shard_addresses = [port_file.read_text().strip()]
+        procs = []
+        for rank, site in enumerate(spec.sites):
+            wenv = dict(env, **worker_env(spec, job_path, layout, site, rank, 0))
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "_ps_exchange_worker.py"), str(job_path),
+                                           str(rank), str(rounds), str(numel), str(TENSORS)],
+                                          env=wenv, stdout=subprocess.PIPE, text=True))
+        results = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        shard.terminate()
+        shard.wait(10)
+    per_round = [max(a, b) for a, b in zip(results[0]["round_s"], results[1]["round_s"])]
+    return {"round_s": per_round, "median_s": statistics.median(per_round)}
+
+
+def run_gloo(numel: int, rounds: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(HERE / "_gloo_worker.py"), str(rounds), str(numel),
+                          str(TENSORS)], env=env, capture_output=True, text=True, timeout=600, check=True)
+    line = next(l for l in out.stdout.splitlines() if l.startswith("GLOO "))
+    times = json.loads(line[5:])["round_s"]
+    return {"round_s": times, "median_s": statistics.median(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="16 MB, 3 rounds")
+    ap.add_argument("--mb", type=int, default=None, help="parameter set size in MB (default 64)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--plaintext", action="store_true", help="also measure without TLS and tokens")
+    args = ap.parse_args()
+    mb = args.mb or (16 if args.quick else 64)
+    rounds = args.rounds or (3 if args.quick else 5)
+    numel = mb * (1 << 20) // 4
+    tensor_bytes = numel * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        ps = run_ps(numel, rounds, False, Path(tmp))
+    ps_plain = None
+    if args.plaintext:
+        with tempfile.TemporaryDirectory() as tmp:
+            ps_plain = run_ps(numel, rounds, True, Path(tmp))
+    gloo = run_gloo(numel, rounds)
+    shard_bytes = 4 * tensor_bytes  # 2 pushes in + 2 pulls out
+    tcp = raw_tcp_bytes_per_s(shard_bytes)
+    ratio = ps["median_s"] / gloo["median_s"]
+    eff = (shard_bytes / ps["median_s"]) / tcp
+    print(f"parameter set: {mb} MB in {TENSORS} tensors, 2 workers, 1 shard, {rounds} rounds (median)")
+    print(f"{'side':<34}{'s/round':>10}{'GB/s through shard':>22}")
+    print(f"{'hybridfleet PS (TLS + tokens)':<34}{ps['median_s']:>10.3f}{shard_bytes / ps['median_s'] / 1e9:>22.2f}")
+    if ps_plain:
+        print(f"{'hybridfleet PS (plaintext)':<34}{ps_plain['median_s']:>10.3f}"
+              f"{shard_bytes / ps_plain['median_s'] / 1e9:>22.2f}")
+    print(f"{'torch gloo all_reduce (torchrun)':<34}{gloo['median_s']:>10.3f}{'':>22}")
+    print(f"{'raw TCP loopback (same bytes)':<34}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
+    result = {"bench": "ps_exchange", "mb": mb, "ps_s": round(ps["median_s"], 4), "gloo_s": round(gloo["median_s"], 4),
+              "ratio": round(ratio, 3), "wire_efficiency": round(eff, 3), "raw_tcp_gb_s": round(tcp / 1e9, 3)}
+    if ps_plain:
+        result["ps_plaintext_s"] = round(ps_plain["median_s"], 4)
+        result["ratio_plaintext"] = round(ps_plain["median_s"] / gloo["median_s"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

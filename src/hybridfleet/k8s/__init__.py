@@ -1,0 +1,1 @@
+"""Kubernetes / Kubeflow manifests rendered from a job file (no cluster access needed)."""

@@ -1,0 +1,112 @@
+"""Pieces every rendered workload shares: image, labels, resources, volumes, the job ConfigMap."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from hybridfleet.errors import SpecError
+from hybridfleet.spec.models import JobSpec
+
+JOB_MOUNT_DIR = "/etc/hfleet/job"
+JOB_FILE = f"{JOB_MOUNT_DIR}/job.yaml"
+CERTS_DIR = "/etc/hfleet/certs"
+PS_PORT = 50051
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+Manifest = dict[str, Any]
+
+
+def dns_name(*parts: str) -> str:
+    """A DNS-1123 name from parts: lower case, ``_`` -> ``-``, joined by ``-``."""
+    return "-".join(p.lower().replace("_", "-") for p in parts)
+
+
+def labels(spec: JobSpec, role: str, **extra: str) -> dict[str, str]:
+    """The labels that select one role's pods of this job."""
+    return {"app.kubernetes.io/name": "hybridfleet", "app.kubernetes.io/instance": spec.name,
+            "hybridfleet/role": role, **extra}
+
+
+def metadata(spec: JobSpec, name: str, role: str) -> dict[str, Any]:
+    return {"name": name, "labels": labels(spec, role)}
+
+
+def resolve_image(spec: JobSpec, base_dir: Path) -> str:
+    """``environment.image``, pinned as ``repo@sha256:...`` when the lock file records a digest.
+
+    The lock (``environment.lock``, relative to the job file) may hold ``image`` and/or
+    ``image_digest``; a digest inside ``image`` counts too. Raises `SpecError` when no image
+    is named or the lock is unreadable.
+    """
+    lock: dict[str, Any] = {}
+    if spec.environment.lock:
+        lock_path = (base_dir / spec.environment.lock) if not Path(spec.environment.lock).is_absolute() \
+            else Path(spec.environment.lock)
+        try:
+            lock = json.loads(lock_path.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"environment.lock: no such file {lock_path}") from None
+        except json.JSONDecodeError as err:
+            raise SpecError(f"environment.lock: {lock_path} is not JSON ({err})") from None
+    image = spec.environment.image or lock.get("image")
+    if not image:
+        raise SpecError("environment.image: k8s render needs an image (repo:tag); build one from `hfleet image render`")
+    repo, _, embedded = image.partition("@")
+    digest = lock.get("image_digest") or embedded or None
+    if digest is None:
+        return image
+    if not _DIGEST.match(digest):
+        raise SpecError(f"environment.lock: image_digest must be sha256:<64 hex> (got {digest!r})")
+    last = repo.rsplit("/", 1)
+    if ":" in last[-1]:  # drop the tag: the digest pins the image
+        last[-1] = last[-1].split(":", 1)[0]
+    return f"{'/'.join(last)}@{digest}"
+
+
+def resources(spec: JobSpec) -> dict[str, Any]:
+    """Requests = limits from ``resources`` (guaranteed QoS), plus ``nvidia.com/gpu`` when GPUs are asked."""
+    amounts: dict[str, Any] = {"cpu": _cpu(spec.resources.cpu), "memory": spec.resources.memory}
+    if spec.resources.gpus:
+        amounts["nvidia.com/gpu"] = spec.resources.gpus
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _cpu(cores: float) -> str:
+    return str(int(cores)) if float(cores).is_integer() else f"{int(round(cores * 1000))}m"
+
+
+def config_map(spec: JobSpec, job_text: str) -> Manifest:
+    """The job file itself, mounted read-only into every pod at ``/etc/hfleet/job/job.yaml``."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(spec, dns_name(spec.name, "job"), "config"),
+            "data": {"job.yaml": job_text}}
+
+
+def volumes(spec: JobSpec, certs: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts): the job file, /dev/shm in memory, and the certificates."""
+    vols: list[dict[str, Any]] = [
+        {"name": "job", "configMap": {"name": dns_name(spec.name, "job")}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "job", "mountPath": JOB_MOUNT_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if certs:
+        vols.append({"name": "certs", "secret": {"secretName": dns_name(spec.name, "certs")}})
+        mounts.append({"name": "certs", "mountPath": CERTS_DIR, "readOnly": True})
+    return vols, mounts
+
+
+def container(spec: JobSpec, image: str, name: str, command: list[str], mounts: list[dict[str, Any]],
+              env: list[dict[str, Any]] | None = None, ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One container running ``command`` with the job's image, resources and mounts."""
+    body: dict[str, Any] = {"name": name, "image": image, "command": command, "resources": resources(spec),
+                            "volumeMounts": mounts}
+    if env:
+        body["env"] = env
+    if ports:
+        body["ports"] = ports
+    return body
