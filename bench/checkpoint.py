@@ -2,11 +2,12 @@
 
     OMP_NUM_THREADS=1 python bench/checkpoint.py [--quick] [--size-mb 1024] [--dir DIR]
 
-Durable saves (every method's files are fsync'd before the clock stops), loads into
-framework tensors with every byte read (ours: each byte is also sha256-verified; every
-method's tensors then get one read per 4 KiB page, so lazy memory maps count too), `dd oflag=direct` on the same disk as the
-physical write limit, and the training stall of an async save vs a synchronous save.
-Loads read from a warm page cache for every method alike. Prints a table, then one
+Durable saves (every method's files are fsync'd before the clock stops) and loads
+into framework tensors (ours also sha256-verifies every byte; every method's tensors
+then get one read per 4 KiB page, so lazy memory maps are really loaded), `dd
+oflag=direct` on the same disk as the physical write limit, and the training stall of
+an async save (steady state, host buffers reused) vs a synchronous save. Loads read
+a warm page cache for every method alike (best of the repeats). Prints a table, then one
 JSON line: {"bench": "checkpoint", "save_vs_torch": t_torch / t_ours, ...}.
 """
 

@@ -21,9 +21,10 @@ def grads(value: float) -> dict[str, np.ndarray]:
     return {"fc.weight": np.full((4, 3), value, np.float32), "fc.bias": np.full(4, value, np.float32)}
 
 
-def values(pieces) -> np.ndarray:
-    """Pulled pieces [(offset, bytes)] of one key as an array."""
-    return np.frombuffer(b"".join(p for _, p in pieces), "<f4")
+def values(pulled, key: str) -> np.ndarray:
+    """The values of ``key`` in a pull's result."""
+    entry = next(e for e in pulled if e.key == key and e.delta_version == 0)
+    return np.frombuffer(entry.payload(), "<f4")
 
 
 def encoded(client, g: dict[str, np.ndarray], codec=NONE) -> dict[str, bytes]:
@@ -241,7 +242,7 @@ def test_bsp_applies_a_round_only_when_every_live_worker_pushed(cluster):
     pulled = a.pull(wait_for_versions=[1])
     # SGD lr 0.5 on the average gradient 2.0: w - 1.0
     expected = initial_values()["fc.bias"] - 1.0
-    np.testing.assert_allclose(values(pulled["fc.bias"]), expected, rtol=1e-6)
+    np.testing.assert_allclose(values(pulled, "fc.bias"), expected, rtol=1e-6)
     a.close()
     b.close()
 
@@ -260,7 +261,7 @@ def test_bsp_silent_worker_leaves_quorum_and_round_completes(cluster):
     b.join(PARAMS, cluster.spec.ps.block_size_bytes, "none", "torch")
     assert "b-0" in state.live_members()
     pulled = b.pull(full=True)
-    np.testing.assert_array_equal(values(pulled["fc.bias"]), state.params["fc.bias"])
+    np.testing.assert_array_equal(values(pulled, "fc.bias"), state.params["fc.bias"])
     a.close()
     b.close()
 
@@ -323,7 +324,7 @@ def test_ssp_worker_too_far_ahead_waits_for_the_slowest(tmp_path):
 def test_pull_returns_only_keys_changed_since_client_version(two_shards):
     a = two_shards.client("a")
     join_and_init(two_shards, a)
-    assert a.pull() == {}  # nothing changed since the full pull
+    assert a.pull() == []  # nothing changed since the full pull
     a.close()
 
 

@@ -7,6 +7,8 @@ brings back the job's parameters. Started without a parameter server (no
 HFLEET_SERVERS), the same script trains alone on one site's data.
 """
 
+import argparse
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -16,9 +18,16 @@ import hybridfleet.paddle as hf
 
 paddle.set_device("cpu")
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--hidden", default="128", help="hidden layer widths, e.g. 2048,512 for a 1.2M-parameter model")
+widths = [64, *(int(w) for w in parser.parse_args().hidden.split(",")), 10]
+
 # -- the model ---------------------------------------------------------------
 paddle.seed(0)  # every worker starts from the same weights
-model = paddle.nn.Sequential(paddle.nn.Linear(64, 128), paddle.nn.ReLU(), paddle.nn.Linear(128, 10))
+layers = []
+for d_in, d_out in zip(widths, widths[1:]):
+    layers += [paddle.nn.Linear(d_in, d_out), paddle.nn.ReLU()]
+model = paddle.nn.Sequential(*layers[:-1])
 
 ps = hf.connect(model)
 

@@ -7,6 +7,8 @@ brings back the job's parameters. Started without a parameter server (no
 HFLEET_SERVERS), the same script trains alone on one site's data.
 """
 
+import argparse
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -16,9 +18,16 @@ import hybridfleet.torch as hf
 
 torch.set_num_threads(1)
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--hidden", default="128", help="hidden layer widths, e.g. 2048,512 for a 1.2M-parameter model")
+widths = [64, *(int(w) for w in parser.parse_args().hidden.split(",")), 10]
+
 # -- the model ---------------------------------------------------------------
 torch.manual_seed(0)  # every worker starts from the same weights
-model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+layers = []
+for d_in, d_out in zip(widths, widths[1:]):
+    layers += [torch.nn.Linear(d_in, d_out), torch.nn.ReLU()]
+model = torch.nn.Sequential(*layers[:-1])
 
 ps = hf.connect(model)
 

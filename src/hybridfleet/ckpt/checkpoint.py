@@ -77,7 +77,7 @@ def save_checkpoint(
 
     ``model``/``optimizer`` are torch or paddle objects (framework detected unless
     given); ``tensors`` are raw numpy arrays; ``state`` is any JSON-able dict
-    (epoch, sampler position, env lock hash...). RNG states of python, numpy and the
+    (e.g. ``{"epoch": 3, "sampler": {...}, "env_lock_hash": "..."}``). RNG states of python, numpy and the
     framework are captured. The manifest is written last, so an interrupted save is
     invisible to readers. ``store_options`` (endpoint_url, key, secret) go to `open_store`.
     """
@@ -85,7 +85,11 @@ def save_checkpoint(
     return write_checkpoint(open_store(store_url, **store_options), snapshot, shard_bytes)
 
 
-def _newest_valid(store: Store, step: int | None) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+def read_newest_valid(store: Store, step: int | None) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+    """(manifest, state, tensors by role) of the newest fully verified checkpoint, or of ``step``.
+
+    Invalid newer checkpoints are skipped with a warning log; CheckpointError when none is valid.
+    """
     if step is not None:
         return read_checkpoint(store, step)
     steps = list_steps(store)
@@ -140,7 +144,7 @@ def load_checkpoint(
     when no valid checkpoint exists (or ``step`` is invalid).
     """
     store = open_store(url, **store_options)
-    manifest, state, groups = _newest_valid(store, step)
+    manifest, state, groups = read_newest_valid(store, step)
     if model is not None or optimizer is not None:
         _apply(manifest.framework, state, groups, model, optimizer, restore_rng)
     info = _info(store, manifest, state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridfleet.ckpt.checkpoint import CheckpointInfo, _newest_valid, write_checkpoint
+from hybridfleet.ckpt.checkpoint import CheckpointInfo, read_newest_valid, write_checkpoint
 from hybridfleet.ckpt.snapshot import Snapshot
 from hybridfleet.errors import CheckpointError
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
@@ -29,7 +29,7 @@ def convert_checkpoint(
     if to not in FRAMEWORK_NAMES:
         raise ValueError(f"--to must be one of {FRAMEWORK_NAMES} (got {to!r})")
     source = open_store(src_url, **(src_options or {}))
-    manifest, state, groups = _newest_valid(source, step)
+    manifest, state, groups = read_newest_valid(source, step)
     if "model" not in groups:
         raise CheckpointError(f"{source.url} step {manifest.step} has no model tensors (raw tensors have no layer layout to convert)")
     src = manifest.framework

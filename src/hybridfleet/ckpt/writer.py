@@ -17,7 +17,8 @@ SHARD_BYTES = 512 << 20
 # Tensors at least this large get a file of their own, so an unchanged tensor is an
 # unchanged blob and is never uploaded again; smaller ones are packed into shards.
 OWN_FILE_BYTES = 1 << 20
-WRITE_WORKERS = 4
+HASH_WORKERS = 2  # sha256 is CPU-bound: one thread per core
+WRITE_WORKERS = 4  # writes mostly wait on the disk or the network
 
 
 def plan_files(
@@ -45,11 +46,17 @@ def plan_files(
     return [(f"{role}-{i + 1:05d}-of-{total:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def _write_file(store: Store, role: str, name: str, tensors: dict[str, np.ndarray]) -> tuple[FileEntry, int]:
-    parts = safetensors_io.encode(tensors, metadata={"role": role})
-    digest, size = sha256_parts(parts)
-    uploaded = put_blob(store, parts, digest)
-    return FileEntry(name=name, path=blob_path(digest), role=role, size_bytes=size, sha256=digest), uploaded
+def _write_files(store: Store, jobs: list[tuple[str, str, dict[str, np.ndarray]]]) -> list[tuple[FileEntry, int]]:
+    """Hash and upload files as a pipeline: file i is written while file i+1 is hashed."""
+    encoded = [(role, name, safetensors_io.encode(tensors, metadata={"role": role})) for role, name, tensors in jobs]
+    with ThreadPoolExecutor(HASH_WORKERS) as hashers, ThreadPoolExecutor(WRITE_WORKERS) as writers:
+        digests = [hashers.submit(sha256_parts, parts) for _, _, parts in encoded]
+        uploads = []
+        for (role, name, parts), digest_future in zip(encoded, digests):
+            digest, size = digest_future.result()
+            entry = FileEntry(name=name, path=blob_path(digest), role=role, size_bytes=size, sha256=digest)
+            uploads.append((entry, writers.submit(put_blob, store, parts, digest)))
+        return [(entry, future.result()) for entry, future in uploads]
 
 
 def write_snapshot(
@@ -71,8 +78,7 @@ def write_snapshot(
     state_entry = FileEntry(name=STATE_NAME, path=state_path, role="state", size_bytes=size, sha256=digest)
 
     jobs = [(role, name, group) for role, tensors in snapshot.groups.items() for name, group in plan_files(role, tensors, shard_bytes, own_file_bytes)]
-    with ThreadPoolExecutor(max_workers=max(1, min(WRITE_WORKERS, len(jobs)))) as pool:
-        results = list(pool.map(lambda job: _write_file(store, *job), jobs))
+    results = _write_files(store, jobs)
     entries = [entry for entry, _ in results] + [state_entry]
     uploaded = sum(n for _, n in results) + len(state_bytes)
 

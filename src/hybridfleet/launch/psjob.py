@@ -120,7 +120,9 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
     entry = str(Path(spec.entrypoint))
     for site, s in spec.sites.items():
         for site_rank in range(s.workers):
-            procs.append(ProcessSpec(name=f"worker-{site}-{site_rank}", argv=[sys.executable, entry, *spec.args],
+            prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
+            procs.append(ProcessSpec(name=f"worker-{site}-{site_rank}",
+                                     argv=[*prefix, sys.executable, entry, *spec.args],
                                      env=worker_env(spec, job_path, layout, site, rank, site_rank),
                                      max_restarts=spec.max_restarts, role="worker"))
             rank += 1

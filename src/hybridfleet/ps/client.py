@@ -49,6 +49,23 @@ class ByteCounter:
             d[category] = d.get(category, 0) + n
 
 
+@dataclass
+class Pulled:
+    """One pulled tensor: a key's values (``delta_version == 0``) or the encoded change that
+    brought it to ``delta_version``; ``pieces`` are ``(byte offset, bytes)`` in order."""
+
+    key: str
+    delta_version: int
+    pieces: list[tuple[int, bytes]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for _, p in self.pieces)
+
+    def payload(self) -> bytes:
+        return self.pieces[0][1] if len(self.pieces) == 1 else b"".join(p for _, p in self.pieces)
+
+
 class PSClient:
     """A worker's connection to all shards of one job."""
 
@@ -195,42 +212,44 @@ class PSClient:
 
     # ------------------------------------------------------------------ pull
     def pull(self, wait_for_versions: list[int] | None = None, timeout_s: float = 120.0,
-             full: bool = False) -> dict[str, list[tuple[int, bytes]]]:
-        """Pull the blocks changed since this client's versions (all blocks when ``full``).
+             full: bool = False) -> list[Pulled]:
+        """Pull what changed since this client's versions (everything when ``full``).
 
-        Returns key -> ``[(byte offset, piece), ...]`` in order, so callers copy each piece once,
-        straight to where it belongs."""
+        Returns `Pulled` entries in the order to apply them: a key's values, or (compressed
+        downlink) an encoded delta to add; pieces come as ``(byte offset, bytes)`` so callers
+        copy each piece once, straight to where it belongs."""
         self._rejoin_if_needed()
 
-        def one(i: int) -> dict[str, list[tuple[int, bytes]]]:
+        def one(i: int) -> list[Pulled]:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, since_version=-1 if full else self.versions[i],
                                      wait_for_version=wait_for_versions[i] if wait_for_versions else -1,
                                      worker_clock=self.clock, timeout_s=timeout_s)
             self.bytes.add("sent", "control", req.ByteSize())
 
             def run(stub):
-                parts: dict[str, list[tuple[int, bytes]]] = {}
-                filled: dict[str, int] = {}
+                entries: dict[tuple[str, int], Pulled] = {}
                 version, nbytes = None, 0
                 for msg in stub.Pull(req, metadata=self._metadata, timeout=timeout_s + 30):
                     version = msg.version
                     if msg.HasField("chunk"):
                         c = msg.chunk
-                        if c.offset != filled.get(c.key, 0):
+                        entry = entries.get((c.key, msg.delta_version))
+                        if entry is None:
+                            entry = entries[(c.key, msg.delta_version)] = Pulled(c.key, msg.delta_version, [])
+                        if c.offset != entry.nbytes:
                             raise ProtocolError(f"pull of {c.key!r}: chunk at byte {c.offset} is out of order")
-                        parts.setdefault(c.key, []).append((c.offset, c.data))
-                        filled[c.key] = c.offset + len(c.data)
+                        entry.pieces.append((c.offset, c.data))
                         nbytes += len(c.data)
                 self.bytes.add("received", "params", nbytes)
-                return version, parts
+                return version, list(entries.values())
 
             version, out = self._call(i, run, what="pull")
             self.versions[i] = version
             return out
 
-        merged: dict[str, list[tuple[int, bytes]]] = {}
+        merged: list[Pulled] = []
         for part in self._each_shard(one):
-            merged.update(part)
+            merged.extend(part)
         self.initialized = True
         return merged
 

@@ -75,10 +75,10 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         if not items:
             yield ps_pb2.PullChunk(version=version)
             return
-        for key, pieces, total in items:
+        for key, pieces, total, delta_version in items:
             offset = 0
             for piece in pieces:
-                yield ps_pb2.PullChunk(version=version, chunk=ps_pb2.TensorChunk(
+                yield ps_pb2.PullChunk(version=version, delta_version=delta_version, chunk=ps_pb2.TensorChunk(
                     key=key, offset=offset, total_bytes=total, data=piece))
                 offset += len(piece)
 

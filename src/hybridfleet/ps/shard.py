@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,10 @@ from hybridfleet.spec.models import PSSpec
 log = get_logger("ps.shard")
 
 DTYPE = np.dtype("<f4")
+
+# Compressed downlink: how many versions of encoded deltas a shard keeps so a
+# worker a few versions behind still gets deltas; further behind, it gets values.
+DELTA_LOG_VERSIONS = 64
 
 
 class Reject(Exception):
@@ -77,6 +82,15 @@ class ShardState:
         self._now = clock
         self.cond = threading.Condition()
         self._codec = None
+        # compressed downlink (codec != none): workers hold `broadcast`, not `params`;
+        # each applied version sends codec(params - broadcast) and adds its decoding to
+        # `broadcast`, so what the codec dropped stays in the difference and is sent
+        # later (error feedback on the server), and every worker holds the same values.
+        self.compress_down = self.codec_name != "none"
+        self.broadcast: dict[str, np.ndarray] = {}
+        self.delta_log: deque[tuple[int, dict[str, bytes]]] = deque(maxlen=DELTA_LOG_VERSIONS)
+        self.downlink_dense_bytes = 0
+        self.downlink_encoded_bytes = 0
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -237,6 +251,8 @@ class ShardState:
                 self.params[key][:] = arr
                 self.initialized.add(key)
                 self._wire_cache.pop(key, None)
+                if self.compress_down:
+                    self.broadcast[key] = self.params[key].copy()
                 fresh += 1
         log.info("params_initialized", shard=self.shard, worker=worker_id, keys=fresh)
         self.cond.notify_all()
@@ -303,12 +319,26 @@ class ShardState:
         for key in grads:
             self.key_version[key] = self.version
         self.applied_pushes += 1
+        if self.compress_down:
+            self._encode_deltas(list(grads))
+
+    def _encode_deltas(self, keys: list[str]) -> None:
+        codec = self.codec()
+        deltas = {}
+        for key in keys:
+            payload = codec.encode(self.params[key] - self.broadcast[key])
+            self.broadcast[key] += codec.decode(payload)
+            deltas[key] = payload
+            self.downlink_dense_bytes += self.params[key].nbytes
+            self.downlink_encoded_bytes += len(payload)
+        self.delta_log.append((self.version, deltas))
 
     # -------------------------------------------------------------------- pull
     def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
-             timeout_s: float) -> tuple[int, list[tuple[str, list[bytes], int]]]:
-        """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes)])`` of the
-        keys changed since ``since_version``."""
+             timeout_s: float) -> tuple[int, list[tuple[str, list[bytes], int, int]]]:
+        """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
+        values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
+        downlink, the encoded deltas of each later version in order."""
         deadline = self._now() + max(0.0, timeout_s)
         with self.cond:
             self._member(worker_id)
@@ -318,18 +348,28 @@ class ShardState:
                     raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
                 self.cond.wait(min(left, 0.5))
                 self._maybe_finish_rounds()
-            out = [(k, self._wire_chunks(k), self.params[k].nbytes)
+            if self.compress_down:
+                return self.version, self._pull_compressed(since_version)
+            out = [(k, self._wire_chunks(k), self.params[k].nbytes, 0)
                    for k in self.keys if self.key_version[k] > since_version]
             return self.version, out
 
-    def _wire_chunks(self, key: str) -> list[bytes]:
+    def _pull_compressed(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
+        """Encoded deltas since ``since_version`` in order, or the broadcast values when the log
+        does not reach back that far (a new, rejoining or far-behind worker)."""
+        if since_version >= 0 and since_version >= self.version:
+            return []
+        logged = [(v, d) for v, d in self.delta_log if v > since_version]
+        if since_version >= 0 and logged and logged[0][0] == since_version + 1:
+            return [(k, _pieces(payload), len(payload), v) for v, d in logged for k, payload in d.items()]
+        return [(k, self._wire_chunks(k, self.broadcast), self.broadcast[k].nbytes, 0) for k in self.keys]
+
+    def _wire_chunks(self, key: str, source: dict[str, np.ndarray] | None = None) -> list[bytes]:
         """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""
         cached = self._wire_cache.get(key)
         if cached is not None and cached[0] == self.key_version[key]:
             return cached[1]
-        p = self.params[key]
-        step = CHUNK_BYTES // DTYPE.itemsize
-        chunks = [p[i:i + step].tobytes() for i in range(0, max(p.size, 1), step)]
+        chunks = _pieces((source or self.params)[key])
         self._wire_cache[key] = (self.key_version[key], chunks)
         return chunks
 
@@ -363,9 +403,19 @@ class ShardState:
                 "live_workers": sorted(self.live_members()),
                 "members": {w: {"site": m.site, "clock": m.clock, "alive": m.alive} for w, m in self.members.items()},
                 "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
+                "downlink_dense_bytes": self.downlink_dense_bytes,
+                "downlink_encoded_bytes": self.downlink_encoded_bytes,
             }
 
     def snapshot_arrays(self) -> dict[str, np.ndarray]:
         """A copy of the parameters (for tests and snapshots)."""
         with self.cond:
             return {k: v.copy() for k, v in self.params.items()}
+
+
+def _pieces(data: np.ndarray | bytes) -> list[bytes]:
+    """``data`` cut into wire-sized pieces (one copy)."""
+    if isinstance(data, np.ndarray):
+        step = CHUNK_BYTES // data.itemsize
+        return [data[i:i + step].tobytes() for i in range(0, max(data.size, 1), step)]
+    return [data[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]

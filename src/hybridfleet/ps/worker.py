@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.client import ClientSecurity, PSClient
+from hybridfleet.ps.client import ClientSecurity, PSClient, Pulled
 from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
 
@@ -95,6 +95,7 @@ class PSSession:
         self.plan: ShardingPlan | None = None
         self._flat: dict[str, np.ndarray] = {}
         self._encoder = None  # encode(key, block) -> bytes, made on first use
+        self._down_codec = None
         self._local_opt = None
         self._started = time.monotonic()
 
@@ -194,19 +195,35 @@ class PSSession:
             return ErrorFeedback(codec).encode
         return lambda key, block: codec.encode(block)
 
-    def _apply_pulled(self, pulled: dict[str, list[tuple[int, bytes]]]) -> None:
-        for b in self.plan.blocks:
-            pieces = pulled.get(b.key)
-            if pieces is None:
-                continue
-            total = sum(len(p) for _, p in pieces)
-            if total != (b.stop - b.start) * DTYPE.itemsize:
-                raise ProtocolError(f"pulled {total} bytes for {b.key!r}, expected {(b.stop - b.start) * DTYPE.itemsize}")
+    def _apply_pulled(self, pulled: list[Pulled]) -> None:
+        """Copy pulled values into place, or add decoded deltas (compressed downlink), in order."""
+        blocks = {b.key: b for b in self.plan.blocks}
+        for entry in pulled:
+            b = blocks.get(entry.key)
+            if b is None:
+                raise ProtocolError(f"pulled unknown key {entry.key!r}")
             dest = self._flat[b.param]
-            for offset, piece in pieces:
+            if entry.delta_version:
+                delta = self._downlink_codec().decode(entry.payload()).reshape(-1)
+                if delta.size != b.stop - b.start:
+                    raise ProtocolError(f"pulled a delta of {delta.size} elements for {b.key!r}, "
+                                        f"expected {b.stop - b.start}")
+                dest[b.start:b.stop] += delta
+                continue
+            if entry.nbytes != (b.stop - b.start) * DTYPE.itemsize:
+                raise ProtocolError(f"pulled {entry.nbytes} bytes for {b.key!r}, "
+                                    f"expected {(b.stop - b.start) * DTYPE.itemsize}")
+            for offset, piece in entry.pieces:
                 start = b.start + offset // DTYPE.itemsize
                 arr = np.frombuffer(piece, dtype=DTYPE)
                 dest[start:start + arr.size] = arr
+
+    def _downlink_codec(self):
+        if self._down_codec is None:
+            from hybridfleet.codec import get_codec
+
+            self._down_codec = get_codec(self.codec_name)
+        return self._down_codec
 
     # --------------------------------------------------------------- metrics
     def bytes_moved(self) -> dict[str, int]:
@@ -218,8 +235,21 @@ class PSSession:
                 "raw_data_sent": sent.get("data", 0), **{f"sent_{k}": v for k, v in sent.items()},
                 **{f"received_{k}": v for k, v in received.items()}}
 
+    def params_digest(self) -> str:
+        """sha256 over the parameters (sorted by name): equal digests mean bit-identical models."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for k in sorted(self._flat):
+            h.update(k.encode())
+            h.update(self._flat[k].tobytes())
+        return h.hexdigest()
+
     def report(self, **metrics) -> None:
-        """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`)."""
+        """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
+        record (``final=True``) also carries the parameters' digest."""
+        if metrics.get("final"):
+            metrics.setdefault("params_sha256", self.params_digest())
         c = self.config
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
                  elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())

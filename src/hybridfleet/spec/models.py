@@ -17,6 +17,8 @@ class SiteSpec(_Strict):
     workers: int = Field(1, ge=1, description="number of worker processes at this site")
     data: str | None = Field(None, description="the site's data: a path, URL or a named example split")
     aggregate: bool = Field(False, description="reduce gradients inside the site first; one leader pushes")
+    netns: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                              description="run this site's workers in this network namespace (`hfleet run` only)")
 
 
 class OptimizerSpec(_Strict):

@@ -90,12 +90,14 @@ class TensorChunk(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullChunk(_message.Message):
-    __slots__ = ("version", "chunk")
+    __slots__ = ("version", "chunk", "delta_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk: TensorChunk
-    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    delta_version: int
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., delta_version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "kind", "codec", "keys", "contributors")
