@@ -75,12 +75,17 @@ def prepare_security(spec: JobSpec, run_dir: Path) -> RunLayout:
     return layout
 
 
+def ps_clients(spec: JobSpec) -> int:
+    """How many workers talk to the shards: one leader per aggregating site, every worker elsewhere."""
+    return sum(1 if s.aggregate and s.workers > 1 else s.workers for s in spec.sites.values())
+
+
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
     """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
             "--host", spec.ps.host, "--port", str(spec.ps.base_port + shard if spec.ps.base_port else 0),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
-            "--expected-workers", str(spec.num_workers)]
+            "--expected-workers", str(ps_clients(spec))]
     if layout.certs_dir is not None:
         argv += ["--certs", str(layout.certs_dir)]
     if spec.security.tls == "off":
@@ -119,14 +124,24 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
     procs, rank = [], 0
     entry = str(Path(spec.entrypoint))
     for site, s in spec.sites.items():
+        hub = f"127.0.0.1:{_free_port()}" if s.aggregate and s.workers > 1 else None
         for site_rank in range(s.workers):
             prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
             procs.append(ProcessSpec(name=f"worker-{site}-{site_rank}",
                                      argv=[*prefix, sys.executable, entry, *spec.args],
-                                     env=worker_env(spec, job_path, layout, site, rank, site_rank),
+                                     env={**worker_env(spec, job_path, layout, site, rank, site_rank),
+                                          **({"HFLEET_SITE_HUB": hub} if hub else {})},
                                      max_restarts=spec.max_restarts, role="worker"))
             rank += 1
     return procs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:

@@ -41,6 +41,12 @@ class WorkerConfig:
     site_rank: int = 0
     servers: list[str] = field(default_factory=list)
     security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
+    site_hub: str | None = None   # host:port of the site leader when the site aggregates
+
+    @property
+    def aggregates(self) -> bool:
+        """Whether this worker reduces with its site first (only the site leader talks to the shards)."""
+        return bool(self.site_hub and self.servers and self.job.sites[self.site].workers > 1)
 
     @property
     def worker_id(self) -> str:
@@ -62,7 +68,7 @@ class WorkerConfig:
             raise ValueError(f"HFLEET_SITE={site!r} is not a site of job {job.name!r} ({', '.join(job.sites)})")
         return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
                    site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
-                   security=client_security_from_env(env))
+                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None)
 
 
 def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
@@ -96,6 +102,9 @@ class PSSession:
         self._flat: dict[str, np.ndarray] = {}
         self._encoder = None  # encode(key, block) -> bytes, made on first use
         self._down_codec = None
+        self._names = sorted(self.shapes)
+        self.hub = None    # site leader's SiteHub, or
+        self.link = None   # a follower's SiteLink
         self._local_opt = None
         self._started = time.monotonic()
 
@@ -114,6 +123,8 @@ class PSSession:
             self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
             return self.parameters()
         cfg = self.config
+        if cfg.aggregates and cfg.site_rank > 0:
+            return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
@@ -130,9 +141,35 @@ class PSSession:
             self.client.push(init, codec="none", kind="INIT")
         self._flat = {k: np.zeros(int(np.prod(s)) if s else 1, dtype=DTYPE) for k, s in self.shapes.items()}
         self._apply_pulled(self.client.pull(full=True))
+        if cfg.aggregates:
+            from hybridfleet.ps.site import SiteHub
+
+            followers = cfg.job.sites[cfg.site].workers - 1
+            self.hub = SiteHub(cfg.site_hub, followers, self._numel())
+            joined = self.hub.wait_for_followers()
+            log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
-                 resumed_clock=self.step_count, sync=self.client.sync)
+                 resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None)
         return self.parameters()
+
+    def _numel(self) -> int:
+        return sum(int(np.prod(self.shapes[n])) if self.shapes[n] else 1 for n in self._names)
+
+    def _start_follower(self) -> dict[str, np.ndarray]:
+        from hybridfleet.ps.site import SiteLink
+
+        cfg = self.config
+        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel())
+        self._receive_from_leader()
+        log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, site_follower=True,
+                 resumed_clock=self.step_count)
+        return self.parameters()
+
+    def _receive_from_leader(self) -> None:
+        from hybridfleet.ps.site import unflatten
+
+        self.step_count, vector = self.link.receive()
+        self._flat = {k: v.reshape(-1).copy() for k, v in unflatten(vector, self.shapes, self._names).items()}
 
     def _check_names(self, arrays: dict[str, np.ndarray]) -> None:
         if set(arrays) != set(self.shapes):
@@ -156,11 +193,24 @@ class PSSession:
                 self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
             self.step_count += 1
             return self.parameters()
+        if self.link is not None:  # site follower: the leader reduces and talks to the shards
+            from hybridfleet.ps.site import flatten
+
+            self.link.send(flatten(grads, self._names))
+            self._receive_from_leader()
+            return self.parameters()
         assert self.client is not None and self.plan is not None
+        contributors = 1
+        if self.hub is not None:
+            from hybridfleet.ps.site import flatten, unflatten
+
+            self.hub.admit(flatten(self._flat, self._names), self.step_count)
+            total, contributors = self.hub.gather(flatten(grads, self._names))
+            grads = unflatten(total, self.shapes, self._names)
         payloads = self._encode(grads)
         base = list(self.client.versions)
         try:
-            self.client.push(payloads, codec=self.codec_name, base_versions=base)
+            self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
         except grpc.RpcError as err:
             if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
@@ -172,6 +222,10 @@ class PSSession:
             shards_with_keys = {b.shard for b in self.plan.blocks}
             wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
         self._apply_pulled(self.client.pull(wait_for_versions=wait))
+        if self.hub is not None:
+            from hybridfleet.ps.site import flatten
+
+            self.hub.broadcast(flatten(self._flat, self._names), self.step_count)
         return self.parameters()
 
     def _encode(self, grads: dict[str, np.ndarray]) -> dict[str, bytes]:
@@ -227,13 +281,14 @@ class PSSession:
 
     # --------------------------------------------------------------- metrics
     def bytes_moved(self) -> dict[str, int]:
+        lan = {"site_lan_bytes": (self.hub or self.link).lan_bytes} if (self.hub or self.link) else {}
         if self.client is None:
-            return {"sent": 0, "received": 0, "raw_data_sent": 0}
+            return {"sent": 0, "received": 0, "raw_data_sent": 0, **lan}
         sent, received = dict(self.client.bytes.sent), dict(self.client.bytes.received)
         return {"sent": sum(sent.values()), "received": sum(received.values()),
                 # the protocol has no message that carries samples: only parameter blocks, gradients and control
                 "raw_data_sent": sent.get("data", 0), **{f"sent_{k}": v for k, v in sent.items()},
-                **{f"received_{k}": v for k, v in received.items()}}
+                **{f"received_{k}": v for k, v in received.items()}, **lan}
 
     def params_digest(self) -> str:
         """sha256 over the parameters (sorted by name): equal digests mean bit-identical models."""
@@ -258,3 +313,7 @@ class PSSession:
         if self.client is not None:
             self.client.close()
             self.client = None
+        for peer in (self.hub, self.link):
+            if peer is not None:
+                peer.close()
+        self.hub = self.link = None

@@ -1,0 +1,147 @@
+"""Gradient compression on the digits hybrid job: dense vs top-k 1% + error feedback vs 1-bit sign + EF.
+
+    python bench/compression.py                       # torch, 200 steps
+    python bench/compression.py --framework paddle
+    python bench/compression.py --quick               # 60 steps, about 1-2 minutes
+
+The job is examples/digits-hybrid.yaml with a 2048,512 MLP (1.19M parameters):
+a hospital and a cloud site with 2 workers each, 2 shards, BSP, server-side
+Adam (lr 1e-3), TLS and tokens on. The three variants differ only in
+``ps.compression``: same seeds, same steps, same optimizer. With a codec other
+than ``none`` the shards also send codec-encoded parameter deltas downstream.
+
+Bytes are the workers' own counters (``summary.json``): uplink = what every
+worker sent, downlink = what every worker received, both sites together.
+reduction = 1 - compressed / dense bytes, uplink + downlink. Accuracy is the
+final test accuracy of the worst worker. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRYPOINTS = {"torch": REPO / "examples/digits/train_torch.py", "paddle": REPO / "examples/digits/train_paddle.py"}
+HIDDEN = "2048,512"
+INPUT_FEATURES, CLASSES = 64, 10
+VARIANTS = {
+    "dense": {"codec": "none"},
+    "topk": {"codec": "topk", "ratio": 0.01, "error_feedback": True},
+    "sign": {"codec": "sign", "error_feedback": True},
+}
+
+
+def num_parameters(hidden: str = HIDDEN) -> int:
+    """Weights and biases of the digits MLP with these hidden widths."""
+    widths = [INPUT_FEATURES, *(int(w) for w in hidden.split(",")), CLASSES]
+    return sum(d_in * d_out + d_out for d_in, d_out in zip(widths, widths[1:]))
+
+
+def digits_job(name: str, framework: str, steps: int, compression: dict, *, eval_every_steps: int,
+               lr: float = 1e-3, host: str = "127.0.0.1", aggregate: bool = False,
+               hospital_netns: str | None = None) -> dict:
+    """The digits hybrid job as a dict (hospital + cloud, 2 workers each, 2 shards), ready for YAML."""
+    if framework not in ENTRYPOINTS:
+        raise ValueError(f"framework: must be one of {sorted(ENTRYPOINTS)} (got {framework!r})")
+    hospital = {"workers": 2, "data": "digits:site-a", "aggregate": aggregate}
+    if hospital_netns:
+        hospital["netns"] = hospital_netns
+    return {
+        "name": name, "framework": framework, "entrypoint": str(ENTRYPOINTS[framework]),
+        "args": ["--hidden", HIDDEN], "mode": "ps",
+        "sites": {"hospital": hospital, "cloud": {"workers": 2, "data": "digits:site-b", "aggregate": aggregate}},
+        "ps": {"shards": 2, "sync": "bsp", "optimizer": {"name": "adam", "lr": lr}, "compression": compression,
+               "host": host, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30},
+        "train": {"steps": steps, "batch_size": 32, "seed": 0, "eval_every_steps": eval_every_steps},
+        "security": {"tls": "auto", "tokens": "auto"},
+    }
+
+
+def run_job(job: dict, workdir: Path, on_started=None) -> dict:
+    """Write ``job`` under ``workdir``, run it with `run_ps_job` (child output to log files only), return its summary."""
+    from hybridfleet.launch.psjob import run_ps_job
+    from hybridfleet.spec import load_spec
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path = workdir / f"{job['name']}.yaml"
+    job_path.write_text(yaml.safe_dump(job, sort_keys=False))
+    spec = load_spec(job_path)
+    return run_ps_job(spec, job_path, echo=False, show_progress=False, run_root=workdir / "runs", baselines=False,
+                      on_started=on_started)
+
+
+def link_bytes(summary: dict) -> tuple[int, int]:
+    """(uplink, downlink) bytes of all workers of all sites."""
+    return sum(summary["bytes_sent_by_site"].values()), sum(summary["bytes_received_by_site"].values())
+
+
+def fail(message: str, run_dirs: list[str], workdir: Path) -> None:
+    """Say what went wrong and where the logs are (the temp dir is kept), then exit 1."""
+    print(f"FAILED: {message}", file=sys.stderr)
+    for d in run_dirs:
+        print(f"  run dir: {d}", file=sys.stderr)
+    print(f"  kept: {workdir}", file=sys.stderr)
+    sys.exit(1)
+
+
+def quiet_parent_logs() -> None:
+    """Keep this process's own JSON log lines (run start/finish) off the table; children are unaffected."""
+    from hybridfleet.obs.log import configure
+
+    configure(level="warning")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--framework", choices=sorted(ENTRYPOINTS), default="torch")
+    ap.add_argument("--quick", action="store_true", help="60 steps instead of 200")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=1e-3, help="server-side Adam learning rate, the same for every variant")
+    args = ap.parse_args()
+    steps = args.steps or (60 if args.quick else 200)
+    quiet_parent_logs()
+    workdir = Path(tempfile.mkdtemp(prefix="hf-bench-compression-"))
+    results: dict[str, dict] = {}
+    for variant, compression in VARIANTS.items():
+        job = digits_job(f"bench-{variant}", args.framework, steps, compression,
+                         eval_every_steps=max(1, steps // 5), lr=args.lr)
+        started = time.monotonic()
+        summary = run_job(job, workdir)
+        if summary["status"] != "completed" or summary["test_accuracy"] is None:
+            fail(f"{variant} run ended {summary['status']}", [summary["run_dir"]], workdir)
+        up, down = link_bytes(summary)
+        results[variant] = {"acc": summary["test_accuracy"], "up": up, "down": down, "total": up + down,
+                            "wall_s": time.monotonic() - started, "run_dir": summary["run_dir"]}
+        print(f"  {variant}: done in {results[variant]['wall_s']:.1f} s", file=sys.stderr)
+    dense_total = results["dense"]["total"]
+    for r in results.values():
+        r["reduction"] = 1 - r["total"] / dense_total
+
+    print(f"\ndigits hybrid job, {args.framework}, {num_parameters():,} parameters, 4 workers / 2 sites, "
+          f"2 shards, {steps} BSP steps, Adam lr {args.lr:g}")
+    print(f"{'variant':<24}{'accuracy':>9}{'uplink MB':>12}{'downlink MB':>13}{'total MB':>11}{'reduction':>11}"
+          f"{'wall s':>9}")
+    labels = {"dense": "dense (none)", "topk": "top-k 1% + EF", "sign": "1-bit sign + EF"}
+    for variant, r in results.items():
+        print(f"{labels[variant]:<24}{r['acc']:>9.4f}{r['up'] / 1e6:>12.2f}{r['down'] / 1e6:>13.2f}"
+              f"{r['total'] / 1e6:>11.2f}{r['reduction']:>11.4f}{r['wall_s']:>9.1f}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps({
+        "bench": "compression", "framework": args.framework,
+        "dense_acc": results["dense"]["acc"], "topk_acc": results["topk"]["acc"], "sign_acc": results["sign"]["acc"],
+        "topk_bytes_reduction": round(results["topk"]["reduction"], 5),
+        "sign_bytes_reduction": round(results["sign"]["reduction"], 5),
+        "steps": steps, "parameters": num_parameters(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
