@@ -66,10 +66,7 @@ def test_unknown_framework_name_is_rejected_listing_known_ones():
 
 def test_missing_framework_raises_install_hint(monkeypatch):
     # Simulate an environment without torch (it is installed here).
-    import hybridfleet.frameworks.registry as registry
-
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.setattr(registry, "_adapters", {})
 
     with pytest.raises(FrameworkMissingError, match=r"pip install 'hybridfleet\[torch\]'"):
         get_adapter("torch")

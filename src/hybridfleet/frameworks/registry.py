@@ -15,8 +15,6 @@ FRAMEWORKS: dict[str, tuple[str, str]] = {
     "paddle": ("hybridfleet.frameworks.paddle_adapter:PaddleAdapter", "paddle"),
 }
 
-_adapters: dict[str, Adapter] = {}
-
 
 def get_adapter(name: str) -> Adapter:
     """The adapter for framework ``name`` ("torch" or "paddle"), importing it on first use.
@@ -26,15 +24,13 @@ def get_adapter(name: str) -> Adapter:
     """
     if name not in FRAMEWORKS:
         raise ValueError(f"unknown framework {name!r}; expected one of {sorted(FRAMEWORKS)}")
-    if name not in _adapters:
-        target, needed = FRAMEWORKS[name]
-        try:
-            importlib.import_module(needed)
-        except ImportError as err:
-            raise FrameworkMissingError(f"pip install 'hybridfleet[{name}]'") from err
-        module_name, class_name = target.split(":")
-        _adapters[name] = getattr(importlib.import_module(module_name), class_name)()
-    return _adapters[name]
+    target, needed = FRAMEWORKS[name]
+    try:
+        importlib.import_module(needed)
+    except ImportError as err:
+        raise FrameworkMissingError(f"pip install 'hybridfleet[{name}]'") from err
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)()  # stateless; imports are cached
 
 
 def detect_framework(obj: Any) -> str:

@@ -28,9 +28,9 @@ class S3Store(FsspecStore):
         if endpoint_url:
             client_kwargs["endpoint_url"] = endpoint_url
         client_kwargs.setdefault("region_name", os.environ.get("AWS_REGION", "us-east-1"))
-        fs = s3fs.S3FileSystem(
-            client_kwargs=client_kwargs, use_listings_cache=False, skip_instance_cache=True, **options
-        )
+        # fsspec reuses one filesystem (and its connection pool) per distinct configuration;
+        # creating a botocore client costs about half a second.
+        fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, use_listings_cache=False, **options)
         super().__init__(fs, bucket_and_prefix, f"s3://{bucket_and_prefix}")
         self.endpoint_url = endpoint_url
 
