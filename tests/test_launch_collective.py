@@ -18,7 +18,8 @@ from hybridfleet.launch.collective import group_pids
 REPO = Path(__file__).resolve().parents[1]
 HFLEET = [sys.executable, "-m", "hybridfleet.cli.app"]
 FRAMEWORKS = ["torch", "paddle"]
-EPOCHS = "20"
+# Few large steps: each step of a 2-process run is a gloo all-reduce, slow on 2 shared cores.
+TRAIN_ARGS = ["--epochs", "15", "--batch-size", "64", "--lr", "0.2"]
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +50,12 @@ def _rank0_log(log_dir: Path, framework: str, attempt: int) -> str:
 def test_two_process_run_reaches_the_one_process_accuracy(framework, tmp_path):
     # Prepare
     script = REPO / "examples" / "collective" / f"train_{framework}.py"
-    single = subprocess.run([sys.executable, str(script), "--epochs", EPOCHS], env=_env(),
+    single = subprocess.run([sys.executable, str(script), *TRAIN_ARGS], env=_env(),
                             capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
 
     # Execute
-    double = _launch(framework, tmp_path / "logs", script, "--epochs", EPOCHS)
+    double = _launch(framework, tmp_path / "logs", script, *TRAIN_ARGS)
 
     # Assert
     assert double.returncode == 0, double.stdout[-3000:] + double.stderr[-3000:]
@@ -71,7 +72,7 @@ def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(framework,
     log_dir = tmp_path / "logs"
 
     # Execute
-    run = _launch(framework, log_dir, script, "--epochs", "4", "--ckpt-every", "2",
+    run = _launch(framework, log_dir, script, "--epochs", "4", "--ckpt-every", "2", "--batch-size", "128",
                   flags=("--max-restarts", "1"), HFLEET_EXAMPLE_KILL_RANK1_AT_EPOCH="3")
 
     # Assert

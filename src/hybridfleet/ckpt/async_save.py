@@ -22,7 +22,7 @@ from hybridfleet.ckpt.snapshot import HostBuffers, Snapshot, take_snapshot
 from hybridfleet.ckpt.writer import SHARD_BYTES
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.store import open_store
+from hybridfleet.store import Store, open_store
 
 log = get_logger("ckpt.async")
 IF_BUSY = ("wait", "refuse")
@@ -33,7 +33,7 @@ class AsyncCheckpointer:
 
     def __init__(
         self,
-        url: str,
+        url: str | Store,
         framework: str | None = None,
         if_busy: str = "wait",
         keep_last: int | None = None,

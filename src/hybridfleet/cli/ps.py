@@ -24,6 +24,7 @@ def serve(
     certs: Optional[Path] = typer.Option(None, help="directory from `hfleet certs init` (TLS + token key)"),
     port_file: Optional[Path] = typer.Option(None, help="write host:port here once serving"),
     expected_workers: int = typer.Option(0, help="hold the first BSP round until this many workers joined"),
+    snapshot_store: Optional[str] = typer.Option(None, help="where snapshots go (default: the job's checkpoint.store)"),
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext", help="serve without TLS (explicit)"),
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
 ) -> None:
@@ -32,7 +33,7 @@ def serve(
 
     spec = load_spec(job)
     server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
-                         expected_workers)
+                         expected_workers, snapshot_store)
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{host}:{server.port}\n")

@@ -224,7 +224,11 @@ def _is_zombie(proc_dir: Path) -> bool:
 
 
 def _stop_group(pgid: int, launch_id: str) -> None:
-    """SIGTERM the launcher's process group and every tagged process, then SIGKILL what is left."""
+    """SIGTERM the launcher's process group and every tagged process, then SIGKILL what is left.
+
+    Both torch's and paddle's launchers start each rank in a new session, so signalling the
+    launcher's process group alone would miss ranks; the ``HFLEET_LAUNCH_ID`` tag finds them.
+    """
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)

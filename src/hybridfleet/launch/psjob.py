@@ -80,12 +80,22 @@ def ps_clients(spec: JobSpec) -> int:
     return sum(1 if s.aggregate and s.workers > 1 else s.workers for s in spec.sites.values())
 
 
+def snapshot_store(spec: JobSpec, run_dir: Path) -> str:
+    """The job's ``checkpoint.store`` when the job file names one, else ``<run_dir>/snapshots``."""
+    if "store" in spec.checkpoint.model_fields_set:
+        return spec.checkpoint.store
+    return f"file://{run_dir.resolve() / 'snapshots'}"
+
+
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
     """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
+    # a fixed port, so that a restarted shard is found where its workers left it
+    port = spec.ps.base_port + shard if spec.ps.base_port else _free_port(spec.ps.host)
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
-            "--host", spec.ps.host, "--port", str(spec.ps.base_port + shard if spec.ps.base_port else 0),
+            "--host", spec.ps.host, "--port", str(port),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
-            "--expected-workers", str(ps_clients(spec))]
+            "--expected-workers", str(ps_clients(spec)),
+            "--snapshot-store", snapshot_store(spec, layout.run_dir)]
     if layout.certs_dir is not None:
         argv += ["--certs", str(layout.certs_dir)]
     if spec.security.tls == "off":
@@ -136,11 +146,11 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
     return procs
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

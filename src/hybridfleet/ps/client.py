@@ -27,6 +27,10 @@ log = get_logger("ps.client")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 
 
+class ShardRestarted(Exception):
+    """A shard went away and answered again (e.g. restored from a snapshot); start the step over."""
+
+
 @dataclass
 class ClientSecurity:
     """Channel credentials and bearer token; ``insecure=True`` must be asked for explicitly."""
@@ -113,8 +117,16 @@ class PSClient:
                     log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay)
                     time.sleep(delay)
                     delay = min(delay * 2, 2.0)
-                    if what != "join" and self._join_args is not None and code == grpc.StatusCode.UNAVAILABLE:
-                        self._needs_rejoin = True
+                    if what != "join" and self._join_args is not None:
+                        # the shard may have restarted from a snapshot: once it answers a Join again,
+                        # the caller starts the step over from the shard's state
+                        try:
+                            self._join_one(shard)
+                        except grpc.RpcError as again:
+                            if again.code() in RETRYABLE:
+                                continue
+                            raise
+                        raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}") from None
                     continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise AuthError(f"shard {self.servers[shard]} refused {what}: {err.details()}") from None
@@ -128,10 +140,7 @@ class PSClient:
     def join(self, params: list[ParamSpec], block_size_bytes: int, codec: str, framework: str) -> dict:
         """Join every shard; all must agree on the sharding plan. Starts the heartbeat thread."""
         self._join_args = (params, block_size_bytes, codec, framework)
-        req = ps_pb2.JoinRequest(
-            wire_version=WIRE_VERSION, worker_id=self.worker_id, site=self.site, rank=self.rank,
-            params=[ps_pb2.TensorSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params],
-            num_shards=len(self.servers), block_size_bytes=block_size_bytes, codec=codec, framework=framework)
+        req = self._join_request()
         self.bytes.add("sent", "control", req.ByteSize())
         replies = self._each_shard(lambda i: self._call(i, lambda s: s.Join(req, metadata=self._metadata), what="join"))
         plans = {r.plan_json for r in replies}
@@ -152,6 +161,20 @@ class PSClient:
                                                name="ps-heartbeat")
             self._hb_thread.start()
         return {"versions": [r.version for r in replies], "initialized": self.initialized, "clock": self.clock}
+
+    def _join_request(self) -> ps_pb2.JoinRequest:
+        params, block_size_bytes, codec, framework = self._join_args
+        return ps_pb2.JoinRequest(
+            wire_version=WIRE_VERSION, worker_id=self.worker_id, site=self.site, rank=self.rank,
+            params=[ps_pb2.TensorSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params],
+            num_shards=len(self.servers), block_size_bytes=block_size_bytes, codec=codec, framework=framework)
+
+    def _join_one(self, shard: int) -> None:
+        """Re-register with one shard (after it restarted); its values will be pulled in full."""
+        reply = self._stubs[shard].Join(self._join_request(), metadata=self._metadata, timeout=10)
+        self.clock = max(self.clock, reply.worker_clock)
+        self.versions[shard] = -1
+        log.info("rejoined_shard", shard=shard, version=reply.version)
 
     def _rejoin_if_needed(self) -> None:
         if getattr(self, "_needs_rejoin", False) and self._join_args is not None:

@@ -30,9 +30,20 @@ def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plainte
 
 
 def start_shard(job: JobSpec, shard: int, host: str, port: int, security: ServerSecurity,
-                expected_workers: int = 0) -> ShardServer:
-    """Create the shard's state and serve it; returns the running server (``.port`` is the bound port)."""
+                expected_workers: int = 0, snapshot_store: str | None = None) -> ShardServer:
+    """Create the shard's state (restored from its newest snapshot when the job snapshots) and serve it;
+    returns the running server (``.port`` is the bound port, ``.snapshotter`` the snapshotter or None)."""
     if not 0 <= shard < job.ps.shards:
         raise ValueError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})")
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers)
-    return ShardServer(state, host, port, security, job.ps.max_push_bytes).start()
+    snapshotter = None
+    if job.ps.snapshot_every_steps or job.ps.snapshot_every_s:
+        from hybridfleet.ps.snapshot import Snapshotter, snapshot_url
+
+        url = snapshot_url(snapshot_store or job.checkpoint.store, shard)
+        snapshotter = Snapshotter(state, url, job.ps.snapshot_every_steps, job.ps.snapshot_every_s,
+                                  job.checkpoint.keep_last)
+        snapshotter.restore_newest()
+    server = ShardServer(state, host, port, security, job.ps.max_push_bytes).start()
+    server.snapshotter = snapshotter.start() if snapshotter else None
+    return server

@@ -182,6 +182,7 @@ class ShardServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self.host = host
+        self.snapshotter = None  # set by hybridfleet.ps.serve.start_shard when the job snapshots
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="ps-reaper", daemon=True)
 
@@ -205,6 +206,8 @@ class ShardServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stop.set()
+        if self.snapshotter is not None:
+            self.snapshotter.stop()
         self.server.stop(grace_s).wait()
 
     def wait(self) -> None:

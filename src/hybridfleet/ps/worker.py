@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.client import ClientSecurity, PSClient, Pulled
+from hybridfleet.ps.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
 
@@ -209,19 +209,27 @@ class PSSession:
             grads = unflatten(total, self.shapes, self._names)
         payloads = self._encode(grads)
         base = list(self.client.versions)
+        wait_round = self.client.sync == "bsp"
         try:
-            self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
-        except grpc.RpcError as err:
-            if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
-                raise
-            # a stale or already-pushed BSP round (after a rejoin): catch up with the job's parameters
-            log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
-        self.step_count = self.client.clock
-        wait = None
-        if self.client.sync == "bsp":
-            shards_with_keys = {b.shard for b in self.plan.blocks}
-            wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
-        self._apply_pulled(self.client.pull(wait_for_versions=wait))
+            try:
+                self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                    raise
+                # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
+                wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
+                log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            self.step_count = self.client.clock
+            wait = None
+            if wait_round:
+                shards_with_keys = {b.shard for b in self.plan.blocks}
+                wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
+            self._apply_pulled(self.client.pull(wait_for_versions=wait))
+        except ShardRestarted as restarted:
+            # this step's gradient is dropped; train on from the restored shard's values
+            log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
+            self.step_count = self.client.clock
+            self._apply_pulled(self.client.pull(full=True))
         if self.hub is not None:
             from hybridfleet.ps.site import flatten
 

@@ -100,7 +100,7 @@ class CheckpointSpec(_Strict):
     every_s: float | None = Field(None, gt=0)
     keep_last: int = Field(3, ge=1)
     keep_best: str | None = Field(None, description="metric name; the best checkpoint by it is kept too")
-    store: str = "file://runs/checkpoints"
+    store: str = Field("runs/checkpoints", description="a path, file:///abs/dir or s3://bucket/prefix")
 
 
 class SecuritySpec(_Strict):

@@ -1,0 +1,130 @@
+"""Shard snapshots through the checkpoint module: save every N steps/seconds, restore at start.
+
+A snapshot is an ordinary hybridfleet checkpoint (safetensors + state JSON +
+manifest written last) under ``<checkpoint.store>/ps/shard-<i>``: parameters,
+the broadcast copy of a compressed downlink, optimizer slots, and a JSON state
+with the version, sharding plan and each worker's clock (so replays stay
+rejected after a restart). Copies are taken under the shard's lock (memcpy);
+the write runs in a background thread, at most one in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from hybridfleet.errors import CheckpointError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.shard import Member, ShardState
+from hybridfleet.ps.sharding import ShardingPlan
+
+log = get_logger("ps.snapshot")
+
+
+def snapshot_url(store: str, shard: int) -> str:
+    return f"{store.rstrip('/')}/ps/shard-{shard}"
+
+
+def capture(state: ShardState) -> tuple[int, dict[str, np.ndarray], dict]:
+    """(version, tensors, json state) copied under the shard's lock."""
+    with state.cond:
+        tensors = {f"param/{k}": v.copy() for k, v in state.params.items()}
+        tensors.update({f"broadcast/{k}": v.copy() for k, v in state.broadcast.items()})
+        tensors.update({f"opt/{k}": np.array(v, copy=True) for k, v in state.optimizer.state_dict().items()})
+        meta = {
+            "shard": state.shard, "version": state.version, "sync": state.sync, "codec": state.codec_name,
+            "plan": state.plan.to_json() if state.plan else None, "key_version": dict(state.key_version),
+            "initialized": sorted(state.initialized), "applied_pushes": state.applied_pushes,
+            "members": {w: {"site": m.site, "clock": m.clock} for w, m in state.members.items()},
+        }
+        return state.version, tensors, meta
+
+
+def restore(state: ShardState, tensors: dict[str, np.ndarray], meta: dict) -> None:
+    """Put a captured snapshot back into a fresh shard state."""
+    if meta["shard"] != state.shard:
+        raise CheckpointError(f"snapshot is of shard {meta['shard']}, this is shard {state.shard}")
+    if meta["codec"] != state.codec_name or meta["sync"] != state.sync:
+        raise CheckpointError(f"snapshot was taken with codec {meta['codec']!r}/sync {meta['sync']!r}; "
+                              f"the job now says {state.codec_name!r}/{state.sync!r}")
+    with state.cond:
+        state.plan = ShardingPlan.from_json(meta["plan"]) if meta["plan"] else None
+        state.params = {k[len("param/"):]: v.astype(np.float32, copy=True)
+                        for k, v in tensors.items() if k.startswith("param/")}
+        state.broadcast = {k[len("broadcast/"):]: v.astype(np.float32, copy=True)
+                           for k, v in tensors.items() if k.startswith("broadcast/")}
+        state.optimizer.load_state_dict({k[len("opt/"):]: v for k, v in tensors.items() if k.startswith("opt/")})
+        state.version = int(meta["version"])
+        state.key_version = {k: int(v) for k, v in meta["key_version"].items()}
+        state.initialized = set(meta["initialized"])
+        state.applied_pushes = int(meta["applied_pushes"])
+        now = state._now()
+        state.members = {w: Member(w, m["site"], now, clock=int(m["clock"])) for w, m in meta["members"].items()}
+        state._first_join = now
+
+
+class Snapshotter:
+    """Saves a shard every ``every_steps`` versions and/or ``every_s`` seconds, keeping ``keep_last``."""
+
+    def __init__(self, state: ShardState, url: str, every_steps: int | None, every_s: float | None,
+                 keep_last: int = 3):
+        self.state, self.url = state, url
+        self.every_steps, self.every_s, self.keep_last = every_steps, every_s, keep_last
+        self._last_version = state.version
+        self._last_time = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ps-snapshot")
+        self.saved: list[int] = []
+
+    def start(self) -> "Snapshotter":
+        self._thread.start()
+        return self
+
+    def restore_newest(self) -> int | None:
+        """Load the newest valid snapshot into the shard; returns its version, or None if there is none."""
+        from hybridfleet.ckpt import load_tensors_checkpoint
+
+        try:
+            step, tensors, meta = load_tensors_checkpoint(self.url)
+        except (CheckpointError, FileNotFoundError) as err:
+            log.info("no_snapshot", url=self.url, reason=str(err).splitlines()[0][:200])
+            return None
+        restore(self.state, tensors, meta)
+        self._last_version = self.state.version
+        log.info("snapshot_restored", shard=self.state.shard, version=step, url=self.url)
+        return step
+
+    def _due(self) -> bool:
+        version = self.state.version
+        if version == self._last_version or not self.state.is_initialized():
+            return False
+        if self.every_steps and version - self._last_version >= self.every_steps:
+            return True
+        return bool(self.every_s and time.monotonic() - self._last_time >= self.every_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            if self._due():
+                self.save()
+
+    def save(self) -> int:
+        """Capture and write one snapshot now (called from the snapshot thread)."""
+        from hybridfleet.ckpt import gc, save_tensors_checkpoint
+
+        version, tensors, meta = capture(self.state)
+        t0 = time.monotonic()
+        save_tensors_checkpoint(self.url, version, tensors, meta)
+        self._last_version, self._last_time = version, time.monotonic()
+        self.saved.append(version)
+        log.info("snapshot_saved", shard=self.state.shard, version=version, seconds=round(time.monotonic() - t0, 3))
+        try:
+            gc(self.url, keep_last=self.keep_last)
+        except Exception as err:  # retention must never stop training; the next save retries
+            log.warning("snapshot_gc_failed", error=str(err))
+        return version
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)

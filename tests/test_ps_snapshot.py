@@ -1,0 +1,113 @@
+"""Shard snapshots: saved through the checkpoint module, restored after a SIGKILL, workers carry on."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from hybridfleet.codec import get_codec
+from hybridfleet.ps.shard import ShardState
+from hybridfleet.ps.snapshot import Snapshotter
+from tests.ps_helpers import join_and_init, start_cluster
+from tests.test_ps_run import _job
+from tests.test_ps_server import encoded, grads
+
+
+def test_snapshot_restores_params_optimizer_state_and_worker_clocks(tmp_path):
+    # Prepare: an Adam shard that applied three pushes, then a snapshot
+    cluster = start_cluster(tmp_path, sync="asp", optimizer={"name": "adam", "lr": 0.1})
+    try:
+        client = cluster.client("a")
+        join_and_init(cluster, client)
+        for value in (1.0, -2.0, 0.5):
+            client.push(encoded(client, grads(value)), codec="none")
+        state = cluster.servers[0].state
+        url = f"file://{tmp_path / 'snap'}"
+        saved = Snapshotter(state, url, every_steps=1, every_s=None).save()
+        # Execute: a fresh shard restores it
+        fresh = ShardState(0, cluster.spec.ps, flavour="torch")
+        restored = Snapshotter(fresh, url, every_steps=1, every_s=None).restore_newest()
+        # Assert
+        assert restored == saved == 3
+        assert fresh.version == 3 and fresh.members["a-0"].clock == 3
+        for key, value in state.params.items():
+            np.testing.assert_array_equal(fresh.params[key], value)
+        before = {k: v.copy() for k, v in state.params.items()}
+        g = {k: np.full(v.size, 0.3, np.float32) for k, v in before.items()}
+        for key in before:  # the next Adam step is identical on both: the optimizer state came back too
+            state.optimizer.step(key, state.params[key], g[key])
+            fresh.optimizer.step(key, fresh.params[key], g[key])
+            np.testing.assert_array_equal(fresh.params[key], state.params[key])
+        client.close()
+    finally:
+        cluster.stop()
+
+
+def test_no_snapshot_means_a_fresh_shard(tmp_path):
+    fresh = ShardState(0, start_cluster.__globals__["job_spec"]().ps)
+    assert Snapshotter(fresh, f"file://{tmp_path / 'none'}", 1, None).restore_newest() is None
+    assert fresh.version == 0 and fresh.plan is None
+
+
+def test_replay_is_still_rejected_after_a_restore(tmp_path):
+    cluster = start_cluster(tmp_path, sync="asp")
+    try:
+        client = cluster.client("a")
+        join_and_init(cluster, client)
+        payloads = encoded(client, grads(1.0))
+        client.push(payloads, codec="none")
+        state = cluster.servers[0].state
+        url = f"file://{tmp_path / 'snap'}"
+        Snapshotter(state, url, 1, None).save()
+        fresh = ShardState(0, cluster.spec.ps, flavour="torch")
+        Snapshotter(fresh, url, 1, None).restore_newest()
+        from hybridfleet.ps.shard import Reject
+
+        with pytest.raises(Reject, match="replays an applied step"):
+            fresh.push("a-0", "a", "GRADIENT", 1, 1, "none", payloads)
+        client.close()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_path):
+    from hybridfleet.launch.psjob import run_ps_job
+    from hybridfleet.ps.status import ShardStatusProbe
+    from hybridfleet.spec import load_spec
+
+    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=200)
+    import yaml
+
+    data = yaml.safe_load(job.read_text())
+    data["ps"]["snapshot_every_steps"] = 10
+    job.write_text(yaml.safe_dump(data))
+    killed = {}
+
+    def kill_shard(sup, layout):
+        def watch():
+            probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and probe.version() < 45:
+                time.sleep(0.05)
+            killed["at_round"] = probe.version()
+            sup.kill("shard-0")
+            probe.close()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs",
+                         on_started=kill_shard)
+    assert killed["at_round"] >= 45
+    assert summary["status"] == "completed", summary
+    assert summary["restarts"] == 1
+    assert summary["test_accuracy"] >= 0.95
+    log = (Path(summary["run_dir"]) / "logs" / "shard-0.log").read_text()
+    restored = [json.loads(line) for line in log.splitlines() if '"snapshot_restored"' in line]
+    assert len(restored) == 1 and 40 <= restored[0]["version"] <= killed["at_round"]
