@@ -178,3 +178,17 @@ def test_torch_and_paddle_commands_carry_the_same_settings(tmp_path):
 def test_elastic_torch_launch_uses_c10d_rendezvous(tmp_path):
     cmd = build_command(LaunchConfig(framework="torch", script="t.py", nnodes="1:3"), "h:5", tmp_path)
     assert {"--nnodes=1:3", "--rdzv-backend=c10d", "--rdzv-endpoint=h:5"} <= set(cmd)
+
+
+def test_unreachable_master_stops_the_launch_before_any_log_dir_exists(tmp_path):
+    # Prepare
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    port = _closed_port()
+    config = LaunchConfig(framework="torch", script=str(script), nnodes="2", node_rank=1,
+                          master=f"127.0.0.1:{port}", connect_timeout_s=0.3, log_dir=tmp_path / "logs")
+
+    # Execute / Assert
+    with pytest.raises(LaunchError, match=f"master 127.0.0.1:{port} is unreachable"):
+        launch(config)
+    assert not (tmp_path / "logs").exists()

@@ -147,12 +147,14 @@ def launch(config: LaunchConfig, echo: Callable[[str], None] | None = None) -> L
     launcher's output line by line (the CLI passes the terminal).
     """
     _validate(config)
+    master = _resolve_master(config)
     log_dir = Path(config.log_dir)
     ckpt_dir = Path(config.ckpt_dir) if config.ckpt_dir else log_dir / "ckpt"
     log_dir.mkdir(parents=True, exist_ok=True)
     failures: list[RankFailure] = []
     for attempt in range(config.max_restarts + 1):
-        master = _resolve_master(config)
+        if attempt:  # a single node may find its port taken meanwhile; workers wait for the master again
+            master = _resolve_master(config)
         attempt_dir = log_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         launch_id = uuid.uuid4().hex

@@ -18,9 +18,10 @@ import grpc
 
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps import fastwire
 from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
-from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, WIRE_VERSION
+from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, SERVICE, WIRE_VERSION
 
 log = get_logger("ps.client")
 
@@ -70,6 +71,17 @@ class Pulled:
         return self.pieces[0][1] if len(self.pieces) == 1 else b"".join(p for _, p in self.pieces)
 
 
+class _Stub(ps_pb2_grpc.ParameterServerStub):
+    """The generated stub, with `fastwire` (de)serializers for the bulk Push/Pull streams."""
+
+    def __init__(self, channel: grpc.Channel):
+        super().__init__(channel)
+        self.Push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=fastwire.encode_push_message,
+                                         response_deserializer=ps_pb2.PushResponse.FromString)
+        self.Pull = channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                         response_deserializer=fastwire.decode_pull_chunk)
+
+
 class PSClient:
     """A worker's connection to all shards of one job."""
 
@@ -92,7 +104,7 @@ class PSClient:
             if security.channel_credentials is not None else grpc.insecure_channel(s, options=options)
             for s in servers
         ]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._stubs = [_Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
         self.plan: ShardingPlan | None = None
         self.versions = [-1] * len(servers)
@@ -201,10 +213,9 @@ class PSClient:
             view = memoryview(payload)
             for offset in range(0, len(view), CHUNK_BYTES):
                 piece = view[offset:offset + CHUNK_BYTES]
-                msg = ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(key=key, offset=offset, total_bytes=len(view),
-                                                                   data=bytes(piece)))
+                msg = fastwire.encode_push_chunk(key, offset, len(view), piece)
                 self.bytes.add("sent", category, len(piece))
-                self.bytes.add("sent", "framing", msg.ByteSize() - len(piece))
+                self.bytes.add("sent", "framing", len(msg) - len(piece))
                 yield msg
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
@@ -254,7 +265,7 @@ class PSClient:
                 version, nbytes = None, 0
                 for msg in stub.Pull(req, metadata=self._metadata, timeout=timeout_s + 30):
                     version = msg.version
-                    if msg.HasField("chunk"):
+                    if msg.chunk is not None:
                         c = msg.chunk
                         entry = entries.get((c.key, msg.delta_version))
                         if entry is None:

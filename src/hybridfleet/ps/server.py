@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import grpc
 
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps import fastwire
 from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.shard import Reject, ShardState
 from hybridfleet.ps.sharding import ParamSpec
-from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, METHOD_ROLES, WIRE_VERSION
+from hybridfleet.ps.wire import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
 
 log = get_logger("ps.server")
 
@@ -39,6 +40,9 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, state: ShardState, max_push_bytes: int):
         self.state = state
         self.max_push_bytes = max_push_bytes
+        self._cache: dict[tuple, tuple[list[bytes], list[bytes]]] = {}
+        self._cache_version = -1
+        self._cache_lock = threading.Lock()
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, rej: Reject):
@@ -73,14 +77,27 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         except Reject as rej:
             self._abort(context, rej)
         if not items:
-            yield ps_pb2.PullChunk(version=version)
+            yield fastwire.encode_pull_chunk(version)
             return
         for key, pieces, total, delta_version in items:
-            offset = 0
-            for piece in pieces:
-                yield ps_pb2.PullChunk(version=version, delta_version=delta_version, chunk=ps_pb2.TensorChunk(
-                    key=key, offset=offset, total_bytes=total, data=piece))
-                offset += len(piece)
+            yield from self._encoded(version, key, pieces, total, delta_version)
+
+    def _encoded(self, version: int, key: str, pieces: list[bytes], total: int, delta_version: int) -> list[bytes]:
+        """PullChunk messages for one key, encoded once per version and shared by every puller of it."""
+        cache_key = (key, delta_version, id(pieces))
+        with self._cache_lock:
+            if self._cache_version != version:
+                self._cache.clear()
+                self._cache_version = version
+            msgs = self._cache.get(cache_key)
+            if msgs is None:
+                msgs, offset = [], 0
+                for piece in pieces:
+                    msgs.append(fastwire.encode_pull_chunk(version, key, offset, total, piece, delta_version))
+                    offset += len(piece)
+                # keep `pieces` alive with its messages so its id() cannot be reused while cached
+                self._cache[cache_key] = msgs = (pieces, msgs)
+            return msgs[1]
 
     def Push(self, request_iterator, context):
         header = None
@@ -90,7 +107,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         received = 0
         try:
             for msg in request_iterator:
-                which = msg.WhichOneof("body")
+                which = "chunk" if isinstance(msg, fastwire.Chunk) else msg.WhichOneof("body")
                 if which == "header":
                     if header is not None:
                         raise Reject("INVALID_ARGUMENT", "push has two headers")
@@ -106,7 +123,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 elif which == "chunk":
                     if header is None:
                         raise Reject("INVALID_ARGUMENT", "push chunk before its header")
-                    c = msg.chunk
+                    c = msg if isinstance(msg, fastwire.Chunk) else msg.chunk
                     if c.key not in expected:
                         raise Reject("INVALID_ARGUMENT", f"chunk for key {c.key!r} not declared in the header")
                     end = c.offset + len(c.data)
@@ -173,7 +190,7 @@ class ShardServer:
         self.state = state
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=list(security.interceptors), options=GRPC_OPTIONS)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(ShardServicer(state, max_push_bytes), self.server)
+        self.server.add_generic_rpc_handlers((service_handler(ShardServicer(state, max_push_bytes)),))
         address = f"{host}:{port}"
         if security.server_credentials is not None:
             self.port = self.server.add_secure_port(address, security.server_credentials)
@@ -212,6 +229,21 @@ class ShardServer:
 
     def wait(self) -> None:
         self.server.wait_for_termination()
+
+
+def service_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers: protobuf for control messages, `fastwire` for the bulk Push/Pull streams."""
+    pb = ps_pb2
+    unary = grpc.unary_unary_rpc_method_handler
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Join": unary(servicer.Join, pb.JoinRequest.FromString, pb.JoinResponse.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, pb.PullRequest.FromString, fastwire.identity),
+        "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, fastwire.decode_push_message,
+                                                     pb.PushResponse.SerializeToString),
+        "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest.FromString, pb.HeartbeatResponse.SerializeToString),
+        "Leave": unary(servicer.Leave, pb.LeaveRequest.FromString, pb.LeaveResponse.SerializeToString),
+        "Status": unary(servicer.Status, pb.StatusRequest.FromString, pb.StatusResponse.SerializeToString),
+    })
 
 
 def method_roles() -> dict[str, set[str]]:
