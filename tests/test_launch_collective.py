@@ -77,6 +77,8 @@ def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(framework,
 
     # Assert
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    failed = [json.loads(line) for line in run.stderr.splitlines() if '"event":"attempt_failed"' in line]
+    assert [(f["attempt"], f["rank"]) for f in failed] == [(0, 1)]
     first, second = _rank0_log(log_dir, framework, 0), _rank0_log(log_dir, framework, 1)
     assert '"final"' not in first
     resumed = [json.loads(line) for line in second.splitlines() if line.startswith('{"event": "resumed"')]

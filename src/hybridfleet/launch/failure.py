@@ -16,6 +16,8 @@ _TORCH_ROOT = re.compile(
 )
 # paddle.distributed.launch: "Container rank 1 status failed cmd [...] code -9 log ..."
 _PADDLE_FAILED = re.compile(r"Container rank (\d+) status failed .*? code (-?\d+)")
+# What gloo says in a rank whose peer vanished: that rank is a casualty, not the cause.
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|gloo::TimeoutException|TIMEOUT self_rank = \d+ pair_rank")
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,25 @@ def diagnose(
 ) -> RankFailure:
     """Combine the launcher's report with the failing rank's log files."""
     rank, local_rank, exit_code = parse_launcher_output(framework, launcher_output)
+    if framework == "paddle" and local_rank is not None:
+        cause = _root_cause_rank(attempt_dir, local_rank)
+        if cause != local_rank:
+            local_rank, exit_code = cause, None
     if rank is None and local_rank is not None:
         rank = node_rank * nproc_per_node + local_rank
     files = rank_log_files(framework, attempt_dir, local_rank) if local_rank is not None else []
     return RankFailure(rank, local_rank, exit_code, files, tail_lines(files, max_lines))
+
+
+def _root_cause_rank(attempt_dir: Path, reported: int) -> int:
+    """paddle names the lowest failed rank it sees; when that rank only lost its peer, and
+    exactly one other rank's log shows no such loss, that rank is the cause (its exit code is
+    then unknown). Otherwise the reported rank stands."""
+    def lost_peer(local_rank: int) -> bool:
+        return any(_PEER_LOST.search(line) for line in tail_lines(rank_log_files("paddle", attempt_dir, local_rank), 50))
+
+    if not lost_peer(reported):
+        return reported
+    others = [int(p.name.split(".")[-1]) for p in attempt_dir.glob("workerlog.*") if p.name.split(".")[-1].isdigit()]
+    candidates = [r for r in others if r != reported and not lost_peer(r)]
+    return candidates[0] if len(candidates) == 1 else reported
