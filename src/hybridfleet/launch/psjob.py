@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridfleet.errors import LaunchError
+from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.log import get_logger
 from hybridfleet.spec.models import JobSpec
@@ -90,7 +91,7 @@ def snapshot_store(spec: JobSpec, run_dir: Path) -> str:
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
     """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
     # a fixed port, so that a restarted shard is found where its workers left it
-    port = spec.ps.base_port + shard if spec.ps.base_port else _free_port(spec.ps.host)
+    port = spec.ps.base_port + shard if spec.ps.base_port else free_port(spec.ps.host)
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
             "--host", spec.ps.host, "--port", str(port),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
@@ -134,7 +135,7 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
     procs, rank = [], 0
     entry = str(Path(spec.entrypoint))
     for site, s in spec.sites.items():
-        hub = f"127.0.0.1:{_free_port()}" if s.aggregate and s.workers > 1 else None
+        hub = f"127.0.0.1:{free_port()}" if s.aggregate and s.workers > 1 else None
         for site_rank in range(s.workers):
             prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
             procs.append(ProcessSpec(name=f"worker-{site}-{site_rank}",
@@ -144,14 +145,6 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
                                      max_restarts=spec.max_restarts, role="worker"))
             rank += 1
     return procs
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:
