@@ -142,7 +142,8 @@ def main() -> None:
     quiet_parent_logs("error")  # stopping a run at its target makes the supervisor warn about every exit
     workdir = Path(tempfile.mkdtemp(prefix="hf-bench-wan-"))
     try:
-        up_mbit, down_mbit = link.measure_mbit("up"), link.measure_mbit("down")
+        probe_s = 1.5 if args.quick else 3.0
+        up_mbit, down_mbit = link.measure_mbit("up", probe_s), link.measure_mbit("down", probe_s)
         print(f"link {_wan_net.NS_ADDR} <-> {_wan_net.HOST_ADDR}: tbf {args.rate_mbit:g} Mbit/s each way; "
               f"raw TCP measured up {up_mbit:.2f} Mbit/s, down {down_mbit:.2f} Mbit/s")
         low, high = (f * args.rate_mbit for f in CAP_TOLERANCE)

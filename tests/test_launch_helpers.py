@@ -91,12 +91,12 @@ def test_checkpoint_round_trips_and_latest_is_the_highest_step(monkeypatch, tmp_
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_tensors_without_their_marker_are_not_a_checkpoint(monkeypatch, tmp_path):
-    # Prepare: step 4 complete, step 6 cut off before its marker was written
+def test_tensors_without_their_manifest_are_not_a_checkpoint(monkeypatch, tmp_path):
+    # Prepare: step 4 complete, step 6 cut off before its manifest was written
     monkeypatch.setenv("HFLEET_CKPT_DIR", str(tmp_path))
     helpers.save_rank0({"w": np.ones(2, np.float32)}, 4)
-    helpers.save_rank0({"w": np.zeros(2, np.float32)}, 6)
-    (tmp_path / "step-00000006.json").unlink()
+    newest = helpers.save_rank0({"w": np.zeros(2, np.float32)}, 6)
+    (newest / "MANIFEST.json").unlink()
 
     # Execute / Assert
     assert helpers.latest_checkpoint().step == 4

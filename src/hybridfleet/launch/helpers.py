@@ -2,8 +2,8 @@
 
 They read what the launchers put in the environment, so they work the same whichever
 framework the script imported, and outside a launcher they describe a single process.
-Checkpoints are one safetensors file plus a JSON marker in ``HFLEET_CKPT_DIR``; the
-marker is written last, so a checkpoint without it does not exist.
+Checkpoints are `hybridfleet.ckpt` checkpoints in ``HFLEET_CKPT_DIR`` (safetensors +
+a manifest written last, so a checkpoint without a valid manifest does not exist).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+KEEP_LAST = 3  # checkpoints kept in HFLEET_CKPT_DIR
 
 # (rank, world size, local rank) variables each launcher sets.
 _DIST_ENV = {
@@ -114,31 +116,28 @@ def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | Non
 
 
 def _write_checkpoint(directory: Path, state: dict[str, np.ndarray], step: int) -> Path:
-    """The one place that knows the file layout (to be replaced by ``hybridfleet.ckpt``)."""
-    from safetensors.numpy import save_file
+    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) of ``state`` at ``step``."""
+    from hybridfleet.ckpt import gc, save_tensors_checkpoint
+    from hybridfleet.ckpt.manifest import step_dir
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors_path = directory / f"step-{step:08d}.safetensors"
-    marker_path = directory / f"step-{step:08d}.json"
-    tmp = tensors_path.with_suffix(".safetensors.tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp))
-    os.replace(tmp, tensors_path)
-    tmp_marker = marker_path.with_suffix(".json.tmp")
-    tmp_marker.write_text(json.dumps({"step": step, "file": tensors_path.name}))
-    os.replace(tmp_marker, marker_path)
-    return tensors_path
+    url = str(directory.resolve())
+    save_tensors_checkpoint(url, step, {k: np.ascontiguousarray(v) for k, v in state.items()})
+    gc(url, keep_last=KEEP_LAST)
+    return directory / step_dir(step)
 
 
 def latest_checkpoint() -> Checkpoint | None:
-    """The newest complete checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
-    from safetensors.numpy import load_file
+    """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
+    from hybridfleet.ckpt import load_tensors_checkpoint
+    from hybridfleet.ckpt.manifest import step_dir
+    from hybridfleet.errors import CheckpointError
 
     directory = ckpt_dir()
     if directory is None or not directory.is_dir():
         return None
-    for marker in sorted(directory.glob("step-*.json"), reverse=True):
-        meta = json.loads(marker.read_text())
-        tensors_path = directory / meta["file"]
-        if tensors_path.is_file():
-            return Checkpoint(step=int(meta["step"]), state=load_file(str(tensors_path)), path=tensors_path)
-    return None
+    try:
+        step, tensors, _ = load_tensors_checkpoint(str(directory.resolve()))
+    except CheckpointError:
+        return None
+    return Checkpoint(step=step, state=tensors, path=directory / step_dir(step))

@@ -1,0 +1,86 @@
+"""The compression and WAN benchmarks run end to end and end with their JSON line.
+
+Tiny settings (a few steps, a low target) keep these to seconds of training;
+the figures themselves are never asserted, only the shape of the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *args: str, timeout_s: float = 110) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout_s, cwd=REPO)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_compression_bench_ends_with_accuracies_and_byte_reductions():
+    # Prepare / Execute
+    proc = run_bench("compression.py", "--quick", "--steps", "2")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "compression" and result["framework"] == "torch"
+    for key in ("dense_acc", "topk_acc", "sign_acc"):
+        assert 0.0 <= result[key] <= 1.0
+    # compressed variants move fewer bytes than dense, whatever the exact figure
+    assert 0.0 < result["topk_bytes_reduction"] < 1.0
+    assert 0.0 < result["sign_bytes_reduction"] < 1.0
+    assert "dense (none)" in proc.stdout and "top-k 1% + EF" in proc.stdout
+
+
+def test_compression_bench_rejects_a_non_positive_learning_rate():
+    # Prepare / Execute
+    proc = run_bench("compression.py", "--lr", "0", timeout_s=30)
+
+    # Assert
+    assert proc.returncode == 2
+    assert "--lr: must be > 0 (got 0.0)" in proc.stderr
+
+
+def test_wan_bench_rejects_a_non_positive_rate():
+    # Prepare / Execute
+    proc = run_bench("wan.py", "--rate-mbit", "-5", timeout_s=30)
+
+    # Assert
+    assert proc.returncode == 2
+    assert "--rate-mbit: must be > 0 (got -5.0)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skipped():
+    # Prepare: a low target so both runs reach it within a few steps
+    args = ["--quick", "--steps", "10", "--eval-every", "1", "--target", "0.3"]
+
+    # Execute
+    proc = run_bench("wan.py", *args)
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "wan"
+    if os.geteuid() != 0:
+        assert result["skipped"] == "needs root (network namespaces and tc)"
+        return
+    if "skipped" in result:
+        pytest.skip(f"network namespaces unavailable here: {result['skipped']}")
+    assert result["rate_mbit"] == 100.0
+    assert result["dense_s"] > 0 and result["compressed_s"] > 0
+    assert result["speedup"] == pytest.approx(result["dense_s"] / result["compressed_s"], rel=1e-2)
+    assert "raw TCP measured" in proc.stdout
+    assert not Path("/var/run/netns/hf-hosp").exists(), "the namespace must be torn down"
