@@ -16,10 +16,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 NAMESPACE = "hf-hosp"
 HOST_IF = "hf-h0"
@@ -151,64 +149,22 @@ class WanLink:
         if direction not in ("up", "down"):
             raise ValueError(f"direction: must be 'up' or 'down' (got {direction!r})")
         total_bytes = int(self.rate_mbit * 1e6 / 8 * seconds)
+        in_ns = ["ip", "netns", "exec", NAMESPACE]
         probe = [sys.executable, "-c", _PROBE_SCRIPT]
-        ns = ["ip", "netns", "exec", NAMESPACE]
-        if direction == "up":
-            got, elapsed_s = _receive_here(self.host_addr, lambda port: subprocess.Popen(
-                [*ns, *probe, "send", self.host_addr, str(port), str(total_bytes)]))
-        else:
-            receiver = subprocess.Popen([*ns, *probe, "recv", self.ns_addr], stdout=subprocess.PIPE, text=True)
-            try:
-                port = int(receiver.stdout.readline())
-                _send_from_here(self.ns_addr, port, total_bytes)
-                out, _ = receiver.communicate(timeout=PROBE_TIMEOUT_S)
-            finally:
-                if receiver.poll() is None:
-                    receiver.kill()
-                    receiver.wait()
-            got_s, elapsed_s_s = out.split()
-            got, elapsed_s = int(got_s), float(elapsed_s_s)
-        if got != total_bytes:
-            raise RuntimeError(f"throughput probe ({direction}) received {got} of {total_bytes} bytes")
-        return got * 8 / elapsed_s / 1e6
-
-
-def _receive_here(addr: str, start_sender) -> tuple[int, float]:
-    srv = socket.socket()
-    srv.bind((addr, 0))
-    srv.listen(1)
-    srv.settimeout(PROBE_TIMEOUT_S)
-    sender = start_sender(srv.getsockname()[1])
-    try:
-        conn, _ = srv.accept()
-        conn.settimeout(PROBE_TIMEOUT_S)
-        buf = bytearray(1 << 16)
-        got, first = 0, None
-        while True:
-            n = conn.recv_into(buf)
-            if not n:
-                break
-            if first is None:
-                first = time.perf_counter()
-            got += n
-        elapsed_s = time.perf_counter() - first
-        conn.close()
-        sender.wait(timeout=PROBE_TIMEOUT_S)
-        return got, elapsed_s
-    finally:
-        srv.close()
-        if sender.poll() is None:
-            sender.kill()
-            sender.wait()
-
-
-def _send_from_here(addr: str, port: int, total_bytes: int) -> None:
-    chunk = b"\0" * (64 << 10)
-    with socket.create_connection((addr, port), timeout=PROBE_TIMEOUT_S) as s:
-        sent = 0
-        while sent < total_bytes:
-            n = min(len(chunk), total_bytes - sent)
-            s.sendall(chunk[:n])
-            sent += n
-        s.shutdown(socket.SHUT_WR)
-        s.recv(1)  # returns once the receiver has read everything and closed
+        # the receiver sits where the bytes go; the sender's side of the pair caps its egress
+        recv_prefix, recv_addr = ([], self.host_addr) if direction == "up" else (in_ns, self.ns_addr)
+        send_prefix = in_ns if direction == "up" else []
+        receiver = subprocess.Popen([*recv_prefix, *probe, "recv", recv_addr], stdout=subprocess.PIPE, text=True)
+        try:
+            port = receiver.stdout.readline().strip()
+            subprocess.run([*send_prefix, *probe, "send", recv_addr, port, str(total_bytes)], check=True,
+                           timeout=PROBE_TIMEOUT_S)
+            out, _ = receiver.communicate(timeout=PROBE_TIMEOUT_S)
+        finally:
+            if receiver.poll() is None:
+                receiver.kill()
+                receiver.wait()
+        got_bytes, elapsed_s = int(out.split()[0]), float(out.split()[1])
+        if got_bytes != total_bytes:
+            raise RuntimeError(f"throughput probe ({direction}) received {got_bytes} of {total_bytes} bytes")
+        return got_bytes * 8 / elapsed_s / 1e6

@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help=f"learning rate (default {DEFAULT_OPTIMIZER['lr']} for sgd, "
                     "1e-3 for adam)")
     args = ap.parse_args()
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps: must be >= 1 (got {args.steps})")
     steps = args.steps or (60 if args.quick else 200)
     if args.lr is not None and args.lr <= 0:
         ap.error(f"--lr: must be > 0 (got {args.lr})")
@@ -129,7 +131,11 @@ def main() -> None:
         job = digits_job(f"bench-{variant}", args.framework, steps, compression,
                          eval_every_steps=max(1, steps // 5), optimizer=optimizer)
         started = time.monotonic()
-        summary = run_job(job, workdir)
+        try:
+            summary = run_job(job, workdir)
+        except Exception:
+            print(f"{variant} run raised; kept: {workdir}", file=sys.stderr)
+            raise
         if summary["status"] != "completed" or summary["test_accuracy"] is None:
             fail(f"{variant} run ended {summary['status']}", [summary["run_dir"]], workdir)
         up, down = link_bytes(summary)

@@ -99,6 +99,9 @@ def run_variant(name: str, args, steps: int, compression: dict, aggregate: bool,
     started = time.monotonic()
     try:
         summary = run_job(job, workdir, on_started=hook)
+    except Exception:
+        print(f"{name} run raised; kept: {workdir}", file=sys.stderr)
+        raise
     finally:
         hook.close()
     wall_s = time.monotonic() - started
@@ -128,6 +131,10 @@ def main() -> None:
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:
         ap.error(f"--rate-mbit: must be > 0 (got {args.rate_mbit})")
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps: must be >= 1 (got {args.steps})")
+    if args.eval_every < 1:
+        ap.error(f"--eval-every: must be >= 1 (got {args.eval_every})")
     args.target = args.target if args.target is not None else (0.85 if args.quick else 0.93)
     steps = args.steps or (60 if args.quick else 150)
 

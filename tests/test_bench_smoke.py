@@ -84,3 +84,21 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     assert result["speedup"] == pytest.approx(result["dense_s"] / result["compressed_s"], rel=1e-2)
     assert "raw TCP measured" in proc.stdout
     assert not Path("/var/run/netns/hf-hosp").exists(), "the namespace must be torn down"
+
+
+def test_wan_bench_rejects_zero_steps_between_evaluations():
+    # Prepare / Execute
+    proc = run_bench("wan.py", "--eval-every", "0", timeout_s=30)
+
+    # Assert
+    assert proc.returncode == 2
+    assert "--eval-every: must be >= 1 (got 0)" in proc.stderr
+
+
+def test_compression_bench_rejects_zero_steps():
+    # Prepare / Execute
+    proc = run_bench("compression.py", "--steps", "0", timeout_s=30)
+
+    # Assert
+    assert proc.returncode == 2
+    assert "--steps: must be >= 1 (got 0)" in proc.stderr
