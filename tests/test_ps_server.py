@@ -336,3 +336,19 @@ def test_two_shards_split_blocks_and_agree_on_the_plan(two_shards):
     params = two_shards.params()
     assert sum(v.size for v in params.values()) == 16
     a.close()
+
+
+def test_worker_holding_the_initial_values_skips_the_first_dense_pull(cluster):
+    from hybridfleet.ps.shard import values_digest
+
+    a, b = cluster.client("a"), cluster.client("b")
+    join_and_init(cluster, a)
+    b.join(PARAMS, cluster.spec.ps.block_size_bytes, "none", "torch")
+    init = initial_values()
+    same = [values_digest(init[blk.param].reshape(-1)[blk.start:blk.stop] for blk in b.plan.blocks_for_shard(0))]
+    assert b.pull(full=True, init_digests=same) == []  # already holds version 0
+    assert b.versions == [0]
+    other = [values_digest([np.zeros(16, np.float32)])]
+    assert {e.key for e in b.pull(full=True, init_digests=other)} == {"fc.weight", "fc.bias"}
+    a.close()
+    b.close()

@@ -246,7 +246,7 @@ class PSClient:
 
     # ------------------------------------------------------------------ pull
     def pull(self, wait_for_versions: list[int] | None = None, timeout_s: float = 120.0,
-             full: bool = False) -> list[Pulled]:
+             full: bool = False, init_digests: list[str] | None = None) -> list[Pulled]:
         """Pull what changed since this client's versions (everything when ``full``).
 
         Returns `Pulled` entries in the order to apply them: a key's values, or (compressed
@@ -257,7 +257,8 @@ class PSClient:
         def one(i: int) -> list[Pulled]:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, since_version=-1 if full else self.versions[i],
                                      wait_for_version=wait_for_versions[i] if wait_for_versions else -1,
-                                     worker_clock=self.clock, timeout_s=timeout_s)
+                                     worker_clock=self.clock, timeout_s=timeout_s,
+                                     init_digest=init_digests[i] if init_digests and full else "")
             self.bytes.add("sent", "control", req.ByteSize())
 
             def run(stub):

@@ -73,7 +73,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request, context):
         try:
             version, items = self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
-                                             request.worker_clock, request.timeout_s or 60.0)
+                                             request.worker_clock, request.timeout_s or 60.0, request.init_digest)
         except Reject as rej:
             self._abort(context, rej)
         if not items:

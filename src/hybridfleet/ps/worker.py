@@ -139,8 +139,10 @@ class PSSession:
                 init.update({k: np.ascontiguousarray(v, dtype=DTYPE).tobytes()
                              for k, v in self.plan.split(name, np.asarray(arr, dtype=DTYPE).reshape(-1)).items()})
             self.client.push(init, codec="none", kind="INIT")
-        self._flat = {k: np.zeros(int(np.prod(s)) if s else 1, dtype=DTYPE) for k, s in self.shapes.items()}
-        self._apply_pulled(self.client.pull(full=True))
+        # start from our own values: when they are the job's initial values (workers seeded alike),
+        # the first pull brings only what changed since, not every parameter again
+        self._flat = {k: np.ascontiguousarray(params[k], dtype=DTYPE).reshape(-1).copy() for k in self.shapes}
+        self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
         if cfg.aggregates:
             from hybridfleet.ps.site import SiteHub
 
@@ -151,6 +153,12 @@ class PSSession:
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
                  resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None)
         return self.parameters()
+
+    def _shard_digests(self) -> list[str]:
+        from hybridfleet.ps.shard import values_digest
+
+        return [values_digest(self._flat[b.param][b.start:b.stop] for b in self.plan.blocks_for_shard(i))
+                for i in range(self.plan.num_shards)]
 
     def _numel(self) -> int:
         return sum(int(np.prod(self.shapes[n])) if self.shapes[n] else 1 for n in self._names)

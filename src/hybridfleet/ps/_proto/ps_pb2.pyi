@@ -64,18 +64,20 @@ class JoinResponse(_message.Message):
     def __init__(self, wire_version: _Optional[int] = ..., shard: _Optional[int] = ..., plan_json: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., sync: _Optional[str] = ..., staleness_bound: _Optional[int] = ..., worker_clock: _Optional[int] = ..., live_workers: _Optional[_Iterable[str]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "since_version", "wait_for_version", "worker_clock", "timeout_s")
+    __slots__ = ("worker_id", "since_version", "wait_for_version", "worker_clock", "timeout_s", "init_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    INIT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     since_version: int
     wait_for_version: int
     worker_clock: int
     timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., since_version: _Optional[int] = ..., wait_for_version: _Optional[int] = ..., worker_clock: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    init_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., since_version: _Optional[int] = ..., wait_for_version: _Optional[int] = ..., worker_clock: _Optional[int] = ..., timeout_s: _Optional[float] = ..., init_digest: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("key", "offset", "total_bytes", "data")
