@@ -7,8 +7,10 @@
 The job is examples/digits-hybrid.yaml with a 2048,512 MLP (1.19M parameters):
 a hospital and a cloud site with 2 workers each, 2 shards, BSP, server-side
 plain SGD (lr 0.3), TLS and tokens on. The three variants differ only in
-``ps.compression``: same seeds, same steps, same optimizer. With a codec other
-than ``none`` the shards also send codec-encoded parameter deltas downstream.
+``ps.compression``: same seeds, same steps, same optimizer. Top-k sends its kept
+values as float16 (``value_dtype: float16``; error feedback keeps the rounding).
+With a codec other than ``none`` the shards also send codec-encoded parameter
+deltas downstream.
 
 Why plain SGD: a sparse aggregated gradient then gives a sparse parameter
 delta, which the compressed downlink carries almost whole. Adam (or momentum)
@@ -42,7 +44,7 @@ DEFAULT_OPTIMIZER = {"name": "sgd", "lr": 0.3}
 INPUT_FEATURES, CLASSES = 64, 10
 VARIANTS = {
     "dense": {"codec": "none"},
-    "topk": {"codec": "topk", "ratio": 0.01, "error_feedback": True},
+    "topk": {"codec": "topk", "ratio": 0.01, "value_dtype": "float16", "error_feedback": True},
     "sign": {"codec": "sign", "error_feedback": True},
 }
 

@@ -332,3 +332,27 @@ def test_importing_the_codec_package_imports_no_framework():
 
     # Assert
     assert result.stdout.strip() == "[]"
+
+
+def test_sparse_codecs_with_float16_values_are_smaller_and_decode_without_options():
+    from hybridfleet.codec import ErrorFeedback, get_codec
+
+    x = np.random.default_rng(3).standard_normal(100_000).astype(np.float32)
+    for name in ("topk", "randomk"):
+        wide, narrow = get_codec(name, ratio=0.01), get_codec(name, ratio=0.01, value_dtype="float16")
+        payload = narrow.encode(x)
+        assert len(payload) < 0.8 * len(wide.encode(x))
+        sparse = get_codec(name).decode_sparse(payload)  # no options needed to decode
+        exact = x[sparse.indices]
+        assert (np.abs(sparse.values - exact) <= 2.0**-11 * np.abs(exact) + 2.0**-25).all()
+    # error feedback keeps what the float16 rounding lost
+    feedback = ErrorFeedback(get_codec("topk", ratio=0.01, value_dtype="float16"))
+    payload = feedback.encode("w", x)
+    np.testing.assert_allclose(get_codec("topk").decode(payload) + feedback.residual("w"), x, rtol=0, atol=1e-6)
+
+
+def test_unknown_value_dtype_is_refused():
+    from hybridfleet.codec import get_codec
+
+    with pytest.raises(ValueError, match="value_dtype must be one of float32, float16"):
+        get_codec("topk", value_dtype="int4")

@@ -23,8 +23,9 @@ class RandomKCodec(SparseCodec):
 
     name = "randomk"
 
-    def __init__(self, ratio: float = 0.01, index_coding: str = "auto", seed: int | None = None, scale: bool = False):
-        super().__init__(ratio=ratio, index_coding=index_coding)
+    def __init__(self, ratio: float = 0.01, index_coding: str = "auto", seed: int | None = None, scale: bool = False,
+                 value_dtype: str = "float32"):
+        super().__init__(ratio=ratio, index_coding=index_coding, value_dtype=value_dtype)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"randomk: seed must be a non-negative integer or None (got {seed!r})")
         if not isinstance(scale, bool):

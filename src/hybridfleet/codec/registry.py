@@ -48,9 +48,11 @@ def get_codec(name: str, **options: Any) -> Codec:
 def codec_for(compression: Any) -> Codec:
     """The codec for a job's `ps.compression` spec (anything with `.codec` and `.ratio`).
 
-    `ratio` goes only to the codecs that keep a fraction of the elements.
+    `ratio` (and `value_dtype`) go only to the codecs that keep a fraction of the elements.
     """
-    options = {"ratio": compression.ratio} if compression.codec in SPARSE_CODECS else {}
+    options = {}
+    if compression.codec in SPARSE_CODECS:
+        options = {"ratio": compression.ratio, "value_dtype": getattr(compression, "value_dtype", "float32")}
     return get_codec(compression.codec, **options)
 
 

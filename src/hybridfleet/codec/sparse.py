@@ -2,7 +2,8 @@
 
 A sparse payload carries k = ceil(ratio * numel) coordinates: params (k as
 uint32, index coding as uint8), the sorted indices (see `indices.py`) and the
-float32 values. `decode_sparse` hands them out without densifying, so a
+values, float32 or (``value_dtype="float16"``) float16; the values field's
+length tells which, so decoding needs no option. `decode_sparse` hands them out without densifying, so a
 server can aggregate updates coordinate-wise.
 """
 
@@ -22,6 +23,8 @@ from hybridfleet.errors import ProtocolError
 
 _PARAMS = struct.Struct("<IB")  # k, index coding
 INDEX_CODINGS = ("auto", *CODING_IDS)
+VALUE_DTYPES = {"float32": "<f4", "float16": "<f2"}
+_F16_MAX = float(np.finfo(np.float16).max)
 
 
 def kept_count(ratio: float, numel: int) -> int:
@@ -48,14 +51,17 @@ class SparseCodec(Codec):
     sparse = True
     num_fields = 3
 
-    def __init__(self, ratio: float = 0.01, index_coding: str = "auto"):
+    def __init__(self, ratio: float = 0.01, index_coding: str = "auto", value_dtype: str = "float32"):
         self.ratio = check_ratio(ratio, self.name)
         if index_coding not in INDEX_CODINGS:
             raise ValueError(f"{self.name}: index_coding must be one of {', '.join(INDEX_CODINGS)} (got {index_coding!r})")
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"{self.name}: value_dtype must be one of {', '.join(VALUE_DTYPES)} (got {value_dtype!r})")
         self.index_coding = index_coding
+        self.value_dtype = value_dtype
 
     def options(self) -> dict:
-        return {"ratio": self.ratio, "index_coding": self.index_coding}
+        return {"ratio": self.ratio, "index_coding": self.index_coding, "value_dtype": self.value_dtype}
 
     def with_ratio(self, ratio: float) -> "SparseCodec":
         """A copy of this codec keeping `ratio` of the elements (shares any random state)."""
@@ -75,6 +81,8 @@ class SparseCodec(Codec):
         indices = self._select(flat, k)
         coding = smaller_coding(indices) if self.index_coding == "auto" else CODING_IDS[self.index_coding]
         values = self._values(flat, indices).astype("<f4", copy=False)
+        if self.value_dtype == "float16":  # saturate rather than overflow to Inf
+            values = np.clip(values, -_F16_MAX, _F16_MAX).astype("<f2")
         return [_PARAMS.pack(k, coding), encode_indices(indices, coding), values]
 
     def _decode_sparse_fields(self, frame: Frame) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +92,8 @@ class SparseCodec(Codec):
             raise ProtocolError(f"{self.name} payload announces {k} values for a tensor of {numel} elements")
         raw_indices = np.frombuffer(frame.fields[1], dtype=np.uint8)
         indices = decode_indices(raw_indices, coding, k, numel, self.name)
-        values = frame.array(2, "<f4", k, "values").astype(np.float32)
+        value_dtype = "<f2" if k and len(frame.fields[2]) == 2 * k else "<f4"
+        values = frame.array(2, value_dtype, k, "values").astype(np.float32)
         return indices, values
 
     def _decode_fields(self, frame: Frame) -> np.ndarray:

@@ -100,14 +100,11 @@ class ShardState:
 
     def codec(self):
         if self._codec is None:
-            from hybridfleet.codec import get_codec
+            from hybridfleet.codec import codec_for, get_codec
 
-            self._codec = get_codec(self.codec_name, **self._codec_options())
+            c = self.spec.compression
+            self._codec = codec_for(c) if self.codec_name == c.codec else get_codec(self.codec_name)
         return self._codec
-
-    def _codec_options(self) -> dict:
-        c = self.spec.compression
-        return {"ratio": c.ratio} if self.codec_name in ("topk", "randomk") else {}
 
     def live_members(self) -> set[str]:
         return {w for w, m in self.members.items() if m.alive}

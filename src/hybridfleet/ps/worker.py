@@ -255,10 +255,10 @@ class PSSession:
 
     def _make_encoder(self):
         """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker."""
-        from hybridfleet.codec import get_codec
+        from hybridfleet.codec import codec_for
 
         c = self.ps.compression
-        codec = get_codec(self.codec_name, **({"ratio": c.ratio} if self.codec_name in ("topk", "randomk") else {}))
+        codec = codec_for(c)
         if c.error_feedback and self.codec_name != "none":
             from hybridfleet.codec.feedback import ErrorFeedback
 

@@ -44,6 +44,7 @@ class CompressionSpec(_Strict):
 
     codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign"] = "none"
     ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
+    value_dtype: Literal["float32", "float16"] = Field("float32", description="topk/randomk: how kept values travel")
     error_feedback: bool = True
 
 
