@@ -75,3 +75,12 @@ def test_cli_spec_check_exit_code_2_on_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "colour: unknown key" in err
     assert "hint:" in err
+
+
+def test_compression_options_for_sparse_codecs_only():
+    with pytest.raises(SpecError) as err:
+        parse_spec({**MINIMAL, "ps": {"compression": {"codec": "sign", "momentum": 0.9}}})
+    assert "ps.compression.momentum: only applies to codec topk or randomk (codec is 'sign')" in str(err.value)
+    spec = parse_spec({**MINIMAL, "ps": {"compression": {"codec": "topk", "momentum": 0.9, "warmup_steps": 50,
+                                                          "value_dtype": "float16"}}})
+    assert spec.ps.compression.momentum == 0.9

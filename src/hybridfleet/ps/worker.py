@@ -262,7 +262,7 @@ class PSSession:
         if c.error_feedback and self.codec_name != "none":
             from hybridfleet.codec.feedback import ErrorFeedback
 
-            return ErrorFeedback(codec).encode
+            return ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps).encode
         return lambda key, block: codec.encode(block)
 
     def _apply_pulled(self, pulled: list[Pulled]) -> None:

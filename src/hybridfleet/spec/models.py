@@ -46,6 +46,18 @@ class CompressionSpec(_Strict):
     ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
     value_dtype: Literal["float32", "float16"] = Field("float32", description="topk/randomk: how kept values travel")
     error_feedback: bool = True
+    momentum: float = Field(0.0, ge=0, lt=1, description="topk/randomk: DGC momentum correction on the worker "
+                                                         "(use with server-side plain SGD)")
+    warmup_steps: int = Field(0, ge=0, description="topk/randomk: density falls from dense to ratio over these steps")
+
+    @model_validator(mode="after")
+    def _sparse_only_options(self) -> "CompressionSpec":
+        for name in ("momentum", "warmup_steps"):
+            if getattr(self, name) and self.codec not in ("topk", "randomk"):
+                raise ValueError(f"{name}: only applies to codec topk or randomk (codec is {self.codec!r})")
+        if (self.momentum or self.warmup_steps) and not self.error_feedback:
+            raise ValueError("error_feedback: momentum correction and warm-up need error_feedback: true")
+        return self
 
 
 class PSSpec(_Strict):
