@@ -26,7 +26,7 @@ class PaddleParameterServer(ParameterServerHandle):
     def _assign(self, values: dict[str, np.ndarray]) -> None:
         params = self._named_parameters()
         for name, arr in values.items():
-            params[name].set_value(np.ascontiguousarray(arr).astype(params[name].numpy().dtype, copy=False))
+            params[name].set_value(np.ascontiguousarray(arr, dtype=np.float32))
 
     def zero_grad(self) -> None:
         for p in self._named_parameters().values():

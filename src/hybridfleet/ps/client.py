@@ -114,6 +114,7 @@ class PSClient:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._join_args: tuple | None = None
+        self._needs_rejoin = False  # set when a shard says we are not (or no longer) a member
 
     # --------------------------------------------------------------- plumbing
     def _call(self, shard: int, fn, *, what: str):
@@ -189,7 +190,7 @@ class PSClient:
         log.info("rejoined_shard", shard=shard, version=reply.version)
 
     def _rejoin_if_needed(self) -> None:
-        if getattr(self, "_needs_rejoin", False) and self._join_args is not None:
+        if self._needs_rejoin and self._join_args is not None:
             log.info("rejoining", worker=self.worker_id)
             self.join(*self._join_args)
 

@@ -20,16 +20,13 @@ from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.shard import Reject, ShardState
 from hybridfleet.ps.sharding import ParamSpec
 from hybridfleet.ps.wire import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
+from hybridfleet.security.grpc_auth import current_claims
 
 log = get_logger("ps.server")
 
 
 def _claims_site(default: str) -> str:
     """The site of the caller's verified token, or ``default`` when auth is off."""
-    try:
-        from hybridfleet.security.grpc_auth import current_claims
-    except ImportError:  # pragma: no cover - the security package ships with hybridfleet
-        return default
     claims = current_claims()
     return claims.site if claims is not None else default
 
@@ -216,10 +213,7 @@ class ShardServer:
     def _reap_loop(self) -> None:
         interval = min(1.0, self.state.spec.heartbeat_interval_s)
         while not self._stop.wait(interval):
-            self.state.reap()
-            with self.state.cond:
-                self.state._maybe_finish_rounds()
-                self.state.cond.notify_all()
+            self.state.reap()  # also closes a BSP round that was only waiting for late joiners
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stop.set()

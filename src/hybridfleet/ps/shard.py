@@ -178,8 +178,7 @@ class ShardState:
                 self.members[w].alive = False
                 log.warning("worker_timed_out", shard=self.shard, worker=w,
                             silent_s=round(now - self.members[w].last_seen, 2))
-            self._maybe_finish_rounds()
-            if dropped:
+            if self._maybe_finish_rounds() or dropped:
                 self.cond.notify_all()
             return dropped
 
@@ -220,8 +219,7 @@ class ShardState:
             grads = self._decode_all(payloads)
             member.clock = step
             member.last_seen = self._now()
-            if not member.alive:
-                member.alive = True
+            member.alive = True
             weight = max(1, contributors)
             if self.sync == "bsp":
                 rnd = self.rounds.setdefault(self.version, _Round())
