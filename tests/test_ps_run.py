@@ -107,3 +107,12 @@ def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_pat
     assert "--- restart 1 ---" in log
     started = [json.loads(line) for line in log.splitlines() if '"worker_started"' in line]
     assert len(started) == 2 and started[1]["resumed_clock"] >= 40  # rejoined mid-run, not from step 0
+
+
+def test_missing_entrypoint_is_a_clear_error_before_anything_starts(tmp_path):
+    from hybridfleet.errors import LaunchError
+
+    job = _job(tmp_path, "digits-hybrid.yaml", entrypoint=str(tmp_path / "nope.py"))
+    with pytest.raises(LaunchError, match="entrypoint .*nope.py' not found"):
+        run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()

@@ -259,6 +259,8 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
     job_path = Path(job_path).resolve()
+    if not Path(spec.entrypoint).is_file():
+        raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})")
     run_dir = new_run_dir(spec, run_root)
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
