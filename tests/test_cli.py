@@ -37,3 +37,24 @@ def test_unknown_command_is_a_usage_error_not_a_traceback():
                             timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
+
+
+def test_worker_command_derives_the_global_rank_from_site_and_site_rank(tmp_path):
+    import json
+
+    import yaml
+
+    script = tmp_path / "show_env.py"
+    script.write_text("import json, os\nprint(json.dumps({k: v for k, v in os.environ.items() if k.startswith('HFLEET_')}))\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "ranks", "framework": "torch", "entrypoint": str(script),
+                                   "sites": {"a": {"workers": 2}, "b": {"workers": 3}}}))
+    out = subprocess.run([sys.executable, "-m", "hybridfleet", "worker", str(job), "--site", "b", "--site-rank", "2",
+                          "--servers", "127.0.0.1:50051", "--insecure-plaintext"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    env = json.loads(out.strip().splitlines()[-1])
+    assert (env["HFLEET_RANK"], env["HFLEET_SITE_RANK"], env["HFLEET_SITE"]) == ("4", "2", "b")
+    assert env["HFLEET_INSECURE"] == "1" and env["HFLEET_SERVERS"] == "127.0.0.1:50051"
+    bad = subprocess.run([sys.executable, "-m", "hybridfleet", "worker", str(job), "--site", "b", "--site-rank", "3",
+                          "--servers", "127.0.0.1:50051"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be in 0..2 for site 'b' (got 3)" in bad.stderr

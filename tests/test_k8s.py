@@ -80,14 +80,14 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     assert shards["spec"]["replicas"] == 2
     shard = shards["spec"]["template"]["spec"]["containers"][0]
     assert shard["command"] == ["hfleet", "ps", "serve", "/etc/hfleet/job/job.yaml", "--shard", "$(HFLEET_SHARD)",
-                                "--port", "50051", "--certs", "/etc/hfleet/certs"]
+                                "--host", "0.0.0.0", "--port", "50051", "--certs", "/etc/hfleet/certs"]
     assert shard["resources"]["limits"] == {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1}
     jobs = {j["metadata"]["name"]: j for j in _by_kind(manifests, "Job")}
     hospital = jobs["digits-hybrid-worker-hospital-a"]
     assert hospital["spec"]["completionMode"] == "Indexed" and hospital["spec"]["completions"] == 2
     worker = hospital["spec"]["template"]["spec"]["containers"][0]
     assert worker["command"] == [
-        "hfleet", "worker", "/etc/hfleet/job/job.yaml", "--site", "hospital_a", "--rank", "$(JOB_COMPLETION_INDEX)",
+        "hfleet", "worker", "/etc/hfleet/job/job.yaml", "--site", "hospital_a", "--site-rank", "$(JOB_COMPLETION_INDEX)",
         "--servers", "digits-hybrid-ps-0.digits-hybrid-ps:50051,digits-hybrid-ps-1.digits-hybrid-ps:50051",
         "--certs", "/etc/hfleet/certs"]
     token = [e for e in worker["env"] if e["name"] == "HFLEET_TOKEN"][0]
@@ -208,3 +208,28 @@ def test_schema_check_rejects_a_malformed_kubeflow_job(tmp_path):
     # Execute / Assert
     with pytest.raises(jsonschema.ValidationError, match="'one' is not of type 'integer'"):
         _validate(job)
+
+
+
+def test_rendered_ps_commands_are_accepted_by_the_hfleet_cli(tmp_path):
+    """The container commands must name options `hfleet ps serve` / `hfleet worker` really have."""
+    import typer.main
+
+    from hybridfleet.cli.app import app
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(PS_JOB))
+    manifests = render_job_file(job)
+    commands = [c["command"] for m in manifests if m["kind"] in ("StatefulSet", "Job")
+                for c in m["spec"]["template"]["spec"]["containers"]]
+    assert len(commands) == 3
+    cli = typer.main.get_command(app)
+    for command in commands:
+        args = [str(job) if a == "/etc/hfleet/job/job.yaml" else "1" if a.startswith("$(") else a
+                for a in command[1:]]
+        ctx = cli.make_context("hfleet", list(args))
+        cmd = cli.get_command(ctx, args[0])
+        rest = args[1:]
+        if hasattr(cmd, "get_command"):  # a group: ps serve
+            cmd, rest = cmd.get_command(ctx, rest[0]), rest[1:]
+        cmd.make_context(args[0], rest)  # raises on an unknown option or a bad value

@@ -15,8 +15,9 @@ from hybridfleet.spec import load_spec
 def worker(
     job: str = typer.Argument(..., help="the job file"),
     site: str = typer.Option(..., help="this worker's site (a key of `sites`)"),
-    rank: int = typer.Option(..., help="global worker rank (0 initialises the shards)"),
     site_rank: int = typer.Option(0, help="rank within the site (which part of the site's data)"),
+    rank: Optional[int] = typer.Option(None, help="global worker rank (0 initialises the shards); "
+                                                  "default: the workers of earlier sites + --site-rank"),
     servers: str = typer.Option(..., help="shard addresses host:port,... in shard order"),
     certs: Optional[Path] = typer.Option(None, help="directory holding the CA (and client) certificates"),
     token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token for this site"),
@@ -26,6 +27,12 @@ def worker(
     spec = load_spec(job)
     if site not in spec.sites:
         raise typer.BadParameter(f"site {site!r} is not in the job ({', '.join(spec.sites)})", param_hint="--site")
+    if not 0 <= site_rank < spec.sites[site].workers:
+        raise typer.BadParameter(f"must be in 0..{spec.sites[site].workers - 1} for site {site!r} (got {site_rank})",
+                                 param_hint="--site-rank")
+    if rank is None:
+        names = list(spec.sites)
+        rank = sum(spec.sites[s].workers for s in names[:names.index(site)]) + site_rank
     env = dict(os.environ, HFLEET_JOB=str(Path(job).resolve()), HFLEET_SITE=site, HFLEET_RANK=str(rank),
                HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers)
     if token:

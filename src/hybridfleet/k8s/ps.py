@@ -73,7 +73,8 @@ def shard_manifests(spec: JobSpec, image: str) -> list[Manifest]:
     name = shard_service_name(spec)
     selector = labels(spec, "ps")
     vols, mounts = volumes(spec, certs=_tls(spec))
-    command = ["hfleet", "ps", "serve", JOB_FILE, "--shard", "$(HFLEET_SHARD)", "--port", str(PS_PORT)]
+    command = ["hfleet", "ps", "serve", JOB_FILE, "--shard", "$(HFLEET_SHARD)", "--host", "0.0.0.0",
+               "--port", str(PS_PORT)]
     if _tls(spec):
         command += ["--certs", CERTS_DIR]
     env = [{"name": "HFLEET_SHARD",  # the StatefulSet ordinal (Kubernetes >= 1.28 pod-index label)
@@ -98,7 +99,7 @@ def worker_jobs(spec: JobSpec, image: str) -> list[Manifest]:
     vols, mounts = volumes(spec, certs=_tls(spec))
     jobs = []
     for site, site_spec in spec.sites.items():
-        command = ["hfleet", "worker", JOB_FILE, "--site", site, "--rank", "$(JOB_COMPLETION_INDEX)",
+        command = ["hfleet", "worker", JOB_FILE, "--site", site, "--site-rank", "$(JOB_COMPLETION_INDEX)",
                    "--servers", servers]
         if _tls(spec):
             command += ["--certs", CERTS_DIR]
