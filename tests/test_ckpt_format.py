@@ -86,6 +86,23 @@ def test_model_and_optimizer_round_trip_bitwise(tmp_path, framework):
         np.testing.assert_array_equal(loaded_opt[name], saved_opt[name], err_msg=name)
 
 
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_refused_optimizer_load_leaves_the_model_unchanged(tmp_path, framework):
+    # Prepare: a model-only checkpoint, and a fresh model + optimizer to load into
+    adapter = get_adapter(framework)
+    save_checkpoint(tmp_path, 1, make_model(framework, seed=3))
+    fresh = make_model(framework, seed=9)
+    optimizer = make_trained_optimizer(framework, fresh)  # takes a step, so read the model after it
+    before = adapter.model_state(fresh)
+    # Execute
+    with pytest.raises(CheckpointError, match="the checkpoint has no optimizer state"):
+        load_checkpoint(tmp_path, fresh, optimizer)
+    # Assert
+    after = adapter.model_state(fresh)
+    for name, arr in before.items():
+        np.testing.assert_array_equal(after[name], arr, err_msg=name)
+
+
 def test_files_are_plain_safetensors_and_json(tmp_path):
     info = save_checkpoint(tmp_path, 1, make_model("torch"), tensors=sample_tensors())
 

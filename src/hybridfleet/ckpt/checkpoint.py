@@ -106,19 +106,29 @@ def _apply(framework_of_ckpt: str | None, state: dict[str, Any], groups: dict[st
     owner = model if model is not None else optimizer
     target = detect_framework(owner)
     adapter = get_adapter(target)
-    if model is not None:
-        if "model" not in groups:
-            raise CheckpointError("the checkpoint has no model tensors (it was saved with tensors= only)")
-        weights = groups["model"]
-        if framework_of_ckpt and framework_of_ckpt != target:
-            weights, _ = convert_state(weights, state.get("layouts", {}), framework_of_ckpt, target)
-        adapter.load_model_state(model, weights)
+    # every check that can fail comes before anything is loaded, so a refused load changes nothing
+    if model is not None and "model" not in groups:
+        raise CheckpointError("the checkpoint has no model tensors (it was saved with tensors= only)")
     if optimizer is not None:
         if framework_of_ckpt != target:
             raise CheckpointError(f"optimizer state saved with {framework_of_ckpt} cannot be loaded into a {target} optimizer")
         if "optimizer" not in groups and not state.get("optimizer_meta"):
             raise CheckpointError("the checkpoint has no optimizer state")
-        adapter.load_optimizer_state(optimizer, groups.get("optimizer", {}), state.get("optimizer_meta", {}))
+    previous = None
+    if model is not None:
+        weights = groups["model"]
+        if framework_of_ckpt and framework_of_ckpt != target:
+            weights, _ = convert_state(weights, state.get("layouts", {}), framework_of_ckpt, target)
+        if optimizer is not None:
+            previous = adapter.model_state(model)
+        adapter.load_model_state(model, weights)
+    if optimizer is not None:
+        try:
+            adapter.load_optimizer_state(optimizer, groups.get("optimizer", {}), state.get("optimizer_meta", {}))
+        except Exception:
+            if previous is not None:  # put the model back as it was
+                adapter.load_model_state(model, previous)
+            raise
     if restore_rng and state.get("rng"):
         if framework_of_ckpt == target:
             adapter.set_rng_state(state["rng"])
