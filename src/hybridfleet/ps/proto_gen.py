@@ -16,12 +16,13 @@ PROTO_ROOT = REPO / "proto"
 OUT = Path(__file__).resolve().parent / "_proto"
 
 
-def main() -> int:
+def main(out: Path = OUT) -> int:
+    """Generate into ``out`` (default: the package's ``_proto``); returns protoc's exit code."""
     from grpc_tools import protoc  # dev dependency: pip install 'hybridfleet[dev]'
 
-    OUT.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
     src = PROTO_ROOT / "hybridfleet/ps/v1/ps.proto"
-    tmp = OUT / "_gen"
+    tmp = out / "_gen"
     tmp.mkdir(exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
     rc = protoc.main([
@@ -35,11 +36,11 @@ def main() -> int:
         text = f.read_text()
         # generated imports are absolute from the proto root; make them package-relative
         text = re.sub(r"^from hybridfleet\.ps\.v1 import ps_pb2", "from hybridfleet.ps._proto import ps_pb2", text, flags=re.M)
-        (OUT / f.name).write_text(text)
+        (out / f.name).write_text(text)
     for p in sorted(tmp.rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     tmp.rmdir()
-    (OUT / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.proto_gen; do not edit."""\n')
+    (out / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.proto_gen; do not edit."""\n')
     return 0
 
 
