@@ -97,8 +97,10 @@ if framework == "torch":
 else:
     import paddle.distributed as dist
     dist.init_parallel_env()
+dist.barrier()  # both ranks are past every collective call: rank 1's death is the only failure
 if dist.get_rank() == 1:
     print("rank 1 about to die", flush=True)
+    time.sleep(1)  # let rank 0 leave the barrier's last socket read
     os.kill(os.getpid(), 9)
 time.sleep(120)  # rank 0 would outlive its peer without the launcher
 """
