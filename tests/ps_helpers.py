@@ -31,6 +31,7 @@ class Cluster:
     issuer: TokenIssuer
     servers: list
     insecure: bool = False
+    transport: str = "auto"
 
     @property
     def addresses(self) -> list[str]:
@@ -46,13 +47,12 @@ class Cluster:
         return issuer.issue(job or self.spec.name, site, role, ttl_s)
 
     def client(self, site: str = "a", rank: int = 0, token: str | None = None, worker_id: str | None = None,
-               retry_timeout_s: float = 2.0) -> PSClient:
-        import grpc
-
-        ca = load_pki(self.certs).ca_cert.read_bytes()
-        sec = ClientSecurity(channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
-                             token=token if token is not None else self.token(site))
-        return PSClient(self.addresses, sec, worker_id or f"{site}-{rank}", site, rank, retry_timeout_s=retry_timeout_s)
+               retry_timeout_s: float = 2.0, transport: str | None = None) -> PSClient:
+        """A TLS client; ``transport`` defaults to the cluster's (bulk data plane or gRPC for Push/Pull)."""
+        sec = ClientSecurity.from_files(str(load_pki(self.certs).ca_cert),
+                                        token=token if token is not None else self.token(site))
+        return PSClient(self.addresses, sec, worker_id or f"{site}-{rank}", site, rank, retry_timeout_s=retry_timeout_s,
+                        transport=transport or self.transport)
 
     def params(self) -> dict[str, np.ndarray]:
         out = {}
@@ -65,14 +65,15 @@ class Cluster:
             s.stop(0)
 
 
-def start_cluster(tmp_path: Path, expected_workers: int = 0, **ps) -> Cluster:
+def start_cluster(tmp_path: Path, expected_workers: int = 0, transport: str = "auto", **ps) -> Cluster:
+    """Shards on 127.0.0.1 with TLS and tokens; clients use ``transport`` ("auto": the bulk data plane)."""
     spec = job_spec(**ps)
     certs = tmp_path / "certs"
     make_dev_pki(certs)
     generate_signing_key(certs)
     security = server_security(spec, certs)
     servers = [start_shard(spec, i, "127.0.0.1", 0, security, expected_workers) for i in range(spec.ps.shards)]
-    return Cluster(spec, certs, TokenIssuer.from_dir(certs), servers)
+    return Cluster(spec, certs, TokenIssuer.from_dir(certs), servers, transport=transport)
 
 
 def raw(arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
@@ -85,6 +86,7 @@ def initial_values() -> dict[str, np.ndarray]:
 
 def join_and_init(cluster: Cluster, client: PSClient, init: bool = True) -> None:
     client.join(PARAMS, cluster.spec.ps.block_size_bytes, cluster.spec.ps.compression.codec, "torch")
+    assert client.transport == ["bulk" if cluster.transport == "auto" else "grpc"] * len(cluster.servers)
     if init:
         blocks = {}
         for name, arr in initial_values().items():

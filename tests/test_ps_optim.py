@@ -402,3 +402,21 @@ def test_importing_the_optimizers_imports_no_framework():
 
     # Assert
     assert out.stdout.strip() == "[]"
+
+
+def test_blockwise_fma_of_a_large_tensor_equals_the_one_pass_formula():
+    # Prepare: more elements than one scratch block, an array and a scalar multiplier
+    from hybridfleet.ps.optim import _FMA_BLOCK, _fma
+
+    rng = np.random.default_rng(7)
+    n = 3 * _FMA_BLOCK + 123
+    a, b, c = (rng.standard_normal(n, dtype=np.float32) for _ in range(3))
+
+    # Execute
+    got_array, got_scalar = _fma(a, b, c), _fma(np.float32(-0.01), b, c)
+
+    # Assert: bit for bit what a single float64 pass rounded to float32 gives
+    one_pass = lambda x: (np.multiply(x, b, dtype=np.float64) + c).astype(np.float32)  # noqa: E731
+    assert got_array.dtype == np.float32 and got_array.shape == (n,)
+    assert np.array_equal(got_array, one_pass(a))
+    assert np.array_equal(got_scalar, one_pass(np.float32(-0.01)))

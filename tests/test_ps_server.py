@@ -1,4 +1,7 @@
-"""Parameter-server shard over real gRPC + TLS + signed tokens: auth, push validation, consistency modes."""
+"""Parameter-server shard over real gRPC + TLS + signed tokens: auth, push validation, consistency modes.
+
+Every test runs twice: Push/Pull over the shard's bulk data plane (TLS socket) and over gRPC.
+"""
 
 from __future__ import annotations
 
@@ -35,16 +38,21 @@ def encoded(client, g: dict[str, np.ndarray], codec=NONE) -> dict[str, bytes]:
     return out
 
 
+@pytest.fixture(params=["auto", "grpc"], ids=["bulk", "grpc"])
+def transport(request):
+    return request.param
+
+
 @pytest.fixture
-def cluster(tmp_path):
-    c = start_cluster(tmp_path)
+def cluster(tmp_path, transport):
+    c = start_cluster(tmp_path, transport=transport)
     yield c
     c.stop()
 
 
 @pytest.fixture
-def two_shards(tmp_path):
-    c = start_cluster(tmp_path, shards=2, block_size_bytes=1024)
+def two_shards(tmp_path, transport):
+    c = start_cluster(tmp_path, transport=transport, shards=2, block_size_bytes=1024)
     yield c
     c.stop()
 
@@ -74,6 +82,9 @@ def test_bad_token_is_rejected_and_params_unchanged(cluster, tmp_path, case, exp
         token = cluster.token(job="another-job")
     bad = cluster.client("a", token=token, worker_id="a-0")
     bad.plan = good.plan
+    for shard, channel in enumerate(good._bulk):  # the bad token's pushes take the same path as good ones
+        bad._set_bulk(shard, channel.port if channel is not None else 0)
+    assert bad.transport == good.transport
     # Execute / Assert
     with pytest.raises(AuthError, match=expected):
         bad.push(encoded(good, grads(1.0)), codec="none", base_versions=[0])
@@ -169,8 +180,8 @@ def test_unknown_key_and_missing_key_are_rejected(cluster):
     client.close()
 
 
-def test_push_over_size_cap_is_rejected(tmp_path):
-    cluster = start_cluster(tmp_path, max_push_bytes=1024)
+def test_push_over_size_cap_is_rejected(tmp_path, transport):
+    cluster = start_cluster(tmp_path, transport=transport, max_push_bytes=1024)
     try:
         client = cluster.client("a")
         join_and_init(cluster, client)
@@ -184,8 +195,8 @@ def test_push_over_size_cap_is_rejected(tmp_path):
         cluster.stop()
 
 
-def test_replayed_push_is_rejected_and_applied_once(tmp_path):
-    cluster = start_cluster(tmp_path, sync="asp")
+def test_replayed_push_is_rejected_and_applied_once(tmp_path, transport):
+    cluster = start_cluster(tmp_path, transport=transport, sync="asp")
     try:
         client = cluster.client("a")
         join_and_init(cluster, client)
@@ -279,8 +290,8 @@ def test_bsp_stale_push_is_rejected(cluster):
     b.close()
 
 
-def test_asp_applies_each_push_on_arrival(tmp_path):
-    cluster = start_cluster(tmp_path, sync="asp")
+def test_asp_applies_each_push_on_arrival(tmp_path, transport):
+    cluster = start_cluster(tmp_path, transport=transport, sync="asp")
     try:
         a, b = cluster.client("a"), cluster.client("b")
         join_and_init(cluster, a)
@@ -295,8 +306,8 @@ def test_asp_applies_each_push_on_arrival(tmp_path):
         cluster.stop()
 
 
-def test_ssp_worker_too_far_ahead_waits_for_the_slowest(tmp_path):
-    cluster = start_cluster(tmp_path, sync="ssp", staleness_bound=1)
+def test_ssp_worker_too_far_ahead_waits_for_the_slowest(tmp_path, transport):
+    cluster = start_cluster(tmp_path, transport=transport, sync="ssp", staleness_bound=1)
     try:
         fast, slow = cluster.client("a"), cluster.client("b")
         join_and_init(cluster, fast)

@@ -49,6 +49,29 @@ def test_snapshot_restores_params_optimizer_state_and_worker_clocks(tmp_path):
         cluster.stop()
 
 
+def test_step_snapshots_are_taken_at_every_multiple_of_every_steps(tmp_path):
+    # Prepare: an ASP shard whose snapshotter saves every 3 versions
+    cluster = start_cluster(tmp_path, sync="asp")
+    try:
+        client = cluster.client("a")
+        join_and_init(cluster, client)
+        state = cluster.servers[0].state
+        snapshotter = Snapshotter(state, f"file://{tmp_path / 'snap'}", every_steps=3, every_s=None, keep_last=10)
+        snapshotter.start()
+        # Execute: 7 pushes, each applied on arrival, as fast as the client can go
+        for value in range(1, 8):
+            client.push(encoded(client, grads(float(value))), codec="none")
+        deadline = time.monotonic() + 10
+        while len(snapshotter.saved) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snapshotter.stop()
+        # Assert: versions 3 and 6 were captured exactly, none other
+        assert snapshotter.saved == [3, 6]
+        client.close()
+    finally:
+        cluster.stop()
+
+
 def test_no_snapshot_means_a_fresh_shard(tmp_path):
     fresh = ShardState(0, start_cluster.__globals__["job_spec"]().ps)
     assert Snapshotter(fresh, f"file://{tmp_path / 'none'}", 1, None).restore_newest() is None
@@ -92,9 +115,16 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
 
     def kill_shard(sup, layout):
         def watch():
+            from hybridfleet.ckpt import list_checkpoints
+            from hybridfleet.launch.psjob import snapshot_store
+            from hybridfleet.ps.snapshot import snapshot_url
+
             probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
+            url = snapshot_url(snapshot_store(load_spec(job), layout.run_dir), 0)
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and probe.version() < 45:
+            # kill once the version-40 snapshot is written and training has gone past it
+            while time.monotonic() < deadline and not (
+                    probe.version() >= 45 and any(c.step >= 40 for c in list_checkpoints(url))):
                 time.sleep(0.05)
             killed["at_round"] = probe.version()
             sup.kill("shard-0")
@@ -111,3 +141,4 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
     log = (Path(summary["run_dir"]) / "logs" / "shard-0.log").read_text()
     restored = [json.loads(line) for line in log.splitlines() if '"snapshot_restored"' in line]
     assert len(restored) == 1 and 40 <= restored[0]["version"] <= killed["at_round"]
+    assert restored[0]["version"] % 10 == 0  # step snapshots land on multiples of snapshot_every_steps

@@ -110,9 +110,12 @@ def check_numel(shape: tuple[int, ...]) -> int:
     return numel
 
 
-def pack_frame(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields: list) -> bytes:
-    """One frame holding `fields` (bytes or arrays, written as their raw little-endian bytes)."""
-    raw = [f if isinstance(f, bytes) else np.ascontiguousarray(f).tobytes() for f in fields]
+def pack_frame(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields: list) -> bytearray:
+    """One frame holding `fields` (bytes or arrays, written as their raw little-endian bytes).
+
+    Each field is copied once, straight into the frame.
+    """
+    raw = [memoryview(f if isinstance(f, (bytes, bytearray)) else np.ascontiguousarray(f)).cast("B") for f in fields]
     header = b"".join(
         (
             _FIXED.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec_name], DTYPE_CODES[np.dtype(dtype)], len(shape)),
@@ -121,7 +124,14 @@ def pack_frame(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields:
             struct.pack(f"<{len(raw)}Q", *(len(r) for r in raw)),
         )
     )
-    return b"".join([header, *raw])
+    out = bytearray(len(header) + sum(len(r) for r in raw))
+    view = memoryview(out)
+    view[: len(header)] = header
+    pos = len(header)
+    for r in raw:
+        view[pos : pos + len(r)] = r
+        pos += len(r)
+    return out
 
 
 def read_header(payload: bytes, codec_name: str = "codec") -> tuple[FrameHeader, int]:

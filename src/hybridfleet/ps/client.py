@@ -4,10 +4,14 @@ One `PSClient` talks to every shard: it joins them, pushes each shard's blocks
 in parallel, pulls changed blocks, sends heartbeats from a background thread and
 counts the bytes it moves (for per-site accounting). Transient failures of a shard
 (``UNAVAILABLE``, e.g. while it restarts from a snapshot) are retried with backoff.
+Push and Pull go over the shard's bulk data plane (`hybridfleet.ps.bulk`) when the
+shard offers one and the client has TLS settings for it (or is explicitly plaintext);
+otherwise over gRPC.
 """
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +44,22 @@ class ClientSecurity:
     token: str | None = None
     insecure: bool = False
     target_name_override: str | None = None
+    ssl_context: ssl.SSLContext | None = None  # the same trust for the bulk data plane; None: gRPC only
+
+    @classmethod
+    def from_files(cls, ca: str, cert: str | None = None, key: str | None = None, token: str | None = None,
+                   target_name_override: str | None = None) -> "ClientSecurity":
+        """TLS trusting ``ca`` (showing ``cert``/``key`` for mutual TLS) for gRPC and the bulk plane."""
+        from pathlib import Path
+
+        from hybridfleet.ps.bulk import client_ssl_context
+
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Path(ca).read_bytes(),
+            private_key=Path(key).read_bytes() if key else None,
+            certificate_chain=Path(cert).read_bytes() if cert else None)
+        return cls(channel_credentials=creds, token=token, target_name_override=target_name_override,
+                   ssl_context=client_ssl_context(str(ca), str(cert) if cert else None, str(key) if key else None))
 
 
 @dataclass
@@ -86,7 +106,8 @@ class PSClient:
     """A worker's connection to all shards of one job."""
 
     def __init__(self, servers: list[str], security: ClientSecurity, worker_id: str, site: str, rank: int,
-                 retry_timeout_s: float = 60.0):
+                 retry_timeout_s: float = 60.0, transport: str = "auto"):
+        """``transport``: "auto" uses a shard's bulk data plane when offered, "grpc" never does."""
         if not servers:
             raise ValueError("servers: at least one shard address host:port is needed")
         if security.channel_credentials is None and not security.insecure:
@@ -105,6 +126,9 @@ class PSClient:
             for s in servers
         ]
         self._stubs = [_Stub(c) for c in self._channels]
+        self.security = security
+        self._bulk_allowed = transport == "auto" and (security.insecure or security.ssl_context is not None)
+        self._bulk: list = [None] * len(servers)  # hybridfleet.ps.bulk.BulkChannel per shard, when used
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
         self.plan: ShardingPlan | None = None
         self.versions = [-1] * len(servers)
@@ -163,6 +187,8 @@ class PSClient:
             if r.shard != i:
                 raise ProtocolError(f"server {self.servers[i]} is shard {r.shard}, expected shard {i}: check the order of --servers")
         self.plan = ShardingPlan.from_json(replies[0].plan_json)
+        for i, r in enumerate(replies):
+            self._set_bulk(i, r.bulk_port)
         self.clock = max(r.worker_clock for r in replies)
         self.sync = replies[0].sync
         self.initialized = all(r.initialized for r in replies)
@@ -185,9 +211,30 @@ class PSClient:
     def _join_one(self, shard: int) -> None:
         """Re-register with one shard (after it restarted); its values will be pulled in full."""
         reply = self._stubs[shard].Join(self._join_request(), metadata=self._metadata, timeout=10)
+        self._set_bulk(shard, reply.bulk_port)
         self.clock = max(self.clock, reply.worker_clock)
         self.versions[shard] = -1
         log.info("rejoined_shard", shard=shard, version=reply.version)
+
+    def _set_bulk(self, shard: int, port: int) -> None:
+        """Use shard ``shard``'s bulk data plane at ``port`` (0: the shard has none)."""
+        old = self._bulk[shard]
+        if old is not None and (old.port == port and port):
+            return
+        if old is not None:
+            old.close()
+        self._bulk[shard] = None
+        if port and self._bulk_allowed:
+            from hybridfleet.ps.bulk import BulkChannel
+
+            host = self.servers[shard].rsplit(":", 1)[0].strip("[]")
+            self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,
+                                            self.security.target_name_override, self.security.token)
+
+    @property
+    def transport(self) -> list[str]:
+        """How each shard is reached for Push/Pull: "bulk" or "grpc"."""
+        return ["bulk" if b is not None else "grpc" for b in self._bulk]
 
     def _rejoin_if_needed(self) -> None:
         if self._needs_rejoin and self._join_args is not None:
@@ -219,6 +266,13 @@ class PSClient:
                 self.bytes.add("sent", "framing", len(msg) - len(piece))
                 yield msg
 
+    def _bulk_push(self, shard: int, header: ps_pb2.PushHeader, part: dict[str, bytes], category: str):
+        self.bytes.add("sent", "control", header.ByteSize())
+        reply = self._bulk[shard].push(header, [part[k.key] for k in header.keys])
+        self.bytes.add("sent", category, sum(len(v) for v in part.values()))
+        self.bytes.add("sent", "framing", 5 + 4 * len(part))
+        return reply
+
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
              kind: str = "GRADIENT", contributors: int = 1) -> list[ps_pb2.PushResponse]:
         """Push encoded blocks (key -> payload) to their shards in parallel; one step of this worker's clock."""
@@ -240,6 +294,8 @@ class PSClient:
                 worker_id=self.worker_id, step=step, kind=ps_pb2.PushHeader.Kind.Value(kind), codec=codec,
                 base_version=(base_versions[i] if base_versions else max(self.versions[i], 0)),
                 keys=[ps_pb2.KeyBytes(key=k, nbytes=len(v)) for k, v in part.items()], contributors=contributors)
+            if self._bulk[i] is not None:
+                return self._call(i, lambda s: self._bulk_push(i, header, part, category), what="push")
             return self._call(i, lambda s: s.Push(self._push_messages(header, part, category), metadata=self._metadata),
                               what="push")
 
@@ -279,7 +335,12 @@ class PSClient:
                 self.bytes.add("received", "params", nbytes)
                 return version, list(entries.values())
 
-            version, out = self._call(i, run, what="pull")
+            def run_bulk(stub):
+                version, items = self._bulk[i].pull(req, timeout_s + 30)
+                self.bytes.add("received", "params", sum(len(data) for _, _, data in items))
+                return version, [Pulled(key, dv, [(0, data)]) for key, dv, data in items]
+
+            version, out = self._call(i, run_bulk if self._bulk[i] is not None else run, what="pull")
             self.versions[i] = version
             return out
 
@@ -306,4 +367,7 @@ class PSClient:
                     pass
         for c in self._channels:
             c.close()
+        for b in self._bulk:
+            if b is not None:
+                b.close()
         self._pool.shutdown(wait=False)

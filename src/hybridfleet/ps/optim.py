@@ -43,15 +43,34 @@ _F32 = np.float32
 _ONE = np.float32(1.0)
 
 
+_FMA_BLOCK = 1 << 16  # elements per pass: the float64 scratch stays in cache, nothing large is allocated
+
+
 def _fma(a: Any, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """``a * b + c`` rounded once to float32, as a fused multiply-add does.
 
     The product of two float32 values is exact in float64, so only the final sum is
     rounded (twice, 64 then 32 bits, which differs from a true FMA only on exact ties).
+    Large tensors go through a small float64 scratch block by block, with the same result.
     """
-    acc = np.asarray(np.multiply(a, b, dtype=np.float64))  # asarray: 0-d params give scalars
-    np.add(acc, c, out=acc)
-    return acc.astype(_F32)
+    arrays = [x for x in (a, b, c) if isinstance(x, np.ndarray) and x.ndim]
+    shape = arrays[0].shape if arrays else ()
+    if not arrays or any(x.shape != shape for x in arrays) or arrays[0].size <= _FMA_BLOCK:
+        acc = np.asarray(np.multiply(a, b, dtype=np.float64))  # asarray: 0-d params give scalars
+        np.add(acc, c, out=acc)
+        return acc.astype(_F32)
+    flat = [x.reshape(-1) if isinstance(x, np.ndarray) and x.ndim else x for x in (a, b, c)]
+    out = np.empty(shape, dtype=_F32)
+    out_flat = out.reshape(-1)
+    scratch = np.empty(_FMA_BLOCK, dtype=np.float64)
+    for i in range(0, out_flat.size, _FMA_BLOCK):
+        j = min(i + _FMA_BLOCK, out_flat.size)
+        fa, fb, fc = (x[i:j] if isinstance(x, np.ndarray) and x.ndim else x for x in flat)
+        acc = scratch[: j - i]
+        np.multiply(fa, fb, out=acc, dtype=np.float64)
+        np.add(acc, fc, out=acc)
+        out_flat[i:j] = acc
+    return out
 
 
 def _check_finite_number(field: str, value: float, *, low: float, high: float | None = None,

@@ -13,7 +13,7 @@ def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plainte
                     no_auth: bool = False) -> ServerSecurity:
     """TLS (mutual when the job asks) and token checks from ``certs_dir``; each may only be
     switched off explicitly."""
-    creds, interceptors = None, ()
+    creds, interceptors, ssl_context, verifier = None, (), None, None
     if not insecure_plaintext or not no_auth:
         if certs_dir is None:
             raise ValueError("--certs DIR is required (make one with `hfleet certs init DIR`), "
@@ -21,18 +21,26 @@ def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plainte
     if not insecure_plaintext:
         from hybridfleet.security import load_pki, server_credentials
 
-        creds = server_credentials(load_pki(certs_dir), mutual_tls=job.security.mutual_tls)
+        from hybridfleet.ps.bulk import server_ssl_context
+
+        pki = load_pki(certs_dir)
+        creds = server_credentials(pki, mutual_tls=job.security.mutual_tls)
+        ssl_context = server_ssl_context(str(pki.server_cert), str(pki.server_key),
+                                         str(pki.ca_cert) if job.security.mutual_tls else None)
     if not no_auth:
         from hybridfleet.security import AuthInterceptor, TokenVerifier
 
-        interceptors = (AuthInterceptor(TokenVerifier.from_dir(certs_dir, job=job.name), method_roles()),)
-    return ServerSecurity(server_credentials=creds, interceptors=interceptors, insecure=insecure_plaintext)
+        verifier = TokenVerifier.from_dir(certs_dir, job=job.name)
+        interceptors = (AuthInterceptor(verifier, method_roles()),)
+    return ServerSecurity(server_credentials=creds, interceptors=interceptors, insecure=insecure_plaintext,
+                          ssl_context=ssl_context, verifier=verifier)
 
 
 def start_shard(job: JobSpec, shard: int, host: str, port: int, security: ServerSecurity,
-                expected_workers: int = 0, snapshot_store: str | None = None) -> ShardServer:
+                expected_workers: int = 0, snapshot_store: str | None = None, bulk_port: int = 0) -> ShardServer:
     """Create the shard's state (restored from its newest snapshot when the job snapshots) and serve it;
-    returns the running server (``.port`` is the bound port, ``.snapshotter`` the snapshotter or None)."""
+    returns the running server (``.port`` is the bound port, ``.bulk`` the bulk data plane or None,
+    ``.snapshotter`` the snapshotter or None). ``bulk_port`` 0 takes any free port."""
     if not 0 <= shard < job.ps.shards:
         raise ValueError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})")
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers)
@@ -44,6 +52,7 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
         snapshotter = Snapshotter(state, url, job.ps.snapshot_every_steps, job.ps.snapshot_every_s,
                                   job.checkpoint.keep_last)
         snapshotter.restore_newest()
-    server = ShardServer(state, host, port, security, job.ps.max_push_bytes).start()
+    bulk = None if job.ps.transport == "grpc" else bulk_port
+    server = ShardServer(state, host, port, security, job.ps.max_push_bytes, bulk_port=bulk).start()
     server.snapshotter = snapshotter.start() if snapshotter else None
     return server

@@ -8,9 +8,11 @@ token's site is what a push is attributed to.
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -25,9 +27,9 @@ from hybridfleet.security.grpc_auth import current_claims
 log = get_logger("ps.server")
 
 
-def _claims_site(default: str) -> str:
-    """The site of the caller's verified token, or ``default`` when auth is off."""
-    claims = current_claims()
+def _claims_site(default: str, claims=None) -> str:
+    """The site of the caller's verified token (``claims``, else the RPC's), or ``default`` when auth is off."""
+    claims = claims if claims is not None else current_claims()
     return claims.site if claims is not None else default
 
 
@@ -40,6 +42,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self._cache: dict[tuple, tuple[list[bytes], list[bytes]]] = {}
         self._cache_version = -1
         self._cache_lock = threading.Lock()
+        self.bulk_port = 0  # set when the shard serves the bulk data plane
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, rej: Reject):
@@ -65,12 +68,17 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             wire_version=WIRE_VERSION, shard=self.state.shard, plan_json=res["plan"].to_json(),
             version=res["version"], initialized=res["initialized"], sync=self.state.sync,
             staleness_bound=self.state.spec.staleness_bound, worker_clock=res["worker_clock"],
-            live_workers=res["live"], heartbeat_interval_s=self.state.spec.heartbeat_interval_s)
+            live_workers=res["live"], heartbeat_interval_s=self.state.spec.heartbeat_interval_s,
+            bulk_port=self.bulk_port)
+
+    def pull_items(self, request: ps_pb2.PullRequest, claims=None) -> tuple[int, list]:
+        """``(version, [(key, pieces, total_bytes, delta_version)])`` of one pull; raises Reject."""
+        return self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
+                               request.worker_clock, request.timeout_s or 60.0, request.init_digest)
 
     def Pull(self, request, context):
         try:
-            version, items = self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
-                                             request.worker_clock, request.timeout_s or 60.0, request.init_digest)
+            version, items = self.pull_items(request)
         except Reject as rej:
             self._abort(context, rej)
         if not items:
@@ -139,15 +147,19 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             if short:
                 raise Reject("INVALID_ARGUMENT", f"push ended early: key {short[0]!r} got {filled[short[0]]} "
                                                  f"of {expected[short[0]]} bytes")
-            member = self.state.members.get(header.worker_id)
-            site = _claims_site(member.site if member is not None else "")
-            kind = ps_pb2.PushHeader.Kind.Name(header.kind)
             payloads = {k: v[0] if len(v) == 1 else b"".join(v) for k, v in parts.items()}
-            version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
-                                               header.codec, payloads, header.contributors or 1)
+            return self.push_payloads(header, payloads)
         except Reject as rej:
             log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
             self._abort(context, rej)
+
+    def push_payloads(self, header: ps_pb2.PushHeader, payloads: dict, claims=None) -> ps_pb2.PushResponse:
+        """Apply one complete push (every declared key's bytes); raises Reject and then changes nothing."""
+        member = self.state.members.get(header.worker_id)
+        site = _claims_site(member.site if member is not None else "", claims)
+        kind = ps_pb2.PushHeader.Kind.Name(header.kind)
+        version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
+                                           header.codec, payloads, header.contributors or 1)
         return ps_pb2.PushResponse(version=version, applied=applied)
 
     def Heartbeat(self, request, context):
@@ -175,19 +187,33 @@ class ServerSecurity:
     server_credentials: grpc.ServerCredentials | None = None
     interceptors: tuple = ()
     insecure: bool = False
+    # the bulk data plane's TLS and token check (see hybridfleet.ps.bulk); without an
+    # ssl_context a TLS shard serves Push/Pull on gRPC only
+    ssl_context: ssl.SSLContext | None = None
+    verifier: Any = None  # hybridfleet.security.TokenVerifier, None when auth is off
 
 
 class ShardServer:
     """A running shard: gRPC server + reaper thread for heartbeat timeouts."""
 
     def __init__(self, state: ShardState, host: str, port: int, security: ServerSecurity,
-                 max_push_bytes: int, max_workers: int = 32):
+                 max_push_bytes: int, max_workers: int = 32, bulk_port: int | None = 0):
+        """``bulk_port``: where the bulk data plane listens (0: any free port; None: gRPC only)."""
         if security.server_credentials is None and not security.insecure:
             raise ValueError("a shard needs TLS credentials; plaintext needs insecure=True explicitly")
         self.state = state
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=list(security.interceptors), options=GRPC_OPTIONS)
-        self.server.add_generic_rpc_handlers((service_handler(ShardServicer(state, max_push_bytes)),))
+        self.servicer = ShardServicer(state, max_push_bytes)
+        self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
+        self.bulk = None
+        if bulk_port is not None and (security.insecure or security.ssl_context is not None):
+            from hybridfleet.ps.bulk import BulkServer
+
+            verify = security.verifier.verify if security.verifier is not None else None
+            self.bulk = BulkServer(host, bulk_port, security.ssl_context, verify, max_push_bytes,
+                                   self.servicer.push_payloads, self.servicer.pull_items)
+            self.servicer.bulk_port = self.bulk.port
         address = f"{host}:{port}"
         if security.server_credentials is not None:
             self.port = self.server.add_secure_port(address, security.server_credentials)
@@ -206,6 +232,8 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         self.server.start()
+        if self.bulk is not None:
+            self.bulk.start()
         self._reaper.start()
         log.info("shard_serving", shard=self.state.shard, address=self.address)
         return self
@@ -219,6 +247,8 @@ class ShardServer:
         self._stop.set()
         if self.snapshotter is not None:
             self.snapshotter.stop()
+        if self.bulk is not None:
+            self.bulk.stop()
         self.server.stop(grace_s).wait()
 
     def wait(self) -> None:

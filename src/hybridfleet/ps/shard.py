@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,7 @@ class ShardState:
         self.rounds: dict[int, _Round] = {}
         self.applied_pushes = 0
         self.rejected_pushes = 0
+        self.on_applied: Callable[[], None] | None = None  # called after each applied version, lock held
         self._first_join: float | None = None
         self._now = clock
         self.cond = threading.Condition()
@@ -307,7 +309,10 @@ class ShardState:
             if waited < self.spec.heartbeat_timeout_s:
                 return False
         del self.rounds[self.version]
-        self._apply({k: s / rnd.weight for k, s in rnd.sums.items()})
+        if rnd.weight > 1:
+            for s in rnd.sums.values():  # the round owns its sums: average in place
+                np.divide(s, rnd.weight, out=s)
+        self._apply(rnd.sums)
         return True
 
     def _apply(self, grads: dict[str, np.ndarray]) -> None:
@@ -319,6 +324,8 @@ class ShardState:
         self.applied_pushes += 1
         if self.compress_down:
             self._encode_deltas(list(grads))
+        if self.on_applied is not None:
+            self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 
     def _encode_deltas(self, keys: list[str]) -> None:
         codec = self.codec()

@@ -66,7 +66,12 @@ def restore(state: ShardState, tensors: dict[str, np.ndarray], meta: dict) -> No
 
 
 class Snapshotter:
-    """Saves a shard every ``every_steps`` versions and/or ``every_s`` seconds, keeping ``keep_last``."""
+    """Saves a shard every ``every_steps`` versions and/or ``every_s`` seconds, keeping ``keep_last``.
+
+    Step snapshots are taken at every multiple of ``every_steps``: the shard calls back
+    right after applying a version and the copy is made then, under the shard's lock;
+    a background thread writes it. When writing falls behind, the newest capture wins.
+    """
 
     def __init__(self, state: ShardState, url: str, every_steps: int | None, every_s: float | None,
                  keep_last: int = 3):
@@ -75,12 +80,28 @@ class Snapshotter:
         self._last_version = state.version
         self._last_time = time.monotonic()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._pending: tuple[int, dict, dict] | None = None
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="ps-snapshot")
         self.saved: list[int] = []
 
     def start(self) -> "Snapshotter":
+        if self.every_steps:
+            self.state.on_applied = self._on_applied
         self._thread.start()
         return self
+
+    def _on_applied(self) -> None:
+        """Called by the shard, holding its lock, after each applied version."""
+        if self.state.version % self.every_steps == 0:
+            captured = capture(self.state)
+            with self._pending_lock:
+                if self._pending is not None:
+                    log.warning("snapshot_skipped", shard=self.state.shard, version=self._pending[0],
+                                reason=f"writing fell behind; version {captured[0]} replaces it")
+                self._pending = captured
+            self._wake.set()
 
     def restore_newest(self) -> int | None:
         """Load the newest valid snapshot into the shard; returns its version, or None if there is none."""
@@ -100,20 +121,24 @@ class Snapshotter:
         version = self.state.version
         if version == self._last_version or not self.state.is_initialized():
             return False
-        if self.every_steps and version - self._last_version >= self.every_steps:
-            return True
         return bool(self.every_s and time.monotonic() - self._last_time >= self.every_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            if self._due():
+        while not self._stop.is_set():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            with self._pending_lock:
+                pending, self._pending = self._pending, None
+            if pending is not None:
+                self.save(pending)
+            elif self._due():
                 self.save()
 
-    def save(self) -> int:
-        """Capture and write one snapshot now (called from the snapshot thread)."""
+    def save(self, captured: tuple[int, dict, dict] | None = None) -> int:
+        """Write one snapshot (``captured`` by `capture`, or captured now); called from the snapshot thread."""
         from hybridfleet.ckpt import gc, save_tensors_checkpoint
 
-        version, tensors, meta = capture(self.state)
+        version, tensors, meta = captured if captured is not None else capture(self.state)
         t0 = time.monotonic()
         save_tensors_checkpoint(self.url, version, tensors, meta)
         self._last_version, self._last_time = version, time.monotonic()
@@ -126,5 +151,8 @@ class Snapshotter:
         return version
 
     def stop(self) -> None:
+        if self.state.on_applied == self._on_applied:
+            self.state.on_applied = None
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)

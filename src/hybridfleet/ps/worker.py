@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -80,11 +79,7 @@ def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
     if not ca:
         return ClientSecurity(insecure=False, token=env.get("HFLEET_TOKEN") or None)
     cert, key = env.get("HFLEET_CLIENT_CERT"), env.get("HFLEET_CLIENT_KEY")
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=Path(ca).read_bytes(),
-        private_key=Path(key).read_bytes() if key else None,
-        certificate_chain=Path(cert).read_bytes() if cert else None)
-    return ClientSecurity(channel_credentials=creds, token=env.get("HFLEET_TOKEN") or None)
+    return ClientSecurity.from_files(ca, cert or None, key or None, token=env.get("HFLEET_TOKEN") or None)
 
 
 class PSSession:
@@ -125,7 +120,8 @@ class PSSession:
         cfg = self.config
         if cfg.aggregates and cfg.site_rank > 0:
             return self._start_follower()
-        self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank)
+        self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
+                               transport=cfg.job.ps.transport)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan

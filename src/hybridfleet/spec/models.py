@@ -74,6 +74,9 @@ class PSSpec(_Strict):
     max_push_bytes: int = Field(1 << 30, ge=1024)
     host: str = "127.0.0.1"
     base_port: int = Field(0, ge=0, le=65535, description="first shard port; 0 picks free ports")
+    transport: Literal["auto", "grpc"] = Field(
+        "auto", description="auto: tensor bytes on each shard's bulk TLS socket, control on gRPC; "
+                            "grpc: everything on gRPC (one port per shard, e.g. behind a gRPC proxy)")
     snapshot_every_s: float | None = Field(None, gt=0)
     snapshot_every_steps: int | None = Field(None, ge=1)
 

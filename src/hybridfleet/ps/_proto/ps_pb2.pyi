@@ -40,7 +40,7 @@ class JoinRequest(_message.Message):
     def __init__(self, wire_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., codec: _Optional[str] = ..., framework: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("wire_version", "shard", "plan_json", "version", "initialized", "sync", "staleness_bound", "worker_clock", "live_workers", "heartbeat_interval_s")
+    __slots__ = ("wire_version", "shard", "plan_json", "version", "initialized", "sync", "staleness_bound", "worker_clock", "live_workers", "heartbeat_interval_s", "bulk_port")
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class JoinResponse(_message.Message):
     WORKER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     wire_version: int
     shard: int
     plan_json: str
@@ -61,7 +62,8 @@ class JoinResponse(_message.Message):
     worker_clock: int
     live_workers: _containers.RepeatedScalarFieldContainer[str]
     heartbeat_interval_s: float
-    def __init__(self, wire_version: _Optional[int] = ..., shard: _Optional[int] = ..., plan_json: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., sync: _Optional[str] = ..., staleness_bound: _Optional[int] = ..., worker_clock: _Optional[int] = ..., live_workers: _Optional[_Iterable[str]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, wire_version: _Optional[int] = ..., shard: _Optional[int] = ..., plan_json: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., sync: _Optional[str] = ..., staleness_bound: _Optional[int] = ..., worker_clock: _Optional[int] = ..., live_workers: _Optional[_Iterable[str]] = ..., heartbeat_interval_s: _Optional[float] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "since_version", "wait_for_version", "worker_clock", "timeout_s", "init_digest")
