@@ -29,8 +29,9 @@ def serve(
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
-    from hybridfleet.ps.serve import server_security, start_shard
+    from hybridfleet.ps.serve import server_security, start_shard, tune_allocator
 
+    tune_allocator()
     spec = load_spec(job)
     server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
                          expected_workers, snapshot_store)

@@ -36,6 +36,7 @@ import threading
 from typing import Any, Callable
 
 import grpc
+import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps._proto import ps_pb2
@@ -83,8 +84,9 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
+    """``n`` bytes from ``sock`` as a fresh uint8 array (not zero-filled first, unlike a bytearray)."""
+    buf = np.empty(n, dtype=np.uint8)
     recv_exact_into(sock, memoryview(buf))
     return buf
 
@@ -108,13 +110,13 @@ def _response(status: str, body: bytes = b"") -> bytes:
     return _frame(bytes([len(name)]) + name, body)
 
 
-def _read_response(sock: socket.socket) -> tuple[str, bytearray]:
-    n = recv_exact(sock, 1)[0]
-    status = recv_exact(sock, n).decode("ascii", "replace")
+def _read_response(sock: socket.socket) -> tuple[str, bytes]:
+    n = int(recv_exact(sock, 1)[0])
+    status = recv_exact(sock, n).tobytes().decode("ascii", "replace")
     size = _U32.unpack(recv_exact(sock, 4))[0]
     if size > MAX_HEADER_BYTES:
         raise EOFError(f"response body of {size} bytes exceeds {MAX_HEADER_BYTES}")
-    return status, recv_exact(sock, size)
+    return status, recv_exact(sock, size).tobytes()
 
 
 # -------------------------------------------------------------------------- server
@@ -196,13 +198,13 @@ class BulkServer:
             conn.close()
 
     def _hello(self, conn: socket.socket, who: str) -> str | None:
-        op = recv_exact(conn, 1)[0]
+        op = int(recv_exact(conn, 1)[0])
         size = _U32.unpack(recv_exact(conn, 4))[0]
         if op != OP_HELLO or size > 1 << 16:
             conn.sendall(_response("INVALID_ARGUMENT", b"expected a HELLO frame first"))
             return None
         try:
-            hello = json.loads(recv_exact(conn, size))
+            hello = json.loads(recv_exact(conn, size).tobytes())
             ok = isinstance(hello, dict) and hello.get("magic") == MAGIC
         except ValueError:
             ok = False
@@ -275,7 +277,7 @@ class BulkServer:
         except _Reject:
             _discard(conn, declared)  # the sender is already streaming them: keep the connection in step
             raise
-        payloads: dict[str, bytearray] = {}
+        payloads: dict[str, np.ndarray] = {}
         for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
             payloads[k.key] = recv_exact(conn, k.nbytes)
         reply = self._push(header, payloads, claims)
@@ -379,7 +381,7 @@ class BulkChannel:
         return self._call(OP_PUSH, header.SerializeToString(), payloads, timeout_s,
                           lambda sock, body: ps_pb2.PushResponse.FromString(bytes(body)))
 
-    def pull(self, request: ps_pb2.PullRequest, timeout_s: float) -> tuple[int, list[tuple[str, int, bytearray]]]:
+    def pull(self, request: ps_pb2.PullRequest, timeout_s: float) -> tuple[int, list[tuple[str, int, np.ndarray]]]:
         """``(version, [(key, delta_version, bytes)])`` of one pull."""
         def read(sock, body):
             try:

@@ -193,7 +193,17 @@ class ShardState:
     # -------------------------------------------------------------------- push
     def push(self, worker_id: str, site: str, kind: str, step: int, base_version: int, codec: str,
              payloads: dict[str, bytes], contributors: int = 1) -> tuple[int, bool]:
-        """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected."""
+        """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected.
+
+        Decoding (the costly part of validation) runs before the shard's lock is taken, so
+        pushes from several workers decode in parallel; its verdict is given in the same order
+        as before, after the membership, replay and round checks."""
+        decoded: dict[str, np.ndarray] | Reject | None = None
+        if kind != "INIT" and self.plan is not None:
+            try:
+                decoded = self._decode_all(payloads)
+            except Reject as rej:
+                decoded = rej
         with self.cond:
             member = self._member(worker_id)
             if member.site != site:
@@ -218,7 +228,9 @@ class ShardState:
                 self.rejected_pushes += 1
                 raise Reject("ALREADY_EXISTS", f"worker {worker_id} already pushed round {self.version}; "
                                                "wait for the round to close, then pull")
-            grads = self._decode_all(payloads)
+            if isinstance(decoded, Reject):
+                raise decoded
+            grads = decoded if decoded is not None else self._decode_all(payloads)
             member.clock = step
             member.last_seen = self._now()
             member.alive = True
