@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -41,6 +43,13 @@ def sample_tensors(seed: int = 0) -> dict[str, np.ndarray]:
 
 def blob_file(root, info, role):
     return root / next(f.path for f in info.files if f.role == role)
+
+
+def flip_bit(path, index, mask=0x01):
+    """Flip bit ``mask`` of byte ``index`` (negative counts from the end) of the file at ``path``."""
+    data = bytearray(path.read_bytes())
+    data[index] ^= mask
+    path.write_bytes(bytes(data))
 
 
 @pytest.fixture
@@ -120,16 +129,63 @@ def test_flipped_byte_in_newest_falls_back_to_previous_with_warning(tmp_path, ca
     save_tensors_checkpoint(tmp_path, 1, sample_tensors(1))
     newest = save_tensors_checkpoint(tmp_path, 2, sample_tensors(2))
     target = blob_file(tmp_path, newest, "tensors")
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    target.write_bytes(bytes(data))
+    flip_bit(target, target.stat().st_size // 2)
 
     step, tensors, _ = load_tensors_checkpoint(tmp_path)
 
     assert step == 1
     np.testing.assert_array_equal(tensors["w"], sample_tensors(1)["w"])
     warnings = [json.loads(line) for line in captured_log.getvalue().splitlines() if '"warning"' in line]
-    assert warnings and warnings[0]["step"] == 2 and "sha256 mismatch" in warnings[0]["reason"]
+    assert warnings and warnings[0]["step"] == 2 and "crc32 mismatch (corrupt file)" in warnings[0]["reason"]
+
+
+def test_flipped_byte_is_reported_by_verify_as_a_sha256_mismatch(tmp_path):
+    save_tensors_checkpoint(tmp_path, 1, sample_tensors(1))
+    flip_bit(blob_file(tmp_path, save_tensors_checkpoint(tmp_path, 2, sample_tensors(2)), "tensors"), -1, 0x80)
+
+    results = {r.step: r for r in verify(tmp_path)}
+
+    assert results[1].ok and not results[2].ok
+    assert "sha256 mismatch (corrupt file)" in results[2].problem
+
+
+def test_manifest_records_zlib_crc32_and_sha256_of_every_file(tmp_path):
+    info = save_checkpoint(tmp_path, 1, make_model("torch"), tensors=sample_tensors())
+
+    for entry in info.files:
+        data = (tmp_path / entry.path).read_bytes()
+        assert entry.crc32 == f"{zlib.crc32(data):08x}"
+        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def as_version_1_manifest(root, step):
+    """Rewrite ``step``'s manifest as the first format wrote it: no crc32 fields."""
+    path = root / step_dir(step) / MANIFEST_NAME
+    manifest = json.loads(path.read_bytes())
+    manifest["version"] = 1
+    for entry in manifest["files"]:
+        del entry["crc32"]
+    path.write_text(json.dumps(manifest))
+
+
+def test_version_1_manifest_without_crc32_loads_verified_by_sha256(tmp_path, captured_log):
+    # Prepare: two checkpoints in the old format, the newest with a flipped byte
+    save_tensors_checkpoint(tmp_path, 1, sample_tensors(1))
+    newest = save_tensors_checkpoint(tmp_path, 2, sample_tensors(2))
+    for step in (1, 2):
+        as_version_1_manifest(tmp_path, step)
+    assert load_tensors_checkpoint(tmp_path)[0] == 2
+    target = blob_file(tmp_path, newest, "tensors")
+    flip_bit(target, target.stat().st_size // 3, 0x04)
+
+    # Execute
+    step, tensors, _ = load_tensors_checkpoint(tmp_path)
+
+    # Assert
+    assert step == 1
+    np.testing.assert_array_equal(tensors["w"], sample_tensors(1)["w"])
+    warnings = [json.loads(line) for line in captured_log.getvalue().splitlines() if '"warning"' in line]
+    assert warnings and "sha256 mismatch" in warnings[0]["reason"]
 
 
 def test_truncated_file_is_detected_and_named(tmp_path):

@@ -146,7 +146,8 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Load the newest valid checkpoint (or exactly ``step``) and return its info.
 
-    Every file is verified by size and sha256; a corrupt or truncated newest
+    Every file is verified by size and CRC-32 (sha256 for manifests without one; `verify`
+    always checks sha256); a corrupt or truncated newest
     checkpoint is skipped with a warning log and the previous valid one is used.
     Model weights load strictly (a model of the other framework gets converted via
     the recorded layer layouts); the optimizer and RNG states are restored when given.
@@ -183,12 +184,12 @@ class VerifyResult:
 
 
 def verify(url: str | Store, step: int | None = None, **store_options: Any) -> list[VerifyResult]:
-    """Verify every byte of every checkpoint folder (or only ``step``), oldest first."""
+    """Verify every byte of every checkpoint folder (or only ``step``) by sha256, oldest first."""
     store = open_store(url, **store_options)
     results = []
     for candidate in [step] if step is not None else list_steps(store):
         try:
-            read_checkpoint(store, candidate)
+            read_checkpoint(store, candidate, check_sha256=True)
             results.append(VerifyResult(candidate, True))
         except CheckpointError as err:
             results.append(VerifyResult(candidate, False, str(err)))

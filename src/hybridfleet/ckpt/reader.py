@@ -1,4 +1,7 @@
-"""Reading checkpoints back: listing steps, parsing manifests, verifying every byte."""
+"""Reading checkpoints back: listing steps, parsing manifests, verifying every byte.
+
+Loads check each file's size and CRC-32; `verify` checks sha256 (see `manifest`).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,10 @@ import numpy as np
 from hybridfleet.ckpt import safetensors_io
 from hybridfleet.ckpt.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_step_dir, step_dir
 from hybridfleet.errors import CheckpointError, StoreError
-from hybridfleet.store import Store, sha256_parts
+from hybridfleet.store import Store, crc32_parts, sha256_parts
 from hybridfleet.store.base import Buffer
 
-READ_WORKERS = 2
+READ_WORKERS = 2  # checksums release the GIL: one thread per core
 
 
 def list_steps(store: Store) -> list[int]:
@@ -36,29 +39,40 @@ def read_manifest(store: Store, step: int) -> Manifest:
     return manifest
 
 
-def read_verified(store: Store, entry: FileEntry) -> Buffer:
-    """The bytes of one manifest entry, checked against its size and sha256."""
+def read_verified(store: Store, entry: FileEntry, check_sha256: bool = False) -> Buffer:
+    """The bytes of one manifest entry, checked against its size and its CRC-32.
+
+    With ``check_sha256`` (or when the manifest has no CRC-32 for it) the sha256 is checked instead.
+    """
     source = f"{store.url}/{entry.path} ({entry.name})"
     try:
         buffer = store.read_buffer(entry.path)
     except StoreError as err:
         raise CheckpointError(f"{source}: missing") from err
-    digest, size = sha256_parts([buffer])
+    size = memoryview(buffer).nbytes
     if size != entry.size_bytes:
         raise CheckpointError(f"{source}: size {size} bytes, manifest says {entry.size_bytes} (truncated or replaced)")
-    if digest != entry.sha256:
+    if entry.crc32 is not None and not check_sha256:
+        if crc32_parts([buffer])[0] != entry.crc32:
+            raise CheckpointError(f"{source}: crc32 mismatch (corrupt file)")
+    elif sha256_parts([buffer])[0] != entry.sha256:
         raise CheckpointError(f"{source}: sha256 mismatch (corrupt file)")
     return buffer
 
 
-def read_checkpoint(store: Store, step: int) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+def read_checkpoint(
+    store: Store, step: int, check_sha256: bool = False
+) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """(manifest, state.json content, role -> tensors) of ``step`` after verifying every file.
 
+    Every file's size and CRC-32 are checked, or its sha256 with ``check_sha256``.
     Raises CheckpointError naming the first missing, truncated or corrupt file.
     """
     manifest = read_manifest(store, step)
+    largest_first = sorted(range(len(manifest.files)), key=lambda i: -manifest.files[i].size_bytes)  # workers end together
     with ThreadPoolExecutor(max_workers=READ_WORKERS) as pool:
-        buffers = list(pool.map(lambda e: read_verified(store, e), manifest.files))
+        futures = {i: pool.submit(read_verified, store, manifest.files[i], check_sha256) for i in largest_first}
+    buffers = [futures[i].result() for i in range(len(manifest.files))]
     state: dict[str, Any] = {}
     groups: dict[str, dict[str, np.ndarray]] = {}
     for entry, buffer in zip(manifest.files, buffers):

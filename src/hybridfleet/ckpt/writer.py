@@ -11,13 +11,13 @@ import numpy as np
 from hybridfleet.ckpt import safetensors_io
 from hybridfleet.ckpt.manifest import MANIFEST_NAME, STATE_NAME, FileEntry, Manifest, step_dir
 from hybridfleet.ckpt.snapshot import Snapshot
-from hybridfleet.store import Store, blob_path, put_blob, sha256_parts
+from hybridfleet.store import Store, blob_path, file_digests, put_blob
 
 SHARD_BYTES = 512 << 20
 # Tensors at least this large get a file of their own, so an unchanged tensor is an
 # unchanged blob and is never uploaded again; smaller ones are packed into shards.
 OWN_FILE_BYTES = 1 << 20
-HASH_WORKERS = 2  # sha256 is CPU-bound: one thread per core
+HASH_WORKERS = 2  # sha256 (+ CRC-32) is CPU-bound: one thread per core
 WRITE_WORKERS = 4  # writes mostly wait on the disk or the network
 
 
@@ -50,11 +50,11 @@ def _write_files(store: Store, jobs: list[tuple[str, str, dict[str, np.ndarray]]
     """Hash and upload files as a pipeline: file i is written while file i+1 is hashed."""
     encoded = [(role, name, safetensors_io.encode(tensors, metadata={"role": role})) for role, name, tensors in jobs]
     with ThreadPoolExecutor(HASH_WORKERS) as hashers, ThreadPoolExecutor(WRITE_WORKERS) as writers:
-        digests = [hashers.submit(sha256_parts, parts) for _, _, parts in encoded]
+        digests = [hashers.submit(file_digests, parts) for _, _, parts in encoded]
         uploads = []
         for (role, name, parts), digest_future in zip(encoded, digests):
-            digest, size = digest_future.result()
-            entry = FileEntry(name=name, path=blob_path(digest), role=role, size_bytes=size, sha256=digest)
+            digest, crc, size = digest_future.result()
+            entry = FileEntry(name=name, path=blob_path(digest), role=role, size_bytes=size, sha256=digest, crc32=crc)
             uploads.append((entry, writers.submit(put_blob, store, parts, digest)))
         return [(entry, future.result()) for entry, future in uploads]
 
@@ -74,8 +74,8 @@ def write_snapshot(
     state_bytes = json.dumps(snapshot.state, sort_keys=True).encode("utf-8")
     state_path = f"{folder}/{STATE_NAME}"
     store.put_bytes(state_path, state_bytes)
-    digest, size = sha256_parts([state_bytes])
-    state_entry = FileEntry(name=STATE_NAME, path=state_path, role="state", size_bytes=size, sha256=digest)
+    digest, crc, size = file_digests([state_bytes])
+    state_entry = FileEntry(name=STATE_NAME, path=state_path, role="state", size_bytes=size, sha256=digest, crc32=crc)
 
     jobs = [(role, name, group) for role, tensors in snapshot.groups.items() for name, group in plan_files(role, tensors, shard_bytes, own_file_bytes)]
     results = _write_files(store, jobs)

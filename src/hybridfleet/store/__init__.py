@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from hybridfleet.store.base import Store
-from hybridfleet.store.blobs import BLOB_PREFIX, blob_path, download_verified, put_blob, sha256_parts
+from hybridfleet.store.blobs import (
+    BLOB_PREFIX,
+    blob_path,
+    crc32_parts,
+    download_verified,
+    file_digests,
+    put_blob,
+    sha256_parts,
+)
 from hybridfleet.store.registry import STORES, StoreBackendMissingError, open_store
 
 __all__ = [
@@ -12,7 +20,9 @@ __all__ = [
     "Store",
     "StoreBackendMissingError",
     "blob_path",
+    "crc32_parts",
     "download_verified",
+    "file_digests",
     "open_store",
     "put_blob",
     "sha256_parts",
