@@ -2,10 +2,11 @@
 
     python bench/ps_exchange.py            # 64 MB parameter set, 5 rounds
     python bench/ps_exchange.py --quick    # 16 MB, 3 rounds (under a minute)
+    python bench/ps_exchange.py --plaintext --grpc   # also without TLS, and over gRPC
 
 Two workers push a dense fp32 gradient of the whole parameter set and pull the
-updated parameters (BSP, server-side SGD) through ONE shard over gRPC with TLS
-and tokens (the default security; --plaintext for comparison). The anchor is
+updated parameters (BSP, server-side SGD) through ONE shard on its bulk data plane
+(TLS socket) with tokens (the default security; --plaintext and --grpc for comparison). The anchor is
 torch's gloo ``all_reduce`` of the same tensors in 2 processes started by
 torchrun, and the physical yardstick is raw TCP throughput on loopback for the
 bytes the shard moves.
@@ -79,12 +80,12 @@ def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
     return received[0] / elapsed
 
 
-def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path) -> dict:
+def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: str = "auto") -> dict:
     job = {
         "name": "bench-ps-exchange", "framework": "torch", "entrypoint": "unused.py",
         "sites": {"w0": {"workers": 1}, "w1": {"workers": 1}},
         "ps": {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.01},
-               "block_size_bytes": 64 << 20, "heartbeat_timeout_s": 60},
+               "block_size_bytes": 64 << 20, "heartbeat_timeout_s": 60, "transport": transport},
         "security": {"tls": "off" if plaintext else "auto", "tokens": "off" if plaintext else "auto"},
     }
     job_path = workdir / "job.yaml"
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=None, help="parameter set size in MB (default 64)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--plaintext", action="store_true", help="also measure without TLS and tokens")
+    ap.add_argument("--grpc", action="store_true", help="also measure Push/Pull over gRPC instead of the bulk data plane")
     args = ap.parse_args()
     mb = args.mb or (16 if args.quick else 64)
     rounds = args.rounds or (3 if args.quick else 5)
@@ -148,6 +150,10 @@ def main() -> None:
     if args.plaintext:
         with tempfile.TemporaryDirectory() as tmp:
             ps_plain = run_ps(numel, rounds, True, Path(tmp))
+    ps_grpc = None
+    if args.grpc:
+        with tempfile.TemporaryDirectory() as tmp:
+            ps_grpc = run_ps(numel, rounds, False, Path(tmp), transport="grpc")
     gloo = run_gloo(numel, rounds)
     shard_bytes = 4 * tensor_bytes  # 2 pushes in + 2 pulls out
     tcp = raw_tcp_bytes_per_s(shard_bytes)
@@ -159,6 +165,9 @@ def main() -> None:
     if ps_plain:
         print(f"{'hybridfleet PS (plaintext)':<34}{ps_plain['median_s']:>10.3f}"
               f"{shard_bytes / ps_plain['median_s'] / 1e9:>22.2f}")
+    if ps_grpc:
+        print(f"{'hybridfleet PS over gRPC (TLS)':<34}{ps_grpc['median_s']:>10.3f}"
+              f"{shard_bytes / ps_grpc['median_s'] / 1e9:>22.2f}")
     print(f"{'torch gloo all_reduce (torchrun)':<34}{gloo['median_s']:>10.3f}{'':>22}")
     print(f"{'raw TCP loopback (same bytes)':<34}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
     result = {"bench": "ps_exchange", "mb": mb, "ps_s": round(ps["median_s"], 4), "gloo_s": round(gloo["median_s"], 4),
@@ -166,6 +175,10 @@ def main() -> None:
     if ps_plain:
         result["ps_plaintext_s"] = round(ps_plain["median_s"], 4)
         result["ratio_plaintext"] = round(ps_plain["median_s"] / gloo["median_s"], 3)
+        result["wire_efficiency_plaintext"] = round((shard_bytes / ps_plain["median_s"]) / tcp, 3)
+    if ps_grpc:
+        result["ps_grpc_s"] = round(ps_grpc["median_s"], 4)
+        result["ratio_grpc"] = round(ps_grpc["median_s"] / gloo["median_s"], 3)
     print(json.dumps(result))
 
 

@@ -80,7 +80,10 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     assert shards["spec"]["replicas"] == 2
     shard = shards["spec"]["template"]["spec"]["containers"][0]
     assert shard["command"] == ["hfleet", "ps", "serve", "/etc/hfleet/job/job.yaml", "--shard", "$(HFLEET_SHARD)",
-                                "--host", "0.0.0.0", "--port", "50051", "--certs", "/etc/hfleet/certs"]
+                                "--host", "0.0.0.0", "--port", "50051", "--bulk-port", "50052",
+                                "--certs", "/etc/hfleet/certs"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [50051, 50052]
+    assert [p["containerPort"] for p in shard["ports"]] == [50051, 50052]
     assert shard["resources"]["limits"] == {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1}
     jobs = {j["metadata"]["name"]: j for j in _by_kind(manifests, "Job")}
     hospital = jobs["digits-hybrid-worker-hospital-a"]
@@ -97,6 +100,23 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
     (config,) = _by_kind(manifests, "ConfigMap")
     assert yaml.safe_load(config["data"]["job.yaml"]) == PS_JOB
+
+
+def test_ps_job_on_grpc_only_renders_no_bulk_port(tmp_path):
+    # Prepare
+    job = _write_job(tmp_path, {**PS_JOB, "ps": {**PS_JOB["ps"], "transport": "grpc"}})
+
+    # Execute
+    manifests = render_job_file(job)
+
+    # Assert
+    for manifest in manifests:
+        _validate(manifest)
+    (service,) = _by_kind(manifests, "Service")
+    (shards,) = _by_kind(manifests, "StatefulSet")
+    shard = shards["spec"]["template"]["spec"]["containers"][0]
+    assert "--bulk-port" not in shard["command"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [50051]
 
 
 def test_rendered_secrets_hold_placeholders_and_a_comment_on_filling_them(tmp_path):

@@ -20,6 +20,7 @@ def _session_values(client, pulled, flat):
 
     session = PSSession.__new__(PSSession)
     session.plan, session._flat, session._down_codec, session.codec_name = client.plan, flat, None, "topk"
+    session._block_index = None
     session._apply_pulled(pulled)
     return flat
 

@@ -21,6 +21,8 @@ def serve(
     shard: int = typer.Option(..., help="this shard's index, 0..ps.shards-1"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     port: int = typer.Option(50051, help="port to bind (0: any free port)"),
+    bulk_port: int = typer.Option(0, help="port of the bulk data plane for tensor bytes (0: any free port; "
+                                         "workers learn it when they join)"),
     certs: Optional[Path] = typer.Option(None, help="directory from `hfleet certs init` (TLS + token key)"),
     port_file: Optional[Path] = typer.Option(None, help="write host:port here once serving"),
     expected_workers: int = typer.Option(0, help="hold the first BSP round until this many workers joined"),
@@ -34,7 +36,7 @@ def serve(
     tune_allocator()
     spec = load_spec(job)
     server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
-                         expected_workers, snapshot_store)
+                         expected_workers, snapshot_store, bulk_port=bulk_port)
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{host}:{server.port}\n")

@@ -14,6 +14,7 @@ JOB_MOUNT_DIR = "/etc/hfleet/job"
 JOB_FILE = f"{JOB_MOUNT_DIR}/job.yaml"
 CERTS_DIR = "/etc/hfleet/certs"
 PS_PORT = 50051
+PS_BULK_PORT = 50052  # the shard's bulk data plane (tensor bytes over TLS)
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 Manifest = dict[str, Any]

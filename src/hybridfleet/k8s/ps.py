@@ -1,14 +1,15 @@
 """Parameter-server jobs as core Kubernetes objects.
 
 Shards: a StatefulSet behind a headless Service, so shard ``i`` is reachable at a stable
-``<job>-ps-<i>.<job>-ps:50051``. Workers: one Indexed Job per site, the completion index
+``<job>-ps-<i>.<job>-ps:50051`` (gRPC) and ``:50052`` (bulk data plane, unless the job sets
+``ps.transport: grpc``). Workers: one Indexed Job per site, the completion index
 being the worker's rank. Tokens and certificates come from Secrets rendered as
 placeholders: real key material is never written into manifests.
 """
 
 from __future__ import annotations
 
-from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE, PS_PORT, Manifest, container, dns_name, labels, metadata, volumes
+from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, Manifest, container, dns_name, labels, metadata, volumes
 from hybridfleet.spec.models import JobSpec
 
 TOKEN_PLACEHOLDER = "REPLACE-with-a-token-from-hfleet-certs"
@@ -75,16 +76,20 @@ def shard_manifests(spec: JobSpec, image: str) -> list[Manifest]:
     vols, mounts = volumes(spec, certs=_tls(spec))
     command = ["hfleet", "ps", "serve", JOB_FILE, "--shard", "$(HFLEET_SHARD)", "--host", "0.0.0.0",
                "--port", str(PS_PORT)]
+    ports = [{"name": "grpc", "containerPort": PS_PORT, "protocol": "TCP"}]
+    if spec.ps.transport != "grpc":
+        command += ["--bulk-port", str(PS_BULK_PORT)]
+        ports.append({"name": "bulk", "containerPort": PS_BULK_PORT, "protocol": "TCP"})
     if _tls(spec):
         command += ["--certs", CERTS_DIR]
     env = [{"name": "HFLEET_SHARD",  # the StatefulSet ordinal (Kubernetes >= 1.28 pod-index label)
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
            *_token_env(spec, "ps")]
-    shard = container(spec, image, "ps", command, mounts, env=env,
-                      ports=[{"name": "grpc", "containerPort": PS_PORT, "protocol": "TCP"}])
+    shard = container(spec, image, "ps", command, mounts, env=env, ports=ports)
     service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, name, "ps"),
                "spec": {"clusterIP": "None", "selector": selector,
-                        "ports": [{"name": "grpc", "port": PS_PORT, "targetPort": PS_PORT}]}}
+                        "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
+                                  for p in ports]}}
     stateful_set = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(spec, name, "ps"),
                     "spec": {"serviceName": name, "replicas": spec.ps.shards, "podManagementPolicy": "Parallel",
                              "selector": {"matchLabels": selector},

@@ -381,8 +381,14 @@ class BulkChannel:
         return self._call(OP_PUSH, header.SerializeToString(), payloads, timeout_s,
                           lambda sock, body: ps_pb2.PushResponse.FromString(bytes(body)))
 
-    def pull(self, request: ps_pb2.PullRequest, timeout_s: float) -> tuple[int, list[tuple[str, int, np.ndarray]]]:
-        """``(version, [(key, delta_version, bytes)])`` of one pull."""
+    def pull(self, request: ps_pb2.PullRequest, timeout_s: float,
+             into: Callable[[str, int, int], memoryview | None] | None = None,
+             ) -> tuple[int, list[tuple[str, int, Any, bool]]]:
+        """``(version, [(key, delta_version, bytes, placed)])`` of one pull.
+
+        ``into(key, delta_version, nbytes)`` may return a writable byte view of exactly
+        ``nbytes`` to receive that item in place (``placed`` is then True); None: a new buffer.
+        """
         def read(sock, body):
             try:
                 meta = json.loads(body)
@@ -390,7 +396,15 @@ class BulkChannel:
             except (ValueError, KeyError, TypeError):
                 self._drop()
                 raise BulkError(grpc.StatusCode.INTERNAL, "malformed pull reply from the shard") from None
-            return version, [(k, dv, recv_exact(sock, n)) for k, dv, n in items]
+            out = []
+            for k, dv, n in items:
+                dest = into(k, dv, n) if into is not None else None
+                if dest is not None and len(dest) == n:
+                    recv_exact_into(sock, dest)
+                    out.append((k, dv, dest, True))
+                else:
+                    out.append((k, dv, recv_exact(sock, n), False))
+            return version, out
 
         return self._call(OP_PULL, request.SerializeToString(), [], timeout_s, read)
 

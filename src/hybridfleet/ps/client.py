@@ -14,7 +14,7 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -82,6 +82,7 @@ class Pulled:
     key: str
     delta_version: int
     pieces: list[tuple[int, bytes]]
+    placed: bool = False  # the bytes were received straight into the caller's buffer (``into=``)
 
     @property
     def nbytes(self) -> int:
@@ -303,7 +304,8 @@ class PSClient:
 
     # ------------------------------------------------------------------ pull
     def pull(self, wait_for_versions: list[int] | None = None, timeout_s: float = 120.0,
-             full: bool = False, init_digests: list[str] | None = None) -> list[Pulled]:
+             full: bool = False, init_digests: list[str] | None = None,
+             into: Callable[[str, int, int], memoryview | None] | None = None) -> list[Pulled]:
         """Pull what changed since this client's versions (everything when ``full``).
 
         Returns `Pulled` entries in the order to apply them: a key's values, or (compressed
@@ -336,9 +338,9 @@ class PSClient:
                 return version, list(entries.values())
 
             def run_bulk(stub):
-                version, items = self._bulk[i].pull(req, timeout_s + 30)
-                self.bytes.add("received", "params", sum(len(data) for _, _, data in items))
-                return version, [Pulled(key, dv, [(0, data)]) for key, dv, data in items]
+                version, items = self._bulk[i].pull(req, timeout_s + 30, into)
+                self.bytes.add("received", "params", sum(len(data) for _, _, data, _ in items))
+                return version, [Pulled(key, dv, [(0, data)], placed) for key, dv, data, placed in items]
 
             version, out = self._call(i, run_bulk if self._bulk[i] is not None else run, what="pull")
             self.versions[i] = version

@@ -101,6 +101,7 @@ class PSSession:
         self.hub = None    # site leader's SiteHub, or
         self.link = None   # a follower's SiteLink
         self._local_opt = None
+        self._block_index: tuple | None = None  # (plan, key -> block)
         self._started = time.monotonic()
 
     @property
@@ -118,6 +119,9 @@ class PSSession:
             self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
             return self.parameters()
         cfg = self.config
+        from hybridfleet.ps.serve import tune_allocator
+
+        tune_allocator(trim_bytes=256 << 20)  # gradient frames and buffers are reused round after round
         if cfg.aggregates and cfg.site_rank > 0:
             return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
@@ -228,7 +232,7 @@ class PSSession:
             if wait_round:
                 shards_with_keys = {b.shard for b in self.plan.blocks}
                 wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
-            self._apply_pulled(self.client.pull(wait_for_versions=wait))
+            self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
         except ShardRestarted as restarted:
             # this step's gradient is dropped; train on from the restored shard's values
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
@@ -261,13 +265,27 @@ class PSSession:
             return ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps).encode
         return lambda key, block: codec.encode(block)
 
+    def _pull_target(self, key: str, delta_version: int, nbytes: int) -> memoryview | None:
+        """Where a pulled block's values can be received in place: its slice of the parameters."""
+        b = self._blocks().get(key)
+        if b is None or delta_version or nbytes != (b.stop - b.start) * DTYPE.itemsize:
+            return None  # checked (and refused) by _apply_pulled
+        return memoryview(self._flat[b.param][b.start:b.stop]).cast("B")
+
+    def _blocks(self) -> dict:
+        if self._block_index is None or self._block_index[0] is not self.plan:
+            self._block_index = (self.plan, {b.key: b for b in self.plan.blocks})
+        return self._block_index[1]
+
     def _apply_pulled(self, pulled: list[Pulled]) -> None:
         """Copy pulled values into place, or add decoded deltas (compressed downlink), in order."""
-        blocks = {b.key: b for b in self.plan.blocks}
+        blocks = self._blocks()
         for entry in pulled:
             b = blocks.get(entry.key)
             if b is None:
                 raise ProtocolError(f"pulled unknown key {entry.key!r}")
+            if entry.placed:
+                continue  # received straight into its slice (see _pull_target)
             dest = self._flat[b.param]
             if entry.delta_version:
                 delta = self._downlink_codec().decode(entry.payload()).reshape(-1)
