@@ -222,3 +222,24 @@ def test_transport_grpc_in_the_job_means_no_bulk_listener_and_push_pull_on_grpc(
         client.close()
     finally:
         server.stop(0)
+
+
+def test_bytes_are_counted_exactly_on_the_bulk_plane(cluster):
+    # Prepare
+    client = cluster.client("a")
+    join_and_init(cluster, client)
+    payloads = encoded(client, grads(1.0))
+    before_sent, before_received = dict(client.bytes.sent), dict(client.bytes.received)
+
+    # Execute: one push and one pull of the round it closed
+    client.push(payloads, codec="none", base_versions=[0])
+    client.pull(wait_for_versions=[1])
+
+    # Assert: payload bytes to the byte; frames counted apart from them
+    sent = {k: v - before_sent.get(k, 0) for k, v in client.bytes.sent.items()}
+    received = {k: v - before_received.get(k, 0) for k, v in client.bytes.received.items()}
+    assert sent["gradients"] == sum(len(v) for v in payloads.values())
+    assert received["params"] == (12 + 4) * 4  # fc.weight and fc.bias values, float32
+    assert sent["framing"] == 2 * 5  # op + header length, per request
+    assert received["control"] > 0 and sent["control"] > 0
+    client.close()

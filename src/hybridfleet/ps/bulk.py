@@ -326,7 +326,10 @@ class BulkChannel:
     """
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, server_hostname: str | None,
-                 token: str | None):
+                 token: str | None, count: Callable[[str, str, int], None] | None = None):
+        """``count(direction, category, nbytes)`` hears of the frame bytes this channel adds
+        ("framing" sent, "control" received); payload bytes are the caller's to count."""
+        self._count = count or (lambda direction, category, n: None)
         self.host, self.port = host, port
         self.ssl_context, self.server_hostname, self.token = ssl_context, server_hostname or host, token
         self._sock: socket.socket | None = None
@@ -361,9 +364,11 @@ class BulkChannel:
                 sock = self._sock
                 sock.settimeout(timeout_s)
                 sock.sendall(_frame(bytes([op]), header))
+                self._count("sent", "framing", 1 + _U32.size)
                 for p in payloads:
                     sock.sendall(p)
                 status, body = _read_response(sock)
+                self._count("received", "control", 1 + len(status) + _U32.size + len(body))
                 if status != "OK":
                     raise BulkError(_status(status), body.decode(errors="replace"))
                 return read_body(sock, body)

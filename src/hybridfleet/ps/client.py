@@ -230,7 +230,8 @@ class PSClient:
 
             host = self.servers[shard].rsplit(":", 1)[0].strip("[]")
             self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,
-                                            self.security.target_name_override, self.security.token)
+                                            self.security.target_name_override, self.security.token,
+                                            count=self.bytes.add)
 
     @property
     def transport(self) -> list[str]:
@@ -271,7 +272,6 @@ class PSClient:
         self.bytes.add("sent", "control", header.ByteSize())
         reply = self._bulk[shard].push(header, [part[k.key] for k in header.keys])
         self.bytes.add("sent", category, sum(len(v) for v in part.values()))
-        self.bytes.add("sent", "framing", 5 + 4 * len(part))
         return reply
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
