@@ -243,3 +243,25 @@ def test_bytes_are_counted_exactly_on_the_bulk_plane(cluster):
     assert sent["framing"] == 2 * 5  # op + header length, per request
     assert received["control"] > 0 and sent["control"] > 0
     client.close()
+
+
+def test_a_shard_side_failure_is_reported_as_internal_and_changes_nothing(cluster, monkeypatch):
+    # Prepare: the shard's state fails unexpectedly while applying a push
+    client = cluster.client("a")
+    join_and_init(cluster, client)
+    before = cluster.params()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(cluster.servers[0].state, "push", broken)
+
+    # Execute
+    with pytest.raises(grpc.RpcError) as err:
+        client.push(encoded(client, grads(1.0)), codec="none", base_versions=[0])
+
+    # Assert
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "RuntimeError" in err.value.details()
+    assert all(np.array_equal(before[k], v) for k, v in cluster.params().items())
+    client.close()

@@ -257,6 +257,12 @@ class BulkServer:
                         reason=rej.message)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return not getattr(rej, "close", False)
+        except (OSError, EOFError, ssl.SSLError):
+            raise
+        except Exception as err:  # a bug, not the peer's fault: say so, as gRPC would, and drop the connection
+            log.error("bulk_request_failed", peer=who, op=_OPS.get(op, op), error=f"{type(err).__name__}: {err}")
+            conn.sendall(_response("INTERNAL", f"shard failed to serve the request: {type(err).__name__}".encode()))
+            return False
 
     def _serve_push(self, conn: socket.socket, header_bytes: bytes, token: str) -> None:
         try:
