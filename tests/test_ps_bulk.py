@@ -265,3 +265,42 @@ def test_a_shard_side_failure_is_reported_as_internal_and_changes_nothing(cluste
     assert "RuntimeError" in err.value.details()
     assert all(np.array_equal(before[k], v) for k, v in cluster.params().items())
     client.close()
+
+
+def test_a_transfer_that_stops_moving_fails_fast_as_unavailable(monkeypatch):
+    # Prepare: a stand-in shard (plain TCP, speaking the bulk frames) that stalls half-way through a pull reply
+    import threading
+    import time
+
+    monkeypatch.setattr(bulk, "IDLE_TIMEOUT_S", 0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def stalling_shard():
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(2):  # HELLO, then the PULL request
+                size = bulk._U32.unpack(bulk.recv_exact(conn, 5)[1:].tobytes())[0]
+                bulk.recv_exact(conn, size)
+                if _ == 0:
+                    conn.sendall(bulk._response("OK"))
+            meta = json.dumps({"version": 1, "items": [["fc.weight", 0, 1000]]}).encode()
+            conn.sendall(bulk._response("OK", meta) + b"\0" * 10)
+            release.wait(10)
+
+    thread = threading.Thread(target=stalling_shard, daemon=True)
+    thread.start()
+    channel = BulkChannel("127.0.0.1", listener.getsockname()[1], None, None, "token")
+
+    # Execute: the pull may wait 60 s for its round, but the reply stops moving
+    start = time.monotonic()
+    with pytest.raises(BulkError) as err:
+        channel.pull(ps_pb2.PullRequest(worker_id="a-0"), timeout_s=60)
+    waited = time.monotonic() - start
+
+    # Assert
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "timed out" in err.value.details()
+    assert waited < 10
+    release.set()
+    listener.close()

@@ -49,7 +49,8 @@ OP_HELLO, OP_PUSH, OP_PULL = 1, 2, 3
 _OPS = {OP_HELLO: "Hello", OP_PUSH: "Push", OP_PULL: "Pull"}
 MAX_HEADER_BYTES = 16 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
-FRAME_TIMEOUT_S = 120.0  # a started frame must finish within this
+FRAME_TIMEOUT_S = 120.0  # the shard drops a connection whose started frame stalls this long
+IDLE_TIMEOUT_S = 30.0  # a worker gives up on a transfer that moves no byte for this long, then reconnects
 _U32 = struct.Struct("<I")
 
 
@@ -110,8 +111,9 @@ def _response(status: str, body: bytes = b"") -> bytes:
     return _frame(bytes([len(name)]) + name, body)
 
 
-def _read_response(sock: socket.socket) -> tuple[str, bytes]:
-    n = int(recv_exact(sock, 1)[0])
+def _read_response(sock: socket.socket, status_len: np.ndarray | None = None) -> tuple[str, bytes]:
+    """(status, body) of one response; ``status_len``: its first byte, when already read."""
+    n = int((status_len if status_len is not None else recv_exact(sock, 1))[0])
     status = recv_exact(sock, n).tobytes().decode("ascii", "replace")
     size = _U32.unpack(recv_exact(sock, 4))[0]
     if size > MAX_HEADER_BYTES:
@@ -368,12 +370,15 @@ class BulkChannel:
                 if self._sock is None:
                     self._sock = self._connect()
                 sock = self._sock
-                sock.settimeout(timeout_s)
+                sock.settimeout(IDLE_TIMEOUT_S)  # while bytes move, a stall means a dead link or peer
                 sock.sendall(_frame(bytes([op]), header))
                 self._count("sent", "framing", 1 + _U32.size)
                 for p in payloads:
                     sock.sendall(p)
-                status, body = _read_response(sock)
+                sock.settimeout(timeout_s)  # the shard may hold a pull until its round closes
+                status_len = recv_exact(sock, 1)
+                sock.settimeout(IDLE_TIMEOUT_S)
+                status, body = _read_response(sock, status_len)
                 self._count("received", "control", 1 + len(status) + _U32.size + len(body))
                 if status != "OK":
                     raise BulkError(_status(status), body.decode(errors="replace"))
@@ -388,6 +393,7 @@ class BulkChannel:
                                 f"bulk connection to {self.address} failed: {err or type(err).__name__}") from None
 
     def push(self, header: ps_pb2.PushHeader, payloads: list, timeout_s: float = FRAME_TIMEOUT_S) -> ps_pb2.PushResponse:
+        """``timeout_s``: the longest wait for the shard's answer once every byte is sent."""
         """Send one push (``payloads`` in the order of ``header.keys``) and return the shard's answer."""
         return self._call(OP_PUSH, header.SerializeToString(), payloads, timeout_s,
                           lambda sock, body: ps_pb2.PushResponse.FromString(bytes(body)))
