@@ -107,6 +107,7 @@ def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_pat
     assert "--- restart 1 ---" in log
     started = [json.loads(line) for line in log.splitlines() if '"worker_started"' in line]
     assert len(started) == 2 and started[1]["resumed_clock"] >= 40  # rejoined mid-run, not from step 0
+    assert all(s["transport"] == ["bulk", "bulk"] for s in started)  # tensor bytes on each shard's bulk plane
 
 
 def test_missing_entrypoint_is_a_clear_error_before_anything_starts(tmp_path):

@@ -151,7 +151,8 @@ class PSSession:
             joined = self.hub.wait_for_followers()
             log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
-                 resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None)
+                 resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None,
+                 transport=self.client.transport)
         return self.parameters()
 
     def _shard_digests(self) -> list[str]:
