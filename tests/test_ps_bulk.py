@@ -304,3 +304,11 @@ def test_a_transfer_that_stops_moving_fails_fast_as_unavailable(monkeypatch):
     assert waited < 10
     release.set()
     listener.close()
+
+
+def test_status_names_the_bulk_port(cluster):
+    client = cluster.client("a")
+    join_and_init(cluster, client)
+    (status,) = client.status()
+    assert status["bulk_port"] == cluster.servers[0].bulk.port == client._bulk[0].port
+    client.close()

@@ -177,7 +177,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.LeaveResponse()
 
     def Status(self, request, context):
-        return ps_pb2.StatusResponse(json=json.dumps(self.state.status()))
+        return ps_pb2.StatusResponse(json=json.dumps({**self.state.status(), "bulk_port": self.bulk_port}))
 
 
 @dataclass
