@@ -312,3 +312,25 @@ def test_status_names_the_bulk_port(cluster):
     (status,) = client.status()
     assert status["bulk_port"] == cluster.servers[0].bulk.port == client._bulk[0].port
     client.close()
+
+
+def test_the_retry_window_starts_at_the_first_failure_not_at_the_call():
+    # Prepare: a call that waits longer than the retry window, fails once as unavailable, then works
+    import time
+
+    from hybridfleet.ps.client import ClientSecurity, PSClient
+
+    client = PSClient(["127.0.0.1:9"], ClientSecurity(insecure=True), "a-0", "a", 0, retry_timeout_s=0.3)
+    calls = []
+
+    def slow_then_fine(stub):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            time.sleep(0.5)  # e.g. a pull held until its round closes
+            raise BulkError(grpc.StatusCode.UNAVAILABLE, "connection dropped")
+        return "ok"
+
+    # Execute / Assert
+    assert client._call(0, slow_then_fine, what="pull") == "ok"
+    assert len(calls) == 2
+    client.close(leave=False)

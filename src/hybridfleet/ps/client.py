@@ -143,16 +143,19 @@ class PSClient:
 
     # --------------------------------------------------------------- plumbing
     def _call(self, shard: int, fn, *, what: str):
-        """Run ``fn(stub)`` with retries on UNAVAILABLE; map auth failures to AuthError."""
-        deadline = time.monotonic() + self.retry_timeout_s
+        """Run ``fn(stub)`` with retries on UNAVAILABLE for up to ``retry_timeout_s`` after the first
+        failure (a call may legitimately wait long before it); map auth failures to AuthError."""
+        deadline: float | None = None
         delay = 0.1
         while True:
             try:
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
+                if code in RETRYABLE and deadline is None:
+                    deadline = time.monotonic() + self.retry_timeout_s
                 if code in RETRYABLE and time.monotonic() < deadline:
-                    log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay)
+                    log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay, reason=err.details())
                     time.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     if what != "join" and self._join_args is not None:
@@ -161,8 +164,8 @@ class PSClient:
                         try:
                             self._join_one(shard)
                         except grpc.RpcError as again:
-                            if again.code() in RETRYABLE:
-                                continue
+                            if again.code() in RETRYABLE or again.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                                continue  # still unreachable: keep trying until the deadline
                             raise
                         raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}") from None
                     continue
