@@ -133,7 +133,8 @@ def test_bad_inputs_to_the_library_name_the_problem():
         image_tag(lock["hash"], "Digits", resolve_base_image("torch", "2.13.0", "cpu"))
 
 
-@pytest.mark.skipif(_docker_engine_answers(), reason="a Docker engine answers on this machine")
+@pytest.mark.skipif(_docker_engine_answers(),
+                    reason="checks the no-engine error (exit 7); a Docker engine answers on this machine, so it cannot occur")
 def test_build_without_a_docker_engine_exits_7(capsys):
     # No mock: this machine genuinely has no Docker engine (at most a CLI without a daemon).
     with pytest.raises(SystemExit) as exit_info:
