@@ -29,9 +29,12 @@ class Adapter(ABC):
     def owns(self, obj: Any) -> bool:
         """True when ``obj`` is a model, optimizer or tensor of this framework."""
 
-    @abstractmethod
     def to_numpy(self, tensor: Any) -> np.ndarray:
-        """A C-contiguous CPU numpy view or copy of ``tensor`` (detached from autograd)."""
+        """A C-contiguous CPU numpy view or copy of ``tensor`` (detached from autograd).
+
+        torch and paddle tensors both offer ``detach().cpu().numpy()``."""
+        arr = tensor.detach().cpu().numpy()
+        return arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d shapes
 
     @abstractmethod
     def from_numpy(self, arr: np.ndarray) -> Any:

@@ -68,10 +68,6 @@ class PaddleAdapter(Adapter):
     def owns(self, obj: Any) -> bool:
         return isinstance(obj, (paddle.nn.Layer, paddle.optimizer.Optimizer, paddle.Tensor))
 
-    def to_numpy(self, tensor: Any) -> np.ndarray:
-        arr = tensor.detach().cpu().numpy()
-        return arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d shapes
-
     def from_numpy(self, arr: np.ndarray) -> Any:
         arr = np.asarray(arr)
         if arr.flags.writeable and arr.flags.c_contiguous and arr.ndim > 0:

@@ -44,10 +44,6 @@ class TorchAdapter(Adapter):
     def owns(self, obj: Any) -> bool:
         return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
 
-    def to_numpy(self, tensor: Any) -> np.ndarray:
-        arr = tensor.detach().cpu().numpy()
-        return arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d shapes
-
     def from_numpy(self, arr: np.ndarray) -> Any:
         return torch.from_numpy(_writable(np.asarray(arr)))
 
