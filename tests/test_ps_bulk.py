@@ -334,3 +334,11 @@ def test_the_retry_window_starts_at_the_first_failure_not_at_the_call():
     assert client._call(0, slow_then_fine, what="pull") == "ok"
     assert len(calls) == 2
     client.close(leave=False)
+
+
+def test_allocator_tuning_applies_where_glibc_is_the_libc():
+    import platform
+
+    from hybridfleet.ps.alloc import tune_allocator
+
+    assert tune_allocator(trim_bytes=64 << 20) is (platform.libc_ver()[0] == "glibc")

@@ -31,7 +31,8 @@ def serve(
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
-    from hybridfleet.ps.serve import server_security, start_shard, tune_allocator
+    from hybridfleet.ps.alloc import tune_allocator
+    from hybridfleet.ps.serve import server_security, start_shard
 
     tune_allocator()
     spec = load_spec(job)

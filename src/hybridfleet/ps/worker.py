@@ -119,7 +119,7 @@ class PSSession:
             self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
             return self.parameters()
         cfg = self.config
-        from hybridfleet.ps.serve import tune_allocator
+        from hybridfleet.ps.alloc import tune_allocator
 
         tune_allocator(trim_bytes=256 << 20)  # gradient frames and buffers are reused round after round
         if cfg.aggregates and cfg.site_rank > 0:
