@@ -13,16 +13,10 @@ from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, M
 from hybridfleet.spec.models import JobSpec
 
 TOKEN_PLACEHOLDER = "REPLACE-with-a-token-from-hfleet-certs"
-CERT_PLACEHOLDERS = {
-    "ca.crt": "REPLACE-with-ca.crt-from-hfleet-certs-init",
-    "tls.crt": "REPLACE-with-tls.crt-from-hfleet-certs-init",
-    "tls.key": "REPLACE-with-tls.key-from-hfleet-certs-init",
-}
 # Written above each Secret file; Kubernetes ignores comments.
 SECRET_HOWTO = {
-    "certs": ("Fill before applying: `hfleet certs init --out certs/` then\n"
-              "kubectl create secret generic {name} --from-file=certs/ca.crt --from-file=certs/tls.crt "
-              "--from-file=certs/tls.key --dry-run=client -o yaml | kubectl apply -f -"),
+    "certs": ("Fill before applying: `hfleet certs init certs/` then\n"
+              "kubectl create secret generic {name} {from_files} --dry-run=client -o yaml | kubectl apply -f -"),
     "tokens": ("Fill before applying: one signed token per role from `hfleet certs` (keys: ps, worker-<site>), e.g.\n"
                "kubectl create secret generic {name} --from-literal=ps=... --from-literal=worker-<site>=... "
                "--dry-run=client -o yaml | kubectl apply -f -"),
@@ -54,13 +48,26 @@ def _token_env(spec: JobSpec, key: str) -> list[dict]:
     return [{"name": "HFLEET_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
 
 
+def cert_files(spec: JobSpec) -> list[str]:
+    """The files `--certs` reads (security.load_pki and the token verifier), so the mounted Secret holds them."""
+    from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX, SERVER_CERT, SERVER_KEY
+    from hybridfleet.security.tokens import VERIFY_KEY
+
+    files = [CA_CERT, SERVER_CERT, SERVER_KEY]
+    if _tokens(spec):
+        files.append(VERIFY_KEY)
+    if spec.security.mutual_tls:
+        files += [f"{CLIENT_PREFIX}worker.pem", f"{CLIENT_PREFIX}worker.key"]
+    return files
+
+
 def secrets(spec: JobSpec) -> list[Manifest]:
     """Placeholder Secrets for the TLS files and the per-role tokens (as the job asks for them)."""
     out = []
     if _tls(spec):
         out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                     "metadata": metadata(spec, dns_name(spec.name, "certs"), "certs"),
-                    "stringData": dict(CERT_PLACEHOLDERS)})
+                    "stringData": {f: f"REPLACE-with-{f}-from-hfleet-certs-init" for f in cert_files(spec)}})
     if _tokens(spec):
         keys = ["ps", *(f"worker-{site}" for site in spec.sites)]
         out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",

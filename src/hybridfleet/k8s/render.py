@@ -38,7 +38,8 @@ def write_manifests(manifests: list[Manifest], out_dir: Path) -> list[Path]:
         header = ""
         if manifest["kind"] == "Secret":
             role = manifest["metadata"]["labels"]["hybridfleet/role"]
-            header = "".join(f"# {line}\n" for line in SECRET_HOWTO[role].format(name=name).splitlines())
+            header = "".join(f"# {line}\n" for line in SECRET_HOWTO[role].format(
+                name=name, from_files=" ".join(f"--from-file=certs/{f}" for f in manifest.get("stringData", {}))).splitlines())
         path.write_text(header + yaml.safe_dump(manifest, sort_keys=False))
         paths.append(path)
     return paths
