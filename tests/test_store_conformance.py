@@ -114,6 +114,14 @@ def test_path_escaping_the_root_is_rejected_and_nothing_written(store, bad):
     assert store.ls("") == []
 
 
+@pytest.mark.parametrize("bad", ["../escape", "/etc/hostname", "a/../../b"])
+@pytest.mark.parametrize("read", ["read_buffer", "size", "exists", "get_bytes"])
+def test_reads_of_a_path_escaping_the_root_are_rejected(store, bad, read):
+    # e.g. a tampered manifest naming a file outside the checkpoint root
+    with pytest.raises(StoreError, match="must"):
+        getattr(store, read)(bad)
+
+
 def test_read_buffer_is_writable_copy_that_does_not_change_the_file(store):
     store.put_bytes("buf", b"abcdef")
 

@@ -52,7 +52,7 @@ class Store(ABC):
         """Bytes [start, end) of ``path``; StoreError if it does not exist."""
 
     @abstractmethod
-    def exists(self, path: str) -> bool:
+    def _exists(self, path: str) -> bool:
         """True when a file exists at ``path``."""
 
     @abstractmethod
@@ -64,8 +64,14 @@ class Store(ABC):
         """Remove a file, or a folder with everything under it when ``recursive``."""
 
     @abstractmethod
-    def size(self, path: str) -> int:
+    def _size(self, path: str) -> int:
         """Size of the file at ``path`` in bytes; StoreError if it does not exist."""
+
+    def _read_buffer(self, path: str) -> Buffer:
+        """The whole file as a writable buffer; backends may map it instead of copying."""
+        data = self._get(path, None, None)
+        self.bytes_read += len(data)
+        return bytearray(data)
 
     # -- derived operations ---------------------------------------------------------------------
     def put_bytes(self, path: str, data: Buffer) -> None:
@@ -91,7 +97,15 @@ class Store(ABC):
 
     def read_buffer(self, path: str) -> Buffer:
         """The whole file as a writable buffer (a private memory map where the backend allows)."""
-        return bytearray(self.get_bytes(path))
+        return self._read_buffer(clean_path(path))
+
+    def exists(self, path: str) -> bool:
+        """True when a file exists at ``path``."""
+        return self._exists(clean_path(path))
+
+    def size(self, path: str) -> int:
+        """Size of the file at ``path`` in bytes; StoreError if it does not exist."""
+        return self._size(clean_path(path))
 
     def ls(self, prefix: str = "") -> list[str]:
         """Sorted immediate children of ``prefix`` (root-relative paths); [] when it does not exist."""

@@ -115,7 +115,7 @@ class FileStore(Store):
         except (FileNotFoundError, IsADirectoryError) as err:
             raise StoreError(f"{self.url}/{path}: no such file") from err
 
-    def read_buffer(self, path: str) -> Buffer:
+    def _read_buffer(self, path: str) -> Buffer:
         # A private copy-on-write map: zero-copy, writable, never written back.
         full = self._full(path)
         try:
@@ -129,7 +129,7 @@ class FileStore(Store):
         self.bytes_read += size
         return buf
 
-    def exists(self, path: str) -> bool:
+    def _exists(self, path: str) -> bool:
         return self._full(path).is_file()
 
     def _ls(self, prefix: str) -> list[str]:
@@ -147,7 +147,7 @@ class FileStore(Store):
         else:
             full.unlink(missing_ok=True)
 
-    def size(self, path: str) -> int:
+    def _size(self, path: str) -> int:
         try:
             return self._full(path).stat().st_size
         except FileNotFoundError as err:

@@ -38,7 +38,7 @@ class FsspecStore(Store):
         except FileNotFoundError as err:
             raise StoreError(f"{self.url}/{path}: no such file") from err
 
-    def exists(self, path: str) -> bool:
+    def _exists(self, path: str) -> bool:
         try:
             return self.fs.isfile(self._full(path))
         except FileNotFoundError:
@@ -64,7 +64,7 @@ class FsspecStore(Store):
         except FileNotFoundError:
             pass
 
-    def size(self, path: str) -> int:
+    def _size(self, path: str) -> int:
         try:
             return int(self.fs.size(self._full(path)))
         except FileNotFoundError as err:
