@@ -91,7 +91,8 @@ class ShardState:
         # later (error feedback on the server), and every worker holds the same values.
         self.compress_down = self.codec_name != "none"
         self.broadcast: dict[str, np.ndarray] = {}
-        self.delta_log: deque[tuple[int, dict[str, bytes]]] = deque(maxlen=DELTA_LOG_VERSIONS)
+        # (version, key -> encoded delta cut into wire pieces once, shared by every puller)
+        self.delta_log: deque[tuple[int, dict[str, list[bytes]]]] = deque(maxlen=DELTA_LOG_VERSIONS)
         self.downlink_dense_bytes = 0
         self.downlink_encoded_bytes = 0
 
@@ -345,7 +346,7 @@ class ShardState:
         for key in keys:
             payload = codec.encode(self.params[key] - self.broadcast[key])
             self.broadcast[key] += codec.decode(payload)
-            deltas[key] = payload
+            deltas[key] = _pieces(payload)
             self.downlink_dense_bytes += self.params[key].nbytes
             self.downlink_encoded_bytes += len(payload)
         self.delta_log.append((self.version, deltas))
@@ -380,15 +381,15 @@ class ShardState:
             return []
         logged = [(v, d) for v, d in self.delta_log if v > since_version]
         if since_version >= 0 and logged and logged[0][0] == since_version + 1:
-            return [(k, _pieces(payload), len(payload), v) for v, d in logged for k, payload in d.items()]
-        return [(k, self._wire_chunks(k, self.broadcast), self.broadcast[k].nbytes, 0) for k in self.keys]
+            return [(k, pieces, sum(len(p) for p in pieces), v) for v, d in logged for k, pieces in d.items()]
+        return [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in self.keys]
 
-    def _wire_chunks(self, key: str, source: dict[str, np.ndarray] | None = None) -> list[bytes]:
+    def _wire_chunks(self, key: str) -> list[bytes]:
         """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""
         cached = self._wire_cache.get(key)
         if cached is not None and cached[0] == self.key_version[key]:
             return cached[1]
-        chunks = _pieces((source or self.params)[key])
+        chunks = _pieces((self.broadcast if self.compress_down else self.params)[key])
         self._wire_cache[key] = (self.key_version[key], chunks)
         return chunks
 
