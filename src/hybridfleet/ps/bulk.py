@@ -40,6 +40,7 @@ import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps._proto import ps_pb2
+from hybridfleet.ps.shard import Reject, check_push_header
 from hybridfleet.ps.wire import METHOD_ROLES, SERVICE, WIRE_VERSION
 
 log = get_logger("ps.bulk")
@@ -68,10 +69,11 @@ class BulkError(grpc.RpcError):
         return self._details
 
 
-class _Reject(Exception):
-    def __init__(self, code: str, message: str, close: bool = False):
-        super().__init__(message)
-        self.code, self.message, self.close = code, message, close
+def _reject(code: str, message: str, close: bool = False):
+    """A `Reject` that, with ``close``, also ends the connection (unread bytes may follow it)."""
+    rej = Reject(code, message)
+    rej.close = close
+    return rej
 
 
 # ------------------------------------------------------------------ socket helpers
@@ -125,7 +127,7 @@ def _read_response(sock: socket.socket, status_len: np.ndarray | None = None) ->
 class BulkServer:
     """Serves the bulk plane of one shard: a listening socket and one thread per connection.
 
-    ``push(header, payloads, claims)`` and ``pull(request, claims)`` do the work (see
+    ``push(header, payloads, claims)`` and ``pull(request)`` do the work (see
     `hybridfleet.ps.server.ShardServicer`) and raise `hybridfleet.ps.shard.Reject`;
     ``verify(token, roles)`` returns the claims or raises (None: no auth, explicit).
     """
@@ -220,7 +222,7 @@ class BulkServer:
         token = hello.get("token") or ""
         try:
             self._claims(token, "Hello")
-        except _Reject as rej:
+        except Reject as rej:
             log.warning("bulk_rejected", peer=who, code=rej.code, reason=rej.message)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return None
@@ -236,25 +238,23 @@ class BulkServer:
         try:
             return self.verify(token or None, roles)
         except TokenRejectedError as err:
-            raise _Reject("PERMISSION_DENIED" if err.reason == "role" else "UNAUTHENTICATED", str(err)) from None
+            raise _reject("PERMISSION_DENIED" if err.reason == "role" else "UNAUTHENTICATED", str(err)) from None
 
     def _request(self, conn: socket.socket, op: int, token: str, who: str) -> bool:
         """Serve one request; False when the connection must close."""
-        from hybridfleet.ps.shard import Reject
-
         size = _U32.unpack(recv_exact(conn, 4))[0]
         try:
             if op not in (OP_PUSH, OP_PULL):
-                raise _Reject("INVALID_ARGUMENT", f"unknown bulk operation {op}", close=True)
+                raise _reject("INVALID_ARGUMENT", f"unknown bulk operation {op}", close=True)
             if size > MAX_HEADER_BYTES:
-                raise _Reject("INVALID_ARGUMENT", f"header of {size} bytes exceeds {MAX_HEADER_BYTES}", close=True)
+                raise _reject("INVALID_ARGUMENT", f"header of {size} bytes exceeds {MAX_HEADER_BYTES}", close=True)
             header = bytes(recv_exact(conn, size))
             if op == OP_PUSH:
                 self._serve_push(conn, header, token)
             else:
                 self._serve_pull(conn, header, token)
             return True
-        except (_Reject, Reject) as rej:
+        except Reject as rej:
             log.warning("push_rejected" if op == OP_PUSH else "bulk_rejected", peer=who, code=rej.code,
                         reason=rej.message)
             conn.sendall(_response(rej.code, rej.message.encode()))
@@ -270,19 +270,12 @@ class BulkServer:
         try:
             header = ps_pb2.PushHeader.FromString(header_bytes)
         except Exception:  # protobuf raises DecodeError (and others) on garbage
-            raise _Reject("INVALID_ARGUMENT", "malformed push header", close=True) from None
+            raise _reject("INVALID_ARGUMENT", "malformed push header", close=True) from None
         declared = sum(k.nbytes for k in header.keys)
         try:
             claims = self._claims(token, "Push")
-            if declared > self.max_push_bytes:
-                raise _Reject("RESOURCE_EXHAUSTED",
-                              f"push of {declared} bytes exceeds the cap of {self.max_push_bytes} bytes")
-            seen: set[str] = set()
-            for k in header.keys:
-                if k.key in seen:
-                    raise _Reject("INVALID_ARGUMENT", f"key {k.key!r} appears twice in the push header")
-                seen.add(k.key)
-        except _Reject:
+            check_push_header(header, self.max_push_bytes)
+        except Reject:
             _discard(conn, declared)  # the sender is already streaming them: keep the connection in step
             raise
         payloads: dict[str, np.ndarray] = {}
@@ -295,9 +288,9 @@ class BulkServer:
         try:
             request = ps_pb2.PullRequest.FromString(header_bytes)
         except Exception:
-            raise _Reject("INVALID_ARGUMENT", "malformed pull request", close=True) from None
-        claims = self._claims(token, "Pull")
-        version, items = self._pull(request, claims)
+            raise _reject("INVALID_ARGUMENT", "malformed pull request", close=True) from None
+        self._claims(token, "Pull")  # the token may have expired since HELLO
+        version, items = self._pull(request)
         body = json.dumps({"version": version, "items": [[k, dv, total] for k, _, total, dv in items]}).encode()
         conn.sendall(_response("OK", body))
         for _, pieces, _, _ in items:
@@ -393,8 +386,8 @@ class BulkChannel:
                                 f"bulk connection to {self.address} failed: {err or type(err).__name__}") from None
 
     def push(self, header: ps_pb2.PushHeader, payloads: list, timeout_s: float = FRAME_TIMEOUT_S) -> ps_pb2.PushResponse:
-        """``timeout_s``: the longest wait for the shard's answer once every byte is sent."""
-        """Send one push (``payloads`` in the order of ``header.keys``) and return the shard's answer."""
+        """Send one push (``payloads`` in the order of ``header.keys``) and return the shard's answer;
+        ``timeout_s`` is the longest wait for that answer once every byte is sent."""
         return self._call(OP_PUSH, header.SerializeToString(), payloads, timeout_s,
                           lambda sock, body: ps_pb2.PushResponse.FromString(bytes(body)))
 

@@ -19,7 +19,7 @@ import grpc
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps import fastwire
 from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
-from hybridfleet.ps.shard import Reject, ShardState
+from hybridfleet.ps.shard import Reject, ShardState, check_push_header
 from hybridfleet.ps.sharding import ParamSpec
 from hybridfleet.ps.wire import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.security.grpc_auth import current_claims
@@ -71,7 +71,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             live_workers=res["live"], heartbeat_interval_s=self.state.spec.heartbeat_interval_s,
             bulk_port=self.bulk_port)
 
-    def pull_items(self, request: ps_pb2.PullRequest, claims=None) -> tuple[int, list]:
+    def pull_items(self, request: ps_pb2.PullRequest) -> tuple[int, list]:
         """``(version, [(key, pieces, total_bytes, delta_version)])`` of one pull; raises Reject."""
         return self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
                                request.worker_clock, request.timeout_s or 60.0, request.init_digest)
@@ -117,13 +117,8 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                     if header is not None:
                         raise Reject("INVALID_ARGUMENT", "push has two headers")
                     header = msg.header
-                    declared = sum(k.nbytes for k in header.keys)
-                    if declared > self.max_push_bytes:
-                        raise Reject("RESOURCE_EXHAUSTED",
-                                     f"push of {declared} bytes exceeds the cap of {self.max_push_bytes} bytes")
+                    check_push_header(header, self.max_push_bytes)
                     for k in header.keys:
-                        if k.key in expected:
-                            raise Reject("INVALID_ARGUMENT", f"key {k.key!r} appears twice in the push header")
                         expected[k.key], filled[k.key], parts[k.key] = k.nbytes, 0, []
                 elif which == "chunk":
                     if header is None:
