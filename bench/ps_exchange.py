@@ -34,14 +34,10 @@ from pathlib import Path
 
 import yaml
 
+from hybridfleet.launch.preflight import free_port
+
 HERE = Path(__file__).resolve().parent
 TENSORS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:

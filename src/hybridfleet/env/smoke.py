@@ -9,7 +9,6 @@ Both are bounded by one deadline; past it every rank is killed.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,13 @@ from typing import Any
 from hybridfleet.env.collective_worker import MARKER
 from hybridfleet.env.probe import child_env, known_framework, last_lines
 from hybridfleet.errors import CollectiveSmokeError
+from hybridfleet.launch.preflight import free_port
 from hybridfleet.obs.log import get_logger
 
 log = get_logger("env.smoke")
 
 WORLD_SIZE = 2
 SMOKE_TIMEOUT_S = 60.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def choose_backend(facts: dict[str, Any]) -> str:
