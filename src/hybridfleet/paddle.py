@@ -20,9 +20,6 @@ class PaddleParameterServer(ParameterServerHandle):
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().cpu().astype("float32").numpy()
 
-    def _grad(self, param: Any) -> np.ndarray | None:
-        return None if param.grad is None else param.grad.detach().cpu().astype("float32").numpy()
-
     def _assign(self, values: dict[str, np.ndarray]) -> None:
         params = self._named_parameters()
         for name, arr in values.items():

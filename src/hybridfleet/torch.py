@@ -20,9 +20,6 @@ class TorchParameterServer(ParameterServerHandle):
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float32).numpy()
 
-    def _grad(self, param: Any) -> np.ndarray | None:
-        return None if param.grad is None else param.grad.detach().to("cpu", torch.float32).numpy()
-
     def _assign(self, values: dict[str, np.ndarray]) -> None:
         params = self._named_parameters()
         with torch.no_grad():

@@ -38,8 +38,9 @@ class ParameterServerHandle(ABC):
     @abstractmethod
     def _to_numpy(self, tensor: Any) -> np.ndarray: ...
 
-    @abstractmethod
-    def _grad(self, param: Any) -> np.ndarray | None: ...
+    def _grad(self, param: Any) -> np.ndarray | None:
+        """The parameter's gradient as float32 numpy, or None before the first backward."""
+        return None if param.grad is None else self._to_numpy(param.grad)
 
     @abstractmethod
     def _assign(self, values: dict[str, np.ndarray]) -> None: ...
