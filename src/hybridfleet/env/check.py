@@ -54,16 +54,14 @@ def check_environment(
     frameworks: Iterable[str] | None = None,
     smoke: bool = True,
     *,
-    require_frameworks: bool | None = None,
     gpus_required: int = 0,
     timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Check this machine; return the report described in the module docstring.
 
     ``frameworks``: names to check (default: every known one that is installed).
-    A named framework that is missing is a problem (``require_frameworks``
-    defaults to True when names are given); with no names, having neither is a
-    problem. ``gpus_required`` > 0 makes "no GPU visible" a problem. Each smoke
+    A named framework that is missing is a problem; with no names, having neither
+    is a problem. ``gpus_required`` > 0 makes "no GPU visible" a problem. Each smoke
     test is bounded by ``timeout_s`` (each probe by its own fixed bound). Raises ValueError for an unknown
     framework name or a non-positive timeout, before doing anything.
     """
@@ -74,7 +72,7 @@ def check_environment(
         raise ValueError(f"timeout_s: must be > 0 (got {timeout_s})")
     if gpus_required < 0:
         raise ValueError(f"gpus_required: must be >= 0 (got {gpus_required})")
-    required = bool(names) if require_frameworks is None else require_frameworks
+    required = bool(names)
     to_check = names if names else sorted(FRAMEWORKS)
     problems: list[dict] = []
     report: dict[str, Any] = {
@@ -124,8 +122,7 @@ def _gpu_message(report: dict[str, Any], wanted: int, visible: int) -> str:
 
 def raise_for_problems(report: dict[str, Any]) -> None:
     """Raise the exception of the report's most fundamental problem; return if there is none."""
-    by_kind = {cls.kind: cls for cls in _PROBLEM_ORDER}
     for cls in _PROBLEM_ORDER:
         messages = [p["message"] for p in report.get("problems", []) if p["kind"] == cls.kind]
         if messages:
-            raise by_kind[cls.kind]("; ".join(messages))
+            raise cls("; ".join(messages))
