@@ -280,6 +280,9 @@ def test_a_remote_dataset_reads_through_the_cache_once(remote, tmp_path):
     again = open_dataset(url, cache=cache, **seaweed.options)
     again.take(np.arange(600))
     assert cache.stats.hits == len(manifest.shards) and cache.stats.misses == len(manifest.shards)
+    from hybridfleet.data.dataset import cache_stats  # what a worker's final metrics record carries
+
+    assert cache_stats()["bytes_fetched"] >= manifest.bytes and cache_stats()["hits"] >= len(manifest.shards)
 
 
 def test_the_cache_evicts_lru_within_its_budget_but_never_pinned_or_local_only(remote, tmp_path):

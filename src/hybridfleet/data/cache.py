@@ -119,7 +119,7 @@ class SiteCache:
                 return target
             self._reserve(sha256, size, store, path, pin)
             try:
-                download_verified(store, path, target, sha256)
+                download_verified(store, path, target, sha256, size=size, durable=False)  # re-verified when opened
             except BaseException as err:
                 Path(f"{target}.part").unlink(missing_ok=True)  # a failed fetch leaves nothing behind
                 self._forget(sha256)

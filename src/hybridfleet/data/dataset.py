@@ -54,6 +54,7 @@ class PackedDataset:
             return self.store._full(shard.name)
         if self.cache is None:
             self.cache = SiteCache()
+        _CACHES[id(self.cache)] = self.cache
         return self.cache.fetch(self.store, shard.name, shard.sha256, shard.bytes)
 
     def _check(self, shard: ShardInfo, path: Path) -> None:
@@ -163,6 +164,18 @@ class PackedDataset:
 
 
 _OPENED: dict[str, str] = {}  # url -> manifest sha256 of every dataset this process opened
+
+
+_CACHES: dict[int, SiteCache] = {}  # the site caches this process read through
+
+
+def cache_stats() -> dict[str, int]:
+    """Hits, misses, bytes fetched and evictions of the site caches this process read through."""
+    total: dict[str, int] = {}
+    for cache in _CACHES.values():
+        for key, value in vars(cache.stats).items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def opened_digests() -> dict[str, str]:
