@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from hybridfleet.data import GlobalOrder, Loader, SiteCache, open_dataset, pack, read_manifest
+from hybridfleet.data import GlobalOrder, SiteCache, open_dataset, pack, read_manifest
 from hybridfleet.data.pack import pack_arrays
 from hybridfleet.errors import DataError
 from hybridfleet.store import open_store
