@@ -79,6 +79,15 @@ class AggregateSpec(_Strict):
         return self
 
 
+class PrivacySpec(_Strict):
+    """Differential privacy of each push: L2 clipping + Gaussian noise, with an accountant (docs/PRIVACY.md)."""
+
+    clip_norm: float = Field(..., gt=0, description="L2 bound of one push's whole update")
+    noise_multiplier: float = Field(..., gt=0, description="noise std / clip_norm")
+    delta: float = Field(1e-5, gt=0, lt=1)
+    epsilon_budget: float | None = Field(None, gt=0, description="stop training before epsilon exceeds this")
+
+
 class PSSpec(_Strict):
     """Parameter-server settings."""
 
@@ -88,6 +97,7 @@ class PSSpec(_Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
     compression: CompressionSpec = CompressionSpec()
     aggregate: AggregateSpec = Field(AggregateSpec(), description="mean | median | trimmed_mean | norm_clip")
+    privacy: PrivacySpec | None = Field(None, description="differential privacy of every push")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     block_size_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="tensors above this are split across shards")
