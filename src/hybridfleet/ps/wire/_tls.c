@@ -31,7 +31,9 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#ifndef READ_BUFFER_BYTES
 #define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
+#endif
 
 static PyObject *SSLError, *SSLCertVerificationError, *SSLEOFError;
 
@@ -42,7 +44,7 @@ typedef struct {
     int server_side, check_hostname, hostname_checks_common_name;
 } ContextObject;
 
-static int raise_ssl_error(unsigned long err, SSL *ssl);
+static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname);
 
 static void Context_dealloc(ContextObject *self) {
     SSL_CTX_free(self->ctx);
@@ -66,7 +68,7 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     ERR_clear_error();
     SSL_CTX *ctx = SSL_CTX_new(server_side ? TLS_server_method() : TLS_client_method());
-    if (ctx == NULL) return raise_ssl_error(ERR_get_error(), NULL), -1;
+    if (ctx == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL), -1;
     SSL_CTX_clear_options(ctx, SSL_CTX_get_options(ctx));
     SSL_CTX_set_options(ctx, (uint64_t)options);
     if (!SSL_CTX_set_min_proto_version(ctx, tls_version(min_version)) ||
@@ -76,7 +78,7 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         (keyfile != NULL && SSL_CTX_use_PrivateKey_file(ctx, keyfile, SSL_FILETYPE_PEM) != 1) ||
         (certfile != NULL && keyfile != NULL && SSL_CTX_check_private_key(ctx) != 1) ||
         (cafile != NULL && SSL_CTX_load_verify_locations(ctx, cafile, NULL) != 1)) {
-        raise_ssl_error(ERR_get_error(), NULL);
+        raise_ssl_error(ERR_get_error(), NULL, NULL);
         SSL_CTX_free(ctx);
         return -1;
     }
@@ -115,6 +117,7 @@ typedef struct {
     int fd;
     double timeout; /* < 0: wait forever for progress */
     int busy, closed;
+    char *hostname; /* what the certificate is checked against, for error messages */
 } ConnObject;
 
 enum { ST_OK, ST_EOF, ST_TIMEOUT, ST_ERRNO, ST_SSL, ST_EINTR };
@@ -259,7 +262,7 @@ static void set_attr(PyObject *obj, const char *name, PyObject *value) {
 }
 
 /* Raise the ssl module's exception for an OpenSSL error, with the text ssl would show. */
-static int raise_ssl_error(unsigned long err, SSL *ssl) {
+static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname) {
     const char *reason = err ? ERR_reason_error_string(err) : NULL;
     char name[128], msg[512];
     PyObject *cls = SSLError;
@@ -272,12 +275,9 @@ static int raise_ssl_error(unsigned long err, SSL *ssl) {
         cls = SSLCertVerificationError;
         verify_code = SSL_get_verify_result(ssl);
         if (verify_code == X509_V_ERR_HOSTNAME_MISMATCH || verify_code == X509_V_ERR_IP_ADDRESS_MISMATCH) {
-            const char *host = SSL_get0_peername(ssl);
-            X509_VERIFY_PARAM *param = SSL_get0_param(ssl);
-            char *ip = X509_VERIFY_PARAM_get1_ip_asc(param);
             snprintf(verify_text, sizeof verify_text, "%s mismatch, certificate is not valid for '%s'.",
-                     ip ? "IP address" : "Hostname", ip ? ip : (host ? host : ""));
-            OPENSSL_free(ip);
+                     verify_code == X509_V_ERR_IP_ADDRESS_MISMATCH ? "IP address" : "Hostname",
+                     hostname ? hostname : "");
             verify_message = verify_text;
         } else {
             verify_message = X509_verify_cert_error_string(verify_code);
@@ -331,7 +331,7 @@ static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline
         PyErr_SetFromErrno(PyExc_OSError);
         break;
     default:
-        raise_ssl_error(p->ssl_err, self->ssl);
+        raise_ssl_error(p->ssl_err, self->ssl, self->hostname);
     }
 done_error:
     if (self->closed) release(self);
@@ -350,7 +350,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
     }
     ERR_clear_error();
     SSL *ssl = SSL_new(ctx->ctx);
-    if (ssl == NULL) return raise_ssl_error(ERR_get_error(), NULL);
+    if (ssl == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL);
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 || !SSL_set_fd(ssl, fd)) {
         SSL_free(ssl);
@@ -371,7 +371,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
                     (ctx->hostname_checks_common_name ? 0 : X509_CHECK_FLAG_NEVER_CHECK_SUBJECT));
                 if (X509_VERIFY_PARAM_set1_host(param, host, 0) != 1) {
                     SSL_free(ssl);
-                    return raise_ssl_error(ERR_get_error(), NULL);
+                    return raise_ssl_error(ERR_get_error(), NULL, NULL);
                 }
             } else if (!ctx->check_hostname && is_ip) {
                 X509_VERIFY_PARAM_set1_ip(param, NULL, 0);
@@ -382,6 +382,11 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
             return -1;
         }
     }
+    if (host != NULL && (self->hostname = strdup(host)) == NULL) {
+        SSL_free(ssl);
+        PyErr_NoMemory();
+        return -1;
+    }
     self->ssl = ssl;
     self->fd = fd; /* owned from here on */
     self->timeout = -1;
@@ -390,6 +395,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
 
 static void Conn_dealloc(ConnObject *self) {
     release(self);
+    free(self->hostname);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -531,7 +537,7 @@ static PyObject *Conn_peer_certificate(ConnObject *self, PyObject *Py_UNUSED(ign
     unsigned char *der = NULL;
     int len = i2d_X509(cert, &der);
     X509_free(cert);
-    if (len < 0) return raise_ssl_error(ERR_get_error(), NULL), NULL;
+    if (len < 0) return raise_ssl_error(ERR_get_error(), NULL, NULL), NULL;
     PyObject *out = PyBytes_FromStringAndSize((const char *)der, len);
     OPENSSL_free(der);
     return out;

@@ -4,7 +4,7 @@ Why: Python's ``SSLSocket.recv_into`` returns at most one TLS record (16 KiB), s
 reading a 64 MB frame takes ~4,000 interpreter round trips, each taking the GIL
 back and doing two read syscalls; on the PS benchmark that made TLS ~2x slower
 than plaintext although AES-GCM itself runs at several GB/s per core here.
-Options measured (bench/ps_exchange.py, docs/performance.md):
+Options weighed (bench/ps_exchange.py measures the chosen one against both anchors):
 
 - **C extension against OpenSSL** (`hybridfleet.ps.wire._tls`, chosen): after
   ``connect``/``accept`` it owns the socket, runs the standard TLS 1.3 handshake
@@ -61,7 +61,7 @@ def remember_files(ctx: ssl.SSLContext, *, certfile: str | None = None, keyfile:
 def _native_context(ctx: ssl.SSLContext, server_side: bool):
     """The extension's context mirroring ``ctx`` (cached on it while its settings stay the same), or None."""
     files = getattr(ctx, _FILES_ATTR, None)
-    if files is None or not native_available():
+    if files is None or _tls is None:
         return None
     ciphers = ":".join(c["name"] for c in ctx.get_ciphers() if c["protocol"] != "TLSv1.3")
     settings = (server_side, *files, int(ctx.verify_mode), ctx.check_hostname, ctx.hostname_checks_common_name,
@@ -75,19 +75,21 @@ def _native_context(ctx: ssl.SSLContext, server_side: bool):
     return native
 
 
-def wrap(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool,
-         server_hostname: str | None = None) -> "TLSConnection | ssl.SSLSocket":
+def wrap(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool, server_hostname: str | None = None,
+         native: bool | None = None) -> "TLSConnection | ssl.SSLSocket":
     """TLS over the connected ``sock``, handshake done within ``sock``'s timeout.
 
     Returns a `TLSConnection` (which then owns the socket) when the native path is
-    available for ``ctx``, else ``ctx.wrap_socket(sock, ...)``. Either raises what the
-    ssl module raises for a failed handshake.
+    available for ``ctx`` and wanted (``native``; None: unless ``HFLEET_NATIVE_TLS=0``),
+    else ``ctx.wrap_socket(sock, ...)``. Either raises what the ssl module raises for a
+    failed handshake.
     """
-    native = _native_context(ctx, server_side)
-    if native is None:
+    wanted = native_available() if native is None else native
+    native_ctx = _native_context(ctx, server_side) if wanted else None
+    if native_ctx is None:
         return ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname)
     timeout = sock.gettimeout()
-    conn = TLSConnection(native, sock.detach(), None if server_side else server_hostname)
+    conn = TLSConnection(native_ctx, sock.detach(), None if server_side else server_hostname)
     try:
         conn.settimeout(timeout)
         conn.do_handshake()
@@ -124,6 +126,11 @@ else:  # pragma: no cover - depends on the install
     TLSConnection = None  # type: ignore[assignment,misc]
 
 
+def _even_hex(n: int) -> str:
+    digits = f"{n:X}"
+    return "0" * (len(digits) % 2) + digits  # whole bytes, as OpenSSL prints serial numbers
+
+
 def _cert_dict(der: bytes) -> dict[str, Any]:
     """``ssl.SSLSocket.getpeercert()``'s dict for a DER certificate (subject, issuer, dates, SANs)."""
     from cryptography import x509
@@ -138,7 +145,7 @@ def _cert_dict(der: bytes) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "subject": name(cert.subject), "issuer": name(cert.issuer), "version": cert.version.value + 1,
-        "serialNumber": f"{cert.serial_number:X}",
+        "serialNumber": _even_hex(cert.serial_number),
         "notBefore": when(cert.not_valid_before_utc), "notAfter": when(cert.not_valid_after_utc),
     }
     try:
