@@ -445,44 +445,39 @@ static PyObject *Conn_recv(ConnObject *self, PyObject *args) {
     return out;
 }
 
+/* recv_exact_into / sendall: move all of ``view`` (released here) or raise; an early end of stream is
+ * EOFError when reading and EPIPE when writing. */
+static PyObject *transfer_all(ConnObject *self, Py_buffer *view, PyObject *deadline_obj, Op op) {
+    Progress p = {0};
+    double deadline = parse_deadline(deadline_obj);
+    int failed = PyErr_Occurred() || (view->len > 0 && (check_open(self) < 0 ||
+        perform(self, op, view->buf, view->len, deadline, &p, op == OP_READ_ALL ? "read" : "write") < 0));
+    Py_ssize_t n = view->len;
+    PyBuffer_Release(view);
+    if (failed) return NULL;
+    if (n > 0 && p.result == ST_EOF) {
+        if (op == OP_READ_ALL)
+            return PyErr_Format(PyExc_EOFError, "connection closed after %zu of %zd bytes", p.done, n);
+        errno = EPIPE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Conn_recv_exact_into(ConnObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", "deadline", NULL};
     Py_buffer view;
     PyObject *deadline_obj = NULL;
-    Progress p;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*|O", kwlist, &view, &deadline_obj)) return NULL;
-    double deadline = parse_deadline(deadline_obj);
-    if (PyErr_Occurred() || (view.len > 0 && (check_open(self) < 0 ||
-        perform(self, OP_READ_ALL, view.buf, view.len, deadline, &p, "read") < 0))) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    PyBuffer_Release(&view);
-    if (view.len > 0 && p.result == ST_EOF) {
-        PyErr_Format(PyExc_EOFError, "connection closed after %zu of %zd bytes", p.done, view.len);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return transfer_all(self, &view, deadline_obj, OP_READ_ALL);
 }
 
 static PyObject *Conn_sendall(ConnObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"data", "deadline", NULL};
     Py_buffer view;
     PyObject *deadline_obj = NULL;
-    Progress p;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|O", kwlist, &view, &deadline_obj)) return NULL;
-    double deadline = parse_deadline(deadline_obj);
-    if (PyErr_Occurred() || (view.len > 0 && (check_open(self) < 0 ||
-        perform(self, OP_WRITE_ALL, view.buf, view.len, deadline, &p, "write") < 0))) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    PyBuffer_Release(&view);
-    if (view.len > 0 && p.result == ST_EOF) {
-        errno = EPIPE;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return transfer_all(self, &view, deadline_obj, OP_WRITE_ALL);
 }
 
 static PyObject *Conn_settimeout(ConnObject *self, PyObject *arg) {
