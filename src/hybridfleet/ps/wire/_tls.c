@@ -31,6 +31,13 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#if OPENSSL_VERSION_NUMBER < 0x30000000L /* OpenSSL 1.1.1 */
+#define SSL_get1_peer_certificate SSL_get_peer_certificate
+#endif
+#ifndef SSL_R_UNEXPECTED_EOF_WHILE_READING
+#define SSL_R_UNEXPECTED_EOF_WHILE_READING 294
+#endif
+
 #ifndef READ_BUFFER_BYTES
 #define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
 #endif

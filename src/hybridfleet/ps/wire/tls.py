@@ -89,7 +89,12 @@ def wrap(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool, server_
     if native_ctx is None:
         return ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname)
     timeout = sock.gettimeout()
-    conn = TLSConnection(native_ctx, sock.detach(), None if server_side else server_hostname)
+    fd = sock.detach()
+    try:
+        conn = TLSConnection(native_ctx, fd, None if server_side else server_hostname)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         conn.settimeout(timeout)
         conn.do_handshake()
