@@ -265,11 +265,12 @@ def test_a_context_without_recorded_files_uses_the_ssl_module(pki):
 
 
 @needs_native
-def test_the_bulk_plane_runs_on_the_native_connection(tmp_path):
+def test_the_bulk_plane_runs_on_the_native_connection(tmp_path, monkeypatch):
     # Prepare / Execute: a shard and a worker push through the bulk plane
     from tests.ps_helpers import join_and_init, start_cluster
     from tests.test_ps_server import encoded, grads
 
+    monkeypatch.delenv(tls.ENV_SWITCH, raising=False)
     cluster = start_cluster(tmp_path)
     try:
         client = cluster.client("a")
