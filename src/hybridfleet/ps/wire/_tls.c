@@ -20,6 +20,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <string.h>
@@ -151,7 +152,7 @@ static int wait_fd(int fd, int for_write, double timeout, double deadline, Progr
     if (limit >= 0) {
         double left = limit - now_s();
         if (left <= 0) return ST_TIMEOUT;
-        ms = (int)ceil(left * 1000);
+        ms = left * 1000 >= INT_MAX ? INT_MAX : (int)ceil(left * 1000);
     }
     struct pollfd pfd = {.fd = fd, .events = for_write ? POLLOUT : POLLIN};
     int rc = poll(&pfd, 1, ms);
