@@ -39,6 +39,7 @@
 #define SSL_R_UNEXPECTED_EOF_WHILE_READING 294
 #endif
 
+#define WRITE_BUFFER_BYTES (256 * 1024) /* records sent per send syscall: ~16 instead of one */
 #ifndef READ_BUFFER_BYTES
 #define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
 #endif
@@ -125,6 +126,7 @@ typedef struct {
     int fd;
     double timeout; /* < 0: wait forever for progress */
     int busy, closed;
+    BIO *net; /* OpenSSL writes records into a BIO pair; this half sends them in large writes */
     char *hostname; /* what the certificate is checked against, for error messages */
 } ConnObject;
 
@@ -193,38 +195,71 @@ static int classify(ConnObject *self, int ret, int *want_write, Progress *p) {
 typedef enum { OP_HANDSHAKE, OP_READ_SOME, OP_READ_ALL, OP_WRITE_ALL } Op;
 
 /* Run one operation until it completes or fails; called without the GIL. */
+/* Send what OpenSSL wrote into the BIO pair; ST_OK once all of it is on the socket. */
+static int flush(ConnObject *self, double deadline, Progress *p) {
+    for (;;) {
+        char *ptr;
+        int avail = BIO_nread0(self->net, &ptr);
+        if (avail <= 0) return ST_OK;
+        ssize_t sent = send(self->fd, ptr, (size_t)avail, MSG_NOSIGNAL);
+        if (sent > 0) {
+            BIO_nread(self->net, &ptr, (int)sent);
+            p->last_progress = now_s();
+            continue;
+        }
+        if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd(self->fd, 1, self->timeout, deadline, p);
+            if (r != ST_OK) return r;
+            continue;
+        }
+        p->saved_errno = errno;
+        return errno == EINTR ? ST_EINTR : ST_ERRNO;
+    }
+}
+
+/* Run one operation until it completes or fails; called without the GIL. */
 static void run_op(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p) {
     for (;;) {
         int want_write = 0, ret, r;
+        size_t k = 0;
         errno = 0;
         if (op == OP_HANDSHAKE) {
             ret = SSL_do_handshake(self->ssl);
-            if (ret == 1) { p->result = ST_OK; return; }
+            if (ret == 1) { p->result = flush(self, deadline, p); return; }
         } else if (op == OP_WRITE_ALL) {
-            if (p->done >= n) { p->result = ST_OK; return; }
-            size_t k = 0;
+            if (p->done >= n) { p->result = flush(self, deadline, p); return; }
             ret = SSL_write_ex(self->ssl, buf + p->done, n - p->done, &k);
-            if (ret == 1) { p->done += k; p->last_progress = now_s(); continue; }
+            if (ret == 1) { p->done += k; continue; } /* records pile up in the pair until it is full */
         } else {
             if (p->done >= n && n > 0) { p->result = ST_OK; return; }
-            size_t k = 0;
             ret = SSL_read_ex(self->ssl, buf + p->done, n - p->done, &k);
             if (ret == 1) {
                 p->done += k;
                 p->last_progress = now_s();
-                if (op == OP_READ_SOME || p->done >= n) { p->result = ST_OK; return; }
+                if (op == OP_READ_SOME || p->done >= n) {
+                    p->result = BIO_ctrl_pending(self->net) ? flush(self, deadline, p) : ST_OK; /* e.g. a KeyUpdate reply */
+                    return;
+                }
                 continue;
             }
         }
         r = classify(self, ret, &want_write, p);
-        if (r != ST_OK) { p->result = r; return; }
-        r = wait_fd(self->fd, want_write, self->timeout, deadline, p);
+        if (r != ST_OK) {
+            if (r == ST_SSL) flush(self, deadline, p); /* the alert that tells the peer why, if it can go */
+            p->result = r;
+            return;
+        }
+        /* WANT_WRITE: the pair is full; WANT_READ: what was written must be sent before waiting for the answer */
+        r = flush(self, deadline, p);
+        if (r == ST_OK && !want_write) r = wait_fd(self->fd, 0, self->timeout, deadline, p);
         if (r != ST_OK) { p->result = r; return; }
     }
 }
 
 static void release(ConnObject *self) {
     if (self->ssl) SSL_free(self->ssl);
+    if (self->net) BIO_free(self->net);
+    self->net = NULL;
     if (self->fd >= 0) close(self->fd);
     self->ssl = NULL;
     self->fd = -1;
@@ -360,11 +395,18 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
     SSL *ssl = SSL_new(ctx->ctx);
     if (ssl == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL);
     int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 || !SSL_set_fd(ssl, fd)) {
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
         SSL_free(ssl);
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    BIO *sock_bio = BIO_new_socket(fd, BIO_NOCLOSE), *inner = NULL, *outer = NULL;
+    if (sock_bio == NULL || !BIO_new_bio_pair(&inner, WRITE_BUFFER_BYTES, &outer, 0)) {
+        BIO_free(sock_bio);
+        SSL_free(ssl);
+        return raise_ssl_error(ERR_get_error(), NULL, NULL);
+    }
+    SSL_set_bio(ssl, sock_bio, inner); /* reads straight from the socket, writes into the pair */
     if (ctx->server_side) {
         SSL_set_accept_state(ssl);
     } else {
@@ -379,6 +421,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
                     (ctx->hostname_checks_common_name ? 0 : X509_CHECK_FLAG_NEVER_CHECK_SUBJECT));
                 if (X509_VERIFY_PARAM_set1_host(param, host, 0) != 1) {
                     SSL_free(ssl);
+                    BIO_free(outer);
                     return raise_ssl_error(ERR_get_error(), NULL, NULL);
                 }
             } else if (!ctx->check_hostname && is_ip) {
@@ -386,16 +429,19 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
             }
         } else if (ctx->check_hostname) {
             SSL_free(ssl);
+            BIO_free(outer);
             PyErr_SetString(PyExc_ValueError, "check_hostname requires server_hostname");
             return -1;
         }
     }
     if (host != NULL && (self->hostname = strdup(host)) == NULL) {
         SSL_free(ssl);
+        BIO_free(outer);
         PyErr_NoMemory();
         return -1;
     }
     self->ssl = ssl;
+    self->net = outer;
     self->fd = fd; /* owned from here on */
     self->timeout = -1;
     return 0;
