@@ -4,7 +4,8 @@
  * 64 MB pull costs about 4,000 trips through the interpreter and the GIL, plus two
  * read syscalls per record. Here a whole frame is read (or written) by one call
  * with the GIL released: SSL_read_ex in a loop straight into the caller's buffer,
- * with read-ahead so that one recv syscall fetches many records. The cipher, the
+ * with read-ahead so that one recv syscall fetches many records, and records to
+ * send collect in a BIO pair so that one send syscall carries many. The cipher, the
  * handshake and the certificate checks are OpenSSL's, configured from the same
  * files and settings as the Python ssl.SSLContext (see `hybridfleet.ps.wire.tls`);
  * nothing here is a protocol of its own.
