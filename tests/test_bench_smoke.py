@@ -86,3 +86,18 @@ def test_bench_rejects_bad_settings_before_starting_anything(script, args, messa
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_run():
+    # Prepare / Execute: a 4 MB parameter set, 2 rounds per side
+    proc = run_bench("ps_exchange.py", "--mb", "4", "--rounds", "2")
+
+    # Assert: the keys the issue names, each a measured positive figure
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "ps_exchange" and result["mb"] == 4
+    for key in ("ratio", "wire_efficiency", "tls_vs_plaintext", "ps_s", "ps_plaintext_s", "gloo_s"):
+        assert result[key] > 0
+    assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
+    assert isinstance(result["native_tls"], bool)

@@ -18,6 +18,7 @@ from hybridfleet.ps.wire.bulk import (
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.ps.wire.reject import Reject, check_push_header
+from hybridfleet.ps.wire.tls import remember_files, wrap
 
 log = get_logger("ps.bulk")
 
@@ -77,7 +78,7 @@ class BulkServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+                conn = wrap(self.ssl_context, conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
             token = self._hello(conn, who)
@@ -204,4 +205,4 @@ def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLCon
     if ca is not None:
         ctx.load_verify_locations(cafile=ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    return remember_files(ctx, certfile=cert, keyfile=key, cafile=ca)
