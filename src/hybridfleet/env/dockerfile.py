@@ -1,9 +1,11 @@
 """Render a Dockerfile on an official base image from a lock, and the image tag.
 
-The Dockerfile pins every locked distribution except those the base image
+The Dockerfile pins the locked distributions hybridfleet needs at run time
+(`hybridfleet.env.runtime_deps`: no test tools), except those the base image
 brings (the framework and its CUDA libraries), the other framework's family
 (a job trains with one), and distributions installed from a local directory
-(they arrive with the copied project). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
+(they arrive with the copied project). A locked version the image's Python
+cannot install becomes a cap (``name<=version``). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
 running container can say which lock it was built from. Output is
 byte-for-byte deterministic: the same inputs give the same file and tag.
 """
@@ -30,6 +32,7 @@ class RenderedImage:
     tag: str
     requirements: list[str]
     left_out: dict[str, str]  # distribution -> why
+    python: str = ""  # the image's Python minor version
 
 
 def image_tag(lock_hash_hex: str, name: str, base: BaseImage, registry: str | None = None) -> str:
@@ -50,12 +53,21 @@ def _other_families(framework: str) -> set[str]:
     return {d for name, entry in table.items() if name != framework for d in entry["family"]}
 
 
+def image_python(lock: dict[str, Any], base: BaseImage) -> str:
+    """The Python minor version the image runs: the base image's, else (a plain Python image) the lock's."""
+    return base.python or lock["python"]["minor"]
+
+
 def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str], list[str], dict[str, str]]:
     """Split the lock's distributions into (pins to pip install, framework pins, left out with reasons).
 
     Framework pins are only non-empty when the framework is pip-installed on a
     plain Python image (torch on CPU); they then come from its own wheel index.
     """
+    from hybridfleet.env.runtime_deps import runtime_closure, supports_python
+
+    python = image_python(lock, base)
+    runtime = runtime_closure(python)
     local = set(lock.get("local_distributions", []))
     others = _other_families(base.framework)
     pins: list[str] = []
@@ -73,8 +85,13 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
             framework_pins.append(f"{name}=={base_version(version)}")
         elif name in base.provided or name.startswith(base.provided_prefixes):
             left_out[name] = "the base image provides it"
-        else:
+        elif runtime is not None and name not in runtime:
+            left_out[name] = "not needed at run time (a test or development tool)"
+        elif supports_python(name, version, python):
             pins.append(f"{name}=={version}")
+        else:
+            pins.append(f"{name}<={version}")
+            left_out[f"{name}=={version}"] = f"needs a newer Python than the image's {python}; capped instead"
     if base.pip_index and not any(p.startswith(f"{base.framework}==") for p in framework_pins):
         framework_pins.insert(0, f"{base.framework}=={base.version}")
     return pins, framework_pins, left_out
@@ -141,10 +158,29 @@ def render_dockerfile(
         lines += _continued("python -m pip install", pins)
     lines += [
         "COPY . /workspace",
-        "RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install --no-deps /workspace; fi",
+        "RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install /workspace; fi",
         f"ENV HFLEET_IMAGE_LOCK_HASH={lock['hash']} \\",
         f"    HFLEET_IMAGE={tag}",
         f"LABEL io.hybridfleet.lock-hash=\"{lock['hash']}\" \\",
         f"      io.hybridfleet.framework=\"{base.framework} {base.version} {base.flavour}\"",
     ]
-    return RenderedImage("\n".join(lines) + "\n", tag, framework_pins + pins, left_out)
+    return RenderedImage("\n".join(lines) + "\n", tag, framework_pins + pins, left_out, image_python(lock, base))
+
+
+# Build context entries the image must not copy (written as <Dockerfile>.dockerignore, which
+# BuildKit reads next to the Dockerfile, or .dockerignore at the context root).
+DOCKERIGNORE = """\
+.git
+.venv
+.venv*/
+**/__pycache__
+*.pyc
+runs/
+k8s/
+.pytest_cache/
+*.egg-info/
+build/
+dist/
+certs/
+**/*.key
+"""
