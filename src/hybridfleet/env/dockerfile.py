@@ -5,7 +5,9 @@ The Dockerfile pins the locked distributions hybridfleet needs at run time
 brings (the framework and its CUDA libraries), the other framework's family
 (a job trains with one), and distributions installed from a local directory
 (they arrive with the copied project). A locked version the image's Python
-cannot install becomes a cap (``name<=version``). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
+When the image runs another Python than the lock was made on (the Paddle images ship
+3.10), pins become caps (``name<=version``): pip installs the newest release up to the
+locked one that supports the image's Python (numpy 2.3+ needs 3.11). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
 running container can say which lock it was built from. Output is
 byte-for-byte deterministic: the same inputs give the same file and tag.
 """
@@ -13,6 +15,7 @@ byte-for-byte deterministic: the same inputs give the same file and tag.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +67,10 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
     Framework pins are only non-empty when the framework is pip-installed on a
     plain Python image (torch on CPU); they then come from its own wheel index.
     """
-    from hybridfleet.env.runtime_deps import runtime_closure, supports_python
+    from hybridfleet.env.runtime_deps import runtime_closure
 
     python = image_python(lock, base)
+    exact = python == lock["python"]["minor"]
     runtime = runtime_closure(python)
     local = set(lock.get("local_distributions", []))
     others = _other_families(base.framework)
@@ -87,11 +91,10 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
             left_out[name] = "the base image provides it"
         elif runtime is not None and name not in runtime:
             left_out[name] = "not needed at run time (a test or development tool)"
-        elif supports_python(name, version, python):
+        elif exact:
             pins.append(f"{name}=={version}")
-        else:
+        else:  # made on another Python: the newest release up to the locked one that installs on the image's
             pins.append(f"{name}<={version}")
-            left_out[f"{name}=={version}"] = f"needs a newer Python than the image's {python}; capped instead"
     if base.pip_index and not any(p.startswith(f"{base.framework}==") for p in framework_pins):
         framework_pins.insert(0, f"{base.framework}=={base.version}")
     return pins, framework_pins, left_out
@@ -108,6 +111,7 @@ def _check_framework_matches(lock: dict[str, Any], base: BaseImage, lock_name: s
 
 
 def _continued(command: str, items: list[str]) -> list[str]:
+    items = [shlex.quote(item) for item in items]  # 'numpy<=2.4.6': < is a shell redirection
     lines = [f"RUN {command} \\"]
     lines += [f"      {item} \\" for item in items[:-1]]
     lines.append(f"      {items[-1]}")
@@ -141,7 +145,8 @@ def render_dockerfile(
         lines.append(f"# {base.framework} publishes no CPU image: official Python image + CPU wheels from {base.pip_index}")
     locked_python = lock["python"]["minor"]
     if base.python and base.python != locked_python:
-        lines.append(f"# note: the lock was made on Python {locked_python}; this base image runs Python {base.python}")
+        lines.append(f"# note: the lock was made on Python {locked_python}; this base image runs Python {base.python}, "
+                     "so versions are capped at the locked ones rather than pinned")
     for dist, why in sorted(left_out.items()):
         lines.append(f"# not pip-installed: {dist} ({why})")
     lines += [

@@ -1,11 +1,9 @@
-"""Which locked distributions an image needs at run time, and pins its Python can install.
+"""Which locked distributions an image needs at run time.
 
 A lock records everything installed on the machine it was made on, test tools included.
 An image needs only the closure of hybridfleet's own requirements (plus `RUNTIME_EXTRAS`),
 walked through the installed distributions' metadata with the markers evaluated for the
-image's Python. A locked version whose ``Requires-Python`` excludes the image's Python
-(numpy 2.3+ on Python 3.10) becomes a cap, ``name<=locked``: pip then installs the newest
-release up to the locked one that supports the image's Python.
+image's Python.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
 from hybridfleet.env.lock import normalize_name
 
@@ -57,18 +53,3 @@ def runtime_closure(python: str, extras: tuple[str, ...] = RUNTIME_EXTRAS) -> di
             continue  # not installed here: pip resolves it in the image
         queue += [(Requirement(text), tuple(req.extras)) for text in children]
     return found
-
-
-def supports_python(name: str, version: str, python: str) -> bool:
-    """False when the installed ``name`` is ``version`` and its ``Requires-Python`` excludes ``python``.
-
-    True when unknown (another version is installed here): the locked pin stands.
-    """
-    try:
-        dist = importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return True
-    requires = dist.metadata["Requires-Python"] if dist.metadata else None
-    if dist.version != version or not requires:
-        return True
-    return Version(f"{python}.0") in SpecifierSet(requires)
