@@ -105,8 +105,8 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
         tmp_path, certs, variant):
     """Shards start their TLS/token checks from their Secret alone; workers get TLS + a token the shards accept."""
     from hybridfleet.cli.worker import _client_tls_files
-    from hybridfleet.ps.serve import server_security
-    from hybridfleet.ps.worker import client_security_from_env
+    from hybridfleet.ps.server.serve import server_security
+    from hybridfleet.ps.worker.session import client_security_from_env
 
     # Prepare
     job = _job(tmp_path, **VARIANTS[variant])

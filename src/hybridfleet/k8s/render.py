@@ -35,7 +35,11 @@ def image_for(spec: JobSpec, job_path: Path, options: RenderOptions) -> str:
         return named
     from hybridfleet.env.image_request import render_image_for
 
-    return render_image_for(str(job_path)).tag
+    try:
+        return render_image_for(str(job_path)).tag
+    except SpecError as err:
+        raise SpecError(f"environment.image: not set, and the tag `hfleet image render` would give is unknown "
+                        f"({err}); pass --image TAG or set environment.image") from None
 
 
 def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
