@@ -295,3 +295,35 @@ def test_plain_host_bundle_of_the_shard_site_has_shard_units_and_needs_certs(tmp
     assert "token-signing.key" not in {p.name for p in (bundle / "certs").iterdir()}
     assert "--expected-workers 3" in (bundle / "run-shard.sh").read_text()
     assert (bundle / "hfleet-shard@.service").is_file()
+
+
+def test_aggregating_site_finds_its_leader_through_a_headless_service(tmp_path, capsys, certs):
+    # Prepare: the hospital reduces inside the site; one leader talks to the shards
+    job = copy.deepcopy(JOB)
+    job["sites"]["hospital"]["aggregate"] = True
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+
+    # Execute
+    manifests = render_job_file(path, RenderOptions(credentials=CredentialSource(placeholders=True)))
+
+    # Assert
+    for manifest in manifests:
+        if manifest["kind"] != "Secret":
+            kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+    hub = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "digits-hybrid-worker-hospital"]
+    assert hub and hub[0]["spec"]["clusterIP"] == "None"
+    jobs = {m["metadata"]["name"]: m["spec"]["template"]["spec"] for m in manifests if m["kind"] == "Job"}
+    hospital = jobs["digits-hybrid-worker-hospital"]
+    assert hospital["subdomain"] == "digits-hybrid-worker-hospital"
+    assert {"name": "HFLEET_SITE_HUB", "value": "digits-hybrid-worker-hospital-0.digits-hybrid-worker-hospital:50060"} \
+        in hospital["containers"][0]["env"]
+    assert "subdomain" not in jobs["digits-hybrid-worker-cloud"]
+    (shards,) = [m for m in manifests if m["kind"] == "StatefulSet"]
+    command = shards["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--expected-workers") + 1] == "2"  # the hospital's leader + the cloud worker
+    # on plain hosts the leader's address is the operator's to give
+    main(["k8s", "render", str(path), "--site", "hospital", "--plain-host", "--external-name", EXTERNAL[0],
+          "--external-name", EXTERNAL[1], "--certs", str(certs), "-o", str(tmp_path / "bundle")])
+    assert "HFLEET_SITE_HUB:?set HFLEET_SITE_HUB=<host of site rank 0>:50060" in \
+        (tmp_path / "bundle" / "run-worker.sh").read_text()

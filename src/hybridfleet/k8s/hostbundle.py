@@ -22,7 +22,7 @@ from pathlib import Path
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.common import PS_BULK_PORT, PS_PORT, RenderOptions
 from hybridfleet.k8s.credentials import SHARD_ROLE, TOKEN_FILE, credential_value, secret_files, tls_on
-from hybridfleet.k8s.ps import server_addresses, shard_command, worker_command
+from hybridfleet.k8s.ps import SITE_HUB_PORT, aggregates, server_addresses, shard_command, worker_command
 from hybridfleet.k8s.render import check_options, load_job
 
 INSTALL_DIR = "/opt/hfleet"
@@ -100,6 +100,9 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
     servers = server_addresses(spec, list(options.external_names))
     worker = _local_paths(worker_command(spec, site, "RANK", servers, "/etc/hfleet/certs"))
     token = 'export HFLEET_TOKEN="$(cat certs/token)"\n' if TOKEN_FILE in files else ""
+    if aggregates(spec, site):  # followers send their gradients to the site leader (site rank 0) over the site network
+        token += (f': "${{HFLEET_SITE_HUB:?set HFLEET_SITE_HUB=<host of site rank 0>:{SITE_HUB_PORT} '
+                  '(the same on every machine of the site)}"\nexport HFLEET_SITE_HUB\n')
     scripts = {"worker": _SCRIPT_HEAD + f": \"${{1:?usage: $0 SITE_RANK (0..{spec.sites[site].workers - 1})}}\"\n"
                + token + "exec " + _command_line(worker, "RANK") + "\n"}
     if with_shards:

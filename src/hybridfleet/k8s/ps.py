@@ -127,9 +127,29 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
     return out
 
 
+SITE_HUB_PORT = 50060  # an aggregating site's leader (site rank 0) gathers its followers' gradients here
+
+
+def aggregates(spec: JobSpec, site: str) -> bool:
+    """True when ``site`` reduces inside the site first (one leader talks to the shards)."""
+    return spec.sites[site].aggregate and spec.sites[site].workers > 1
+
+
+def site_hub_service(spec: JobSpec, site: str) -> Manifest:
+    """The headless Service that gives an aggregating site's pods stable names (``<job>-<index>.<service>``)."""
+    name = dns_name(spec.name, "worker", site)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, name, "worker"),
+            "spec": {"clusterIP": "None", "selector": labels(spec, "worker", **{"hybridfleet/site": dns_name(site)}),
+                     "ports": [{"name": "site-hub", "port": SITE_HUB_PORT, "targetPort": SITE_HUB_PORT}]}}
+
+
 def worker_job(spec: JobSpec, image: str, site: str, servers: list[str], options: RenderOptions,
                group: str | None) -> Manifest:
-    """The Indexed Job of ``site``'s workers: completion index = the worker's rank within the site."""
+    """The Indexed Job of ``site``'s workers: completion index = the worker's rank within the site.
+
+    An aggregating site's pods find their leader (index 0) through `site_hub_service`: the
+    Job's pods are named ``<job>-<index>`` and the Service is their subdomain.
+    """
     site_spec = spec.sites[site]
     needs_secret = tls_on(spec) or tokens_on(spec)
     vols, mounts = volumes(spec, secret_name(spec, site) if needs_secret else None)
@@ -139,14 +159,19 @@ def worker_job(spec: JobSpec, image: str, site: str, servers: list[str], options
         env.append({"name": "HFLEET_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret_name(spec, site),
                                                                          "key": TOKEN_FILE}}})
     pod_labels = labels(spec, "worker", **{"hybridfleet/site": dns_name(site)})
+    name = dns_name(spec.name, "worker", site)
+    extra: dict[str, Any] = {"restartPolicy": "Never"}
+    if aggregates(spec, site):
+        env.append({"name": "HFLEET_SITE_HUB", "value": f"{name}-0.{name}:{SITE_HUB_PORT}"})
+        extra["subdomain"] = name
     worker = container(spec, image, "worker", worker_command(spec, site, "$(JOB_COMPLETION_INDEX)", servers, CERTS_DIR),
                        mounts, env=env)
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": dns_name(spec.name, "worker", site), "labels": pod_labels},
+            "metadata": {"name": name, "labels": pod_labels},
             "spec": {"completionMode": "Indexed", "completions": site_spec.workers,
                      "parallelism": site_spec.workers, "backoffLimit": spec.max_restarts,
                      "template": {"metadata": _template_metadata(pod_labels, options, group),
-                                  "spec": _pod_spec(spec, [worker], vols, options, group, restartPolicy="Never")}}}
+                                  "spec": _pod_spec(spec, [worker], vols, options, group, **extra)}}}
 
 
 def dialled_hosts(spec: JobSpec, options: RenderOptions) -> list[str]:
@@ -182,5 +207,7 @@ def render_ps(spec: JobSpec, image: str, options: RenderOptions) -> list[Manifes
     for site in sites:
         local = options.site is None or site == options.shard_site
         servers = server_addresses(spec, None if local else list(options.external_names))
+        if aggregates(spec, site):
+            out.append(site_hub_service(spec, site))
         out.append(worker_job(spec, image, site, servers, options, group))
     return out
