@@ -95,6 +95,12 @@ class StoreError(HfleetError, OSError):
     kind = "store"
 
 
+class ReportError(HfleetError, ValueError):
+    """A run directory is missing or is not a run (`hfleet report`, `hfleet ui`)."""
+
+    kind = "report"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -110,6 +116,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
+    "report": ExitCode(14, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }
 
