@@ -25,7 +25,7 @@ from hybridfleet.errors import LaunchError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.discovery import Target, write_scrape_config, write_targets
-from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.spec.models import JobSpec
 
@@ -268,13 +268,16 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
 
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
-               on_started=None, metrics: bool = True, report: bool = True, stream=None) -> dict:
+               on_started=None, metrics: bool = True, report: bool = True, stream=None,
+               log_to_file: bool = False) -> dict:
     """Run a whole PS job here; returns the summary (also written to ``summary.json``).
 
     ``echo`` copies every process's log lines to stderr (they always go to ``logs/``);
     ``show_progress`` shows the live view (`hybridfleet.obs.live`) on ``stream``
     (default stderr); ``metrics`` serves Prometheus metrics from every process;
-    ``report`` writes ``report.html`` at the end (its path is ``summary["report"]``).
+    ``report`` writes ``report.html`` at the end (its path is ``summary["report"]``);
+    ``log_to_file`` sends this process's JSON-lines log to ``RUN_DIR/hfleet-run.log``
+    instead of stderr while the job runs.
     ``on_started(supervisor, layout)`` is called once every process runs (fault tests use it
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
@@ -283,6 +286,14 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
         raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})")
     run_dir = new_run_dir(spec, run_root)
     write_run_info(spec, run_dir)
+    if log_to_file:
+        with (run_dir / "hfleet-run.log").open("a") as sink, redirect_log(sink):
+            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+
+
+def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress: bool, baselines: bool | None,
+         on_started, metrics: bool, report: bool, stream) -> dict:
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
     started = time.monotonic()

@@ -80,6 +80,7 @@ class RunView:
         self._started = time.monotonic()
         self._last: tuple[float, dict[str, float], float] | None = None  # (time, site -> steps, rounds)
         self._failure_logged = False
+        self._seen: dict[str, object] = {}  # address -> last answer, so a finished worker keeps its totals
 
     def snapshot(self) -> Snapshot:
         """Read everything now; a source that fails leaves its numbers at their defaults."""
@@ -96,9 +97,13 @@ class RunView:
             site = scraped.target.labels.get("site", "?")
             st = snap.sites.setdefault(site, SiteState())
             st.workers += 1
-            if not scraped.up:
-                continue
-            st.workers_up += 1
+            if scraped.up:
+                st.workers_up += 1
+                self._seen[scraped.target.address] = scraped
+            else:
+                scraped = self._seen.get(scraped.target.address)
+                if scraped is None:
+                    continue
             st.steps += scraped.value("hybridfleet_worker_steps_total")
             st.uplink_bytes += scraped.value("hybridfleet_worker_bytes_total", direction="uplink")
             st.downlink_bytes += scraped.value("hybridfleet_worker_bytes_total", direction="downlink")

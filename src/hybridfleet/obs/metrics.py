@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable, TypeVar
 
 import prometheus_client as pc
@@ -33,7 +34,8 @@ pc.disable_created_metrics()  # `_created` series would double the series count 
 
 __all__ = ["ProcessMetrics", "process_metrics", "serve_metrics", "serve_from_env", "counter", "gauge",
            "ENV_PORT", "ENV_HOST", "MAX_REPORTED_NAMES", "WorkerMetrics",
-           "ShardMetrics", "CheckpointMetrics", "SupervisorMetrics"]
+           "ShardMetrics", "CheckpointMetrics", "SupervisorMetrics", "StepTimer", "count_rejected_push",
+           "observe_snapshot", "observe_checkpoint"]
 
 ENV_PORT = "HFLEET_METRICS_PORT"
 ENV_HOST = "HFLEET_METRICS_HOST"
@@ -155,6 +157,11 @@ class WorkerMetrics:
                                          buckets=_STEP_BUCKETS_S)
         # float32 gradient bytes before the codec; exported with the pushed bytes by `watch_worker`
         self.gradient_raw_bytes = 0
+        self.phase_totals = dict.fromkeys(PHASES, 0.0)  # the same seconds, for the JSON-lines records
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.phase[phase].inc(seconds)
+        self.phase_totals[phase] += seconds
 
 
 class ShardMetrics:
@@ -243,3 +250,60 @@ def serve_from_env(metrics: ProcessMetrics | None = None) -> int | None:
 
 _served_port: int | None = None
 _serve_lock = threading.Lock()
+
+
+class StepTimer:
+    """Splits a worker's steps into compute / encode / transfer / wait for `WorkerMetrics`.
+
+    ``begin`` at the start of a step (the time since the previous ``end`` was the
+    script's compute), ``mark(phase)`` after each phase, ``end`` when the step returns.
+    Each call is one clock read and one counter add.
+    """
+
+    def __init__(self, metrics: ProcessMetrics | None = None):
+        self.metrics = (metrics or process_metrics()).group(WorkerMetrics)
+        self._last = 0.0
+        self._ended: float | None = None
+
+    def begin(self) -> None:
+        now = time.perf_counter()
+        if self._ended is not None:
+            self.metrics.add_phase("compute", now - self._ended)
+        self._last = now
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.metrics.add_phase(phase, now - self._last)
+        self._last = now
+
+    def phase_totals(self) -> dict[str, float]:
+        """Seconds per phase so far (carried by the worker's JSON-lines metrics records)."""
+        return {p: round(s, 4) for p, s in self.metrics.phase_totals.items()}
+
+    def end(self, raw_gradient_bytes: int = 0) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        m.steps.inc()
+        m.gradient_raw_bytes += raw_gradient_bytes
+        if self._ended is not None:
+            m.step_seconds.observe(now - self._ended)
+        self._ended = now
+
+
+def count_rejected_push(code: str) -> None:
+    """Count one refused push under ``hybridfleet_shard_rejected_pushes_total{reason=code}`` (a gRPC status name)."""
+    process_metrics().group(ShardMetrics).rejected_pushes.labels(str(code).lower()).inc()
+
+
+def observe_snapshot(seconds: float, nbytes: int) -> None:
+    """Record one shard snapshot written in ``seconds`` with ``nbytes`` of tensors."""
+    group = process_metrics().group(ShardMetrics)
+    group.snapshot_seconds.observe(seconds)
+    group.snapshot_bytes.inc(nbytes)
+
+
+def observe_checkpoint(seconds: float, nbytes: int) -> None:
+    """Record one checkpoint written in ``seconds`` with ``nbytes`` of tensors."""
+    group = process_metrics().group(CheckpointMetrics)
+    group.seconds.observe(seconds)
+    group.bytes.inc(nbytes)
