@@ -24,7 +24,7 @@ from pathlib import Path
 from hybridfleet.errors import LaunchError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
-from hybridfleet.obs.discovery import Target, write_scrape_config, write_targets
+from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.spec.models import JobSpec
@@ -337,6 +337,8 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         try:
             codes = run_supervised(sup, body)
         finally:
+            if metrics:
+                retire_targets(run_dir)
             if exporter is not None:
                 exporter.shutdown()
                 exporter.server_close()

@@ -2,10 +2,12 @@
 
 `hfleet run` gives every process a metrics port and writes
 ``<run_dir>/prometheus/targets.json`` (the ``file_sd_configs`` format: targets with
-their labels job, site, role, rank, process) plus ``prometheus.yml``, a scrape
-config that reads every run's targets file under the run root. A Prometheus that
-already runs only needs that ``file_sd_configs`` entry; it picks up new runs by
-itself.
+their labels job, site, role, rank, process) plus ``prometheus.yml``, a scrape config.
+Prometheus accepts a glob only in the last path element of a discovery file, so while
+the run is live the same targets also sit in ``<run root>/prometheus-targets/
+<job>-<timestamp>.json`` (`SD_DIR`), removed when the run ends: a Prometheus that
+already runs needs one ``file_sd_configs`` entry, ``<run root>/prometheus-targets/*.json``,
+and picks up every new run by itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hybridfleet.store.file import FileStore
 
 TARGETS_FILE = "prometheus/targets.json"
 CONFIG_FILE = "prometheus/prometheus.yml"
+SD_DIR = "prometheus-targets"
 SCRAPE_INTERVAL_S = 2
 
 
@@ -29,11 +32,24 @@ class Target:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+def live_targets_file(run_dir: Path) -> Path:
+    """Where the live copy of a run's targets goes: ``<run root>/prometheus-targets/<job>-<timestamp>.json``."""
+    run_dir = Path(run_dir).resolve()
+    return run_dir.parent.parent / SD_DIR / f"{run_dir.parent.name}-{run_dir.name}.json"
+
+
 def write_targets(run_dir: Path, targets: list[Target]) -> Path:
-    """Write ``run_dir/prometheus/targets.json`` atomically (Prometheus re-reads it on change)."""
-    groups = [{"targets": [t.address], "labels": dict(t.labels)} for t in targets]
-    FileStore(run_dir).put_bytes(TARGETS_FILE, (json.dumps(groups, indent=1) + "\n").encode())
+    """Write ``run_dir/prometheus/targets.json`` and its live copy atomically (Prometheus re-reads on change)."""
+    data = (json.dumps([{"targets": [t.address], "labels": dict(t.labels)} for t in targets], indent=1) + "\n").encode()
+    FileStore(run_dir).put_bytes(TARGETS_FILE, data)
+    live = live_targets_file(run_dir)
+    FileStore(live.parent).put_bytes(live.name, data)
     return run_dir / TARGETS_FILE
+
+
+def retire_targets(run_dir: Path) -> None:
+    """Remove the run's live targets file (the run ended; Prometheus stops scraping it)."""
+    live_targets_file(run_dir).unlink(missing_ok=True)
 
 
 def read_targets(run_dir: Path) -> list[Target]:
@@ -51,8 +67,13 @@ def scrape_config(targets_glob: str, interval_s: float = SCRAPE_INTERVAL_S, job_
             f"      - files: [{json.dumps(str(targets_glob))}]\n        refresh_interval: {interval_s:g}s\n")
 
 
+def targets_glob(run_root: Path) -> str:
+    """The ``file_sd_configs`` glob matching the live targets of every run under ``run_root``."""
+    return str(Path(run_root).resolve() / SD_DIR / "*.json")
+
+
 def write_scrape_config(run_dir: Path, run_root: Path) -> Path:
-    """``run_dir/prometheus/prometheus.yml``: scrapes the targets of every run under ``run_root``."""
-    text = scrape_config(str(Path(run_root).resolve() / "*" / "*" / TARGETS_FILE))
+    """``run_dir/prometheus/prometheus.yml``: scrapes the live targets of every run under ``run_root``."""
+    text = scrape_config(targets_glob(run_root))
     FileStore(run_dir).put_bytes(CONFIG_FILE, text.encode())
     return run_dir / CONFIG_FILE
