@@ -344,9 +344,10 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
                 exporter.server_close()
     collector.close()
     summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
-    if report:
-        summary["report"] = str(_write_report(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if report:  # after summary.json, so the report shows the run as finished
+        summary["report"] = str(_write_report(run_dir))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info("job_finished", job=spec.name, status=summary["status"], test_accuracy=summary["test_accuracy"])
     return summary
 
