@@ -10,6 +10,7 @@ from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
 from hybridfleet.k8s.common import Manifest, config_map, resolve_image
 from hybridfleet.k8s.ps import SECRET_HOWTO, render_ps
+from hybridfleet.k8s.scrape import add_scrape_annotations
 from hybridfleet.spec.load import parse_spec
 
 
@@ -25,7 +26,7 @@ def render_job_file(job_path: Path) -> list[Manifest]:
     spec = parse_spec(data, str(job_path))
     image = resolve_image(spec, job_path.parent)
     body = render_collective(spec, image) if spec.mode == "collective" else render_ps(spec, image)
-    return [config_map(spec, job_text), *body]
+    return [config_map(spec, job_text), *add_scrape_annotations(body)]
 
 
 def write_manifests(manifests: list[Manifest], out_dir: Path) -> list[Path]:
