@@ -86,3 +86,15 @@ def test_bench_rejects_bad_settings_before_starting_anything(script, args, messa
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_obs_overhead_bench_ends_with_overhead_and_scrape_p95():
+    # Prepare / Execute
+    proc = run_bench("obs_overhead.py", "--quick")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "obs_overhead" and result["processes"] == 16
+    assert result["overhead"] >= 0 and result["scrape_p95_s"] > 0
