@@ -53,7 +53,7 @@ class Snapshot:
         return max(0.0, self.rounds_total - self.rounds_done) / self.rounds_per_s
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -128,8 +128,8 @@ def plain_line(job: str, snap: Snapshot) -> str:
     parts = [f"{job}: round {snap.rounds_done:g}/{snap.rounds_total:g}{pct} eta {_duration(snap.eta_s)}"]
     for site, st in sorted(snap.sites.items()):
         acc = "-" if st.accuracy is None else f"{st.accuracy:.3f}"
-        parts.append(f"{site} {st.steps_per_s:.1f} steps/s up {_human_bytes(st.uplink_bytes)} "
-                     f"down {_human_bytes(st.downlink_bytes)} acc {acc}")
+        parts.append(f"{site} {st.steps_per_s:.1f} steps/s up {human_bytes(st.uplink_bytes)} "
+                     f"down {human_bytes(st.downlink_bytes)} acc {acc}")
     parts.append(f"restarts {snap.restarts}")
     return " | ".join(parts)
 
@@ -150,8 +150,8 @@ def render(job: str, snap: Snapshot):
                          ("downlink", "right"), ("accuracy", "right")):
         table.add_column(col, justify=justify)
     for site, st in sorted(snap.sites.items()):
-        table.add_row(site, f"{st.workers_up}/{st.workers}", f"{st.steps_per_s:.1f}", _human_bytes(st.uplink_bytes),
-                      _human_bytes(st.downlink_bytes), "-" if st.accuracy is None else f"{st.accuracy:.3f}")
+        table.add_row(site, f"{st.workers_up}/{st.workers}", f"{st.steps_per_s:.1f}", human_bytes(st.uplink_bytes),
+                      human_bytes(st.downlink_bytes), "-" if st.accuracy is None else f"{st.accuracy:.3f}")
     return Panel(Group(head, bar, table), title=f"hfleet run {job}")
 
 
