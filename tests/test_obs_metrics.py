@@ -3,6 +3,7 @@ names are capped, and reported values reach TensorBoard (torch) and VisualDL (pa
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -123,3 +124,35 @@ def test_demo_workers_write_scalars_for_their_framework(demo_run):
     # Assert
     assert [step for step, _ in points][:4] == [50, 100, 150, 200]
     assert all(0 < v <= 1 for _, v in points)
+
+
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_launch_helper_report_serves_on_port_base_plus_local_rank_and_writes_scalars(tmp_path, framework):
+    # Prepare: a rank as `hfleet launch` starts it (local rank 1), reporting through the helpers
+    from hybridfleet.launch.preflight import free_port
+
+    base = free_port()
+    while True:  # base + 1 must be free too
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+                break
+            except OSError:
+                base = free_port()
+    rank_vars = {"torch": {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+                 "paddle": {"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2", "PADDLE_LOCAL_RANK": "1"}}[framework]
+    script = (f"import {framework}, sys, urllib.request\n"
+              "from hybridfleet.launch import helpers\n"
+              "helpers.report(7, loss=0.5, test_accuracy=0.75)\n"
+              f"print(urllib.request.urlopen('http://127.0.0.1:{base + 1}/metrics').read().decode())\n")
+    env = {**os.environ, **rank_vars, "PYTHONPATH": str(REPO / "src"), "HFLEET_METRICS_PORT_BASE": str(base),
+           "HFLEET_SCALARS_DIR": str(tmp_path / "scalars"), "HFLEET_PROCESS_NAME": "rank-1"}
+    env.pop("HFLEET_METRICS_PORT", None)
+    # Execute
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    # Assert
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'hybridfleet_reported_value{metric="test_accuracy"} 0.75' in result.stdout
+    assert "hybridfleet_reported_step 7.0" in result.stdout
+    kind = "tensorboard" if framework == "torch" else "visualdl"
+    assert read_scalars(tmp_path / "scalars" / "rank-1", kind, "loss") == [(7, 0.5)]
