@@ -156,3 +156,28 @@ def test_launch_helper_report_serves_on_port_base_plus_local_rank_and_writes_sca
     assert "hybridfleet_reported_step 7.0" in result.stdout
     kind = "tensorboard" if framework == "torch" else "visualdl"
     assert read_scalars(tmp_path / "scalars" / "rank-1", kind, "loss") == [(7, 0.5)]
+
+
+def test_supervisor_counts_restarts_exits_and_live_processes_by_role(tmp_path):
+    # Prepare
+    from hybridfleet.launch.supervisor import ProcessSpec, Supervisor
+    from hybridfleet.obs.metrics import process_metrics
+
+    registry = process_metrics().registry
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    before = (value("hybridfleet_supervisor_restarts_total", process_role="probe"),
+              value("hybridfleet_supervisor_exits_total", process_role="probe", outcome="failed"))
+    spec = ProcessSpec("flaky", [sys.executable, "-c", "raise SystemExit(3)"], max_restarts=3, restart_delay_s=0,
+                       role="probe")
+    # Execute
+    with Supervisor(tmp_path, echo=False) as sup:
+        sup.start(spec)
+        codes = sup.wait(timeout_s=60)
+    # Assert
+    assert codes == {"flaky": 3}
+    assert value("hybridfleet_supervisor_restarts_total", process_role="probe") - before[0] == 3
+    assert value("hybridfleet_supervisor_exits_total", process_role="probe", outcome="failed") - before[1] == 4
+    assert value("hybridfleet_supervisor_live_processes", process_role="probe") == 0
