@@ -70,3 +70,35 @@ def test_off_a_tty_progress_is_plain_lines_not_a_log_flood(tmp_path):
     assert progress and "hospital" in progress[-1] and "steps/s" in progress[-1]
     assert len(lines) <= 20, lines  # a few plain lines, not one per log record
     assert "report: " in result.stdout
+
+
+def test_a_failing_worker_shows_its_last_log_lines_without_verbose(tmp_path):
+    # Prepare: a script that dies at once
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nprint('loading site data', flush=True)\nsys.exit('cannot open site data: /nope')\n")
+    job = demo_job(tmp_path, "torch", steps=10)
+    text = job.read_text().replace(str(REPO / "examples" / "digits" / "train_torch.py"), str(script))
+    job.write_text(text.replace("max_restarts: 2", "max_restarts: 0"))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    # Execute
+    result = subprocess.run([sys.executable, "-m", "hybridfleet", "run", str(job), "--no-baselines",
+                             "--run-root", str(tmp_path / "runs")], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=180)
+    # Assert
+    assert result.returncode == 8
+    assert "worker-hospital-0 exited 1" in result.stderr
+    assert "cannot open site data: /nope" in result.stderr
+    assert "Traceback" not in result.stderr.split("cannot open site data")[0].splitlines()[-1]
+
+
+def test_an_unknown_scalars_choice_is_refused_before_anything_starts(tmp_path):
+    # Prepare
+    job = demo_job(tmp_path, "torch", steps=10)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    # Execute
+    result = subprocess.run([sys.executable, "-m", "hybridfleet", "run", str(job), "--scalars", "wandb",
+                             "--run-root", str(tmp_path / "runs")], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=60)
+    # Assert
+    assert result.returncode == 8 and "must be one of auto, tensorboard, visualdl, off" in result.stderr
+    assert not (tmp_path / "runs").exists()

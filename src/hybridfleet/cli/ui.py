@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from hybridfleet.errors import LaunchError
+
 
 def ui(
     runs: Path = typer.Option(Path("runs"), help="the run root (what `hfleet run` writes under)"),
@@ -16,8 +18,11 @@ def ui(
     registry_db: Optional[str] = typer.Option(None, help="registry database URL for the models page"),
 ) -> None:
     """Serve the read-only web UI until Ctrl-C."""
-    import uvicorn
-
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise LaunchError("hfleet ui needs FastAPI and uvicorn: pip install 'hybridfleet[ui]'") from None
     from hybridfleet.ui.app import bind, check_exposure, create_app
     from hybridfleet.ui.registry_view import registry_source
 

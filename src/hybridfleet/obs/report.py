@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from hybridfleet.errors import ReportError
 from hybridfleet.obs.runinfo import RunData, load_run
 from hybridfleet.store.file import FileStore
 
@@ -156,7 +157,11 @@ SECTIONS: list[tuple[str, str, Callable]] = [
 
 
 def _render_png(draw: Callable, run: RunData) -> bytes | None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("hfleet report draws with matplotlib, which is not installed: "
+                          "pip install 'hybridfleet[report]'") from None
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
