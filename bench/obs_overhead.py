@@ -10,6 +10,10 @@
    with that work off (nothing). overhead = added seconds per step / step seconds.
    Measuring the added work directly is deliberate: two whole demo runs on two shared
    cores differ by far more than 1% from run to run, which would hide what is measured.
+   Side by side, an A/B in one process: a real `PSSession` (the worker's engine) steps
+   the demo model's gradients through 2 real shards, in alternating blocks with the
+   instrumentation on and replaced by a no-op (`ab_overhead`: median step time on /
+   off - 1; noisy on shared cores, reported for comparison, the key is `overhead`).
 2. Scrape latency. 16 processes each export a worker's and a shard's metric families
    (as the demo's processes do); every endpoint is scraped repeatedly, the p95 of one
    scrape is reported.
@@ -101,6 +105,70 @@ def added_seconds_per_step(reps: int, report_every: int, tmp: Path) -> tuple[flo
     return best(instrumented), best(bare)
 
 
+class _NoTimer:
+    """The instrumentation switched off: what `PSSession.step` calls, doing nothing."""
+
+    def begin(self) -> None: ...
+    def mark(self, phase: str) -> None: ...
+    def end(self, raw_gradient_bytes: int = 0) -> None: ...
+    def phase_totals(self) -> dict: return {}
+
+
+def ab_step_seconds(tmp: Path, blocks: int, steps: int) -> tuple[float, float]:
+    """Median seconds per `PSSession.step` with instrumentation (and a report every 50 steps) on and off."""
+    import statistics
+
+    import numpy as np
+
+    from hybridfleet.obs.log import redirect_log
+    from hybridfleet.ps.worker.session import PSSession, WorkerConfig
+    from hybridfleet.spec import load_spec
+
+    data = yaml.safe_load((REPO / "examples" / "digits-hybrid.yaml").read_text())
+    data["entrypoint"] = str(REPO / data["entrypoint"])
+    data["security"] = {"tls": "off", "tokens": "off"}
+    job = tmp / "ab-job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("HFLEET_METRICS_PORT", None)
+    shards = [subprocess.Popen([sys.executable, "-m", "hybridfleet", "ps", "serve", str(job), "--shard", str(i),
+                                "--port", "0", "--port-file", str(tmp / f"shard-{i}.port"), "--expected-workers", "1",
+                                "--insecure-plaintext", "--no-auth"], env=env, stderr=subprocess.DEVNULL)
+              for i in range(2)]
+    try:
+        files = [tmp / f"shard-{i}.port" for i in range(2)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files):
+            if time.monotonic() > deadline:
+                raise RuntimeError("shards did not start")
+            time.sleep(0.05)
+        cfg = WorkerConfig(job=load_spec(job), site="hospital", servers=[f.read_text().strip() for f in files])
+        rng = np.random.default_rng(0)
+        shapes = {"0.weight": (128, 64), "0.bias": (128,), "2.weight": (10, 128), "2.bias": (10,)}
+        params = {k: rng.standard_normal(v).astype(np.float32) * 0.01 for k, v in shapes.items()}
+        grads = {k: rng.standard_normal(v).astype(np.float32) * 1e-3 for k, v in shapes.items()}
+        session = PSSession(shapes, cfg, "torch")
+        with open(os.devnull, "w") as sink, redirect_log(sink):
+            session.start(params)
+            timers = {"on": session.timer, "off": _NoTimer()}
+            times: dict[str, list[float]] = {"on": [], "off": []}
+            for b in range(blocks):
+                for mode in (("on", "off") if b % 2 == 0 else ("off", "on")):
+                    session.timer = timers[mode]
+                    start = time.perf_counter()
+                    for i in range(steps):
+                        session.step(grads)
+                        if mode == "on" and i % 50 == 0:
+                            session.report(loss=0.5)
+                    times[mode].append((time.perf_counter() - start) / steps)
+            session.close()
+        return statistics.median(times["on"]), statistics.median(times["off"])
+    finally:
+        for p in shards:
+            p.terminate()
+            p.wait(10)
+
+
 def scrape_p95(processes: int, rounds: int) -> tuple[float, float, int]:
     """(p50, p95) seconds of one scrape over ``processes`` exporting processes, and the bytes of one page."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -132,6 +200,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         step_s, _ = demo_step_seconds(tmp, steps)
         on_s, off_s = added_seconds_per_step(5000 if args.quick else 200000, 50, tmp)
+        ab_on_s, ab_off_s = ab_step_seconds(tmp, 4 if args.quick else 10, 50 if args.quick else 200)
     p50, p95, size = scrape_p95(16, 5 if args.quick else 50)
     added = max(0.0, on_s - off_s)
     overhead = added / step_s
@@ -140,11 +209,15 @@ def main() -> None:
     print(f"{'instrumented step extras (s)':38s} {on_s:14.9f}")
     print(f"{'same loop, instrumentation off (s)':38s} {off_s:14.9f}")
     print(f"{'overhead (added / step)':38s} {overhead:14.6f}")
+    print(f"{'A/B PSSession step, instrumented (s)':38s} {ab_on_s:14.6f}")
+    print(f"{'A/B PSSession step, off (s)':38s} {ab_off_s:14.6f}")
+    print(f"{'A/B overhead (noisy)':38s} {ab_on_s / ab_off_s - 1:14.4f}")
     print(f"{'scrape p50, 16 processes (s)':38s} {p50:14.6f}")
     print(f"{'scrape p95, 16 processes (s)':38s} {p95:14.6f}")
     print(f"{'bytes per scrape page':38s} {size:14d}")
     print(json.dumps({"bench": "obs_overhead", "overhead": round(overhead, 6), "scrape_p95_s": round(p95, 6),
                       "step_s": round(step_s, 6), "added_s_per_step": round(added, 9), "scrape_p50_s": round(p50, 6),
+                      "ab_overhead": round(ab_on_s / ab_off_s - 1, 4),
                       "processes": 16, "quick": args.quick}))
 
 
