@@ -55,7 +55,7 @@ def test_report_of_a_missing_directory_is_a_clear_error_and_writes_nothing(tmp_p
     # Execute
     result = _hfleet("report", str(tmp_path / "nope"))
     # Assert
-    assert result.returncode == 14
+    assert result.returncode == 15
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "nope").exists()
 
@@ -67,7 +67,7 @@ def test_report_of_a_foreign_directory_is_refused_and_leaves_it_unchanged(tmp_pa
     # Execute
     result = _hfleet("report", str(tmp_path))
     # Assert
-    assert result.returncode == 14
+    assert result.returncode == 15
     assert "is not a hybridfleet run directory" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
