@@ -150,6 +150,9 @@ def ab_step_seconds(tmp: Path, blocks: int, steps: int) -> tuple[float, float]:
         session = PSSession(shapes, cfg, "torch")
         with open(os.devnull, "w") as sink, redirect_log(sink):
             session.start(params)
+            for _ in range(steps):  # warm-up: caches, allocator, first reports
+                session.step(grads)
+            session.report(loss=0.5)
             timers = {"on": session.timer, "off": _NoTimer()}
             times: dict[str, list[float]] = {"on": [], "off": []}
             for b in range(blocks):
