@@ -153,3 +153,64 @@ def test_unknown_and_escaping_run_paths_are_404(tmp_path):
             with pytest.raises(urllib.error.HTTPError) as missing:
                 urllib.request.urlopen(url + path, timeout=5)
             assert missing.value.code == 404
+
+
+class _Models:
+    """A `RegistrySource` holding two versions and an alias history (the interface the models page reads)."""
+
+    def models(self):
+        return [{"name": "digits", "description": "hospital + cloud digits classifier"}]
+
+    def versions(self, name):
+        return [{"version": 1, "step": 200, "metrics": {"test_accuracy": 0.95}},
+                {"version": 2, "step": 300, "metrics": {"test_accuracy": 0.97}}]
+
+    def aliases(self, name):
+        return [{"alias": "production", "version": 1, "reason": "first"},
+                {"alias": "production", "version": 2, "reason": "better accuracy"}]
+
+
+@contextmanager
+def in_process_ui(runs: Path, registry):
+    import threading
+
+    import uvicorn
+
+    from hybridfleet.ui.app import bind, create_app
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(runs, registry=registry), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_models_page_lists_models_versions_and_alias_history(tmp_path):
+    with in_process_ui(tmp_path, _Models()) as url, chromium_page() as page:
+        # Execute
+        page.goto(url + "/")
+        page.click("text=Models")
+        page.click("text=digits")
+        versions = page.locator("#versions").inner_text()
+        aliases = page.locator("#aliases").inner_text()
+    # Assert
+    assert "0.97" in versions and "300" in versions
+    assert "better accuracy" in aliases and "production" in aliases
+
+
+def test_without_the_registry_package_the_models_page_is_left_out(tmp_path):
+    from hybridfleet.ui.registry_view import registry_available, registry_source
+
+    if registry_available():
+        pytest.skip("the registry package is installed here; its page is served")
+    with in_process_ui(tmp_path, registry_source(None)) as url:
+        body = urllib.request.urlopen(url + "/", timeout=5).read().decode()
+        redirected = urllib.request.urlopen(url + "/models", timeout=5)
+        assert "/models" not in body
+        assert redirected.geturl().rstrip("/") == url
