@@ -81,8 +81,10 @@ def run_detail(run_id: str, run: RunData, sites: dict[str, SiteState] | None) ->
         rows = [("joint test accuracy", s.get("test_accuracy")), ("restarts", s.get("restarts")),
                 ("wall time (s)", s.get("wall_s"))]
         rows += [(f"{k} alone", v) for k, v in (s.get("site_alone_accuracy") or {}).items()]
+        shown = [(k, f"{v:.4f}" if isinstance(v, float) and "accuracy" in k or k.endswith("alone") and
+                  isinstance(v, float) else str(v)) for k, v in rows]
         parts.append("<h2>Summary</h2><table id='summary'>" +
-                     "".join(f"<tr><td>{esc(k)}</td><td>{esc(str(v))}</td></tr>" for k, v in rows) + "</table>")
+                     "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in shown) + "</table>")
     if run.missing:
         parts.append(f"<p>Missing: {esc(', '.join(run.missing))}</p>")
     parts.append(f"<h2>Report</h2><p><a id='report-link' href='/runs/{esc(run_id)}/report'>Open the report</a></p>")
