@@ -81,8 +81,8 @@ def run_detail(run_id: str, run: RunData, sites: dict[str, SiteState] | None) ->
         rows = [("joint test accuracy", s.get("test_accuracy")), ("restarts", s.get("restarts")),
                 ("wall time (s)", s.get("wall_s"))]
         rows += [(f"{k} alone", v) for k, v in (s.get("site_alone_accuracy") or {}).items()]
-        shown = [(k, f"{v:.4f}" if isinstance(v, float) and "accuracy" in k or k.endswith("alone") and
-                  isinstance(v, float) else str(v)) for k, v in rows]
+        shown = [(k, f"{v:.4f}" if isinstance(v, float) and ("accuracy" in k or k.endswith("alone")) else str(v))
+                 for k, v in rows]
         parts.append("<h2>Summary</h2><table id='summary'>" +
                      "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in shown) + "</table>")
     if run.missing:
