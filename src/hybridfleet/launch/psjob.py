@@ -239,6 +239,18 @@ def _datasets_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict
     return out
 
 
+def _privacy_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict] | None:
+    """(epsilon, delta) each site spent, from its workers' final records; None without ps.privacy."""
+    if spec.ps.privacy is None:
+        return None
+    out: dict[str, dict] = {}
+    for rec in workers.values():
+        if "dp_epsilon" in rec:
+            site = out.setdefault(rec["site"], {"epsilon": 0.0, "delta": rec["dp_delta"]})
+            site["epsilon"] = max(site["epsilon"], rec["dp_epsilon"])
+    return out
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -269,6 +281,7 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
+        "privacy_by_site": _privacy_by_site(spec, workers),
         "raw_data_bytes_sent": raw_data, "datasets_by_site": _datasets_by_site(spec, workers),
         "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
         "run_dir": str(layout.run_dir),

@@ -108,6 +108,20 @@ class PSSession:
         self._started = time.monotonic()
         self.timer = StepTimer()
         self._raw_gradient_bytes: int | None = None
+        self.dp = None if self.local or self.ps.privacy is None else self._privacy()
+
+    def _privacy(self):
+        """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
+        from hybridfleet.privacy import GaussianMechanism, steps_within_budget
+
+        p, train = self.ps.privacy, self.config.job.train
+        if p.epsilon_budget is not None:
+            allowed = steps_within_budget(p.noise_multiplier, p.delta, p.epsilon_budget, train.steps)
+            if allowed < train.steps:
+                log.warning("privacy_budget_limits_steps", steps=train.steps, allowed=allowed,
+                            epsilon_budget=p.epsilon_budget, delta=p.delta)
+                train.steps = allowed  # the script's loop reads ps.job.train.steps
+        return GaussianMechanism(p.clip_norm, p.noise_multiplier)
 
     @property
     def local(self) -> bool:
@@ -236,6 +250,8 @@ class PSSession:
             total, contributors = self.hub.gather(flatten(grads, self._names))
             grads = unflatten(total, self.shapes, self._names)
             self.timer.mark("wait")
+        if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
+            grads = self.dp.apply(grads)
         payloads = self._encode(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
@@ -357,6 +373,12 @@ class PSSession:
     def report(self, **metrics) -> None:
         """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
         record (``final=True``) also carries the parameters' digest."""
+        if self.dp is not None:
+            from hybridfleet.privacy import epsilon_spent
+
+            p = self.ps.privacy
+            metrics.setdefault("dp_epsilon", round(epsilon_spent(p.noise_multiplier, self.step_count, p.delta), 6))
+            metrics.setdefault("dp_delta", p.delta)
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
             data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset
