@@ -40,3 +40,6 @@ def pytest_collection_modifyitems(config, items):
         needs |= {framework for name, framework in examples.items() if f"[{name}" in nodeid or f"-{name}" in nodeid}
         for framework in needs:
             item.add_marker(getattr(pytest.mark, framework))
+
+
+from tests.obs_fixtures import demo_run  # noqa: E402,F401  (session fixture: one demo run per framework)

@@ -103,3 +103,15 @@ def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_r
         assert result[key] > 0
     assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
     assert isinstance(result["native_tls"], bool)
+
+
+@pytest.mark.slow
+def test_obs_overhead_bench_ends_with_overhead_and_scrape_p95():
+    # Prepare / Execute
+    proc = run_bench("obs_overhead.py", "--quick")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "obs_overhead" and result["processes"] == 16
+    assert result["overhead"] >= 0 and result["scrape_p95_s"] > 0

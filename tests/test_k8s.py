@@ -244,3 +244,23 @@ def test_schema_check_rejects_a_malformed_kubeflow_job(tmp_path):
     # Execute / Assert
     with pytest.raises(jsonschema.ValidationError, match="'one' is not of type 'integer'"):
         _validate(job)
+
+
+def test_every_rendered_pod_template_is_annotated_for_prometheus_and_serves_metrics(tmp_path):
+    # Prepare
+    from hybridfleet.k8s.render import render_job_file
+    from hybridfleet.k8s.scrape import METRICS_PORT, _pod_templates
+
+    manifests = render_job_file(_write_job(tmp_path, PS_JOB), PLACEHOLDERS) + render_job_file(
+        _write_job(tmp_path, _collective_job("torch")))
+    # Execute
+    templates = [t for m in manifests for t in _pod_templates(m)]
+    # Assert
+    assert templates
+    for t in templates:
+        assert t["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert t["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
+        assert t["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+        for c in t["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["HFLEET_METRICS_PORT"] == str(METRICS_PORT) and env["HFLEET_METRICS_HOST"] == "0.0.0.0"

@@ -10,6 +10,7 @@ from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
 from hybridfleet.k8s.common import APIS, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
 from hybridfleet.k8s.ps import dialled_hosts, render_ps
+from hybridfleet.k8s.scrape import add_scrape_annotations
 from hybridfleet.spec.load import parse_spec
 from hybridfleet.spec.models import JobSpec
 
@@ -69,7 +70,7 @@ def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
 def _render(spec: JobSpec, job_text: str, job_path: Path, options: RenderOptions) -> list[Manifest]:
     image = image_for(spec, job_path, options)
     body = render_collective(spec, image, options) if spec.mode == "collective" else render_ps(spec, image, options)
-    return [config_map(spec, job_text), *body]
+    return [config_map(spec, job_text), *add_scrape_annotations(body)]
 
 
 def render_job_file(job_path: Path, options: RenderOptions | None = None) -> list[Manifest]:

@@ -62,6 +62,29 @@ def log_rank0(event: str, **fields: Any) -> None:
         print(json.dumps({"event": event, **fields}, default=float), flush=True)
 
 
+def report(step: int, **values: Any) -> None:
+    """Publish this rank's metrics (loss, accuracy, ...) at ``step``.
+
+    Every rank sets ``hybridfleet_reported_value{metric=NAME}`` on its metrics endpoint
+    (served from the first call when ``HFLEET_METRICS_PORT_BASE`` is set: port base +
+    local rank, so ranks of one machine never collide) and writes TensorBoard / VisualDL
+    scalars per ``HFLEET_SCALARS`` (see `hybridfleet.obs.scalars`); rank 0 also prints
+    the JSON line of `log_rank0` (event ``metrics``).
+    """
+    from hybridfleet.obs.metrics import ENV_PORT, serve_from_env
+    from hybridfleet.obs.scalars import record_report
+
+    base = os.environ.get("HFLEET_METRICS_PORT_BASE", "").strip()
+    if base and not os.environ.get(ENV_PORT):
+        try:
+            os.environ[ENV_PORT] = str(int(base) + dist_info()[2])
+        except ValueError:
+            raise ValueError(f"HFLEET_METRICS_PORT_BASE must be a port number (got {base!r})") from None
+    serve_from_env()
+    record_report(step, values, detect_framework())
+    log_rank0("metrics", step=step, **values)
+
+
 def restart_count() -> int:
     """How many times the launcher restarted the group before this attempt (``HFLEET_RESTART_COUNT``)."""
     return int(os.environ.get("HFLEET_RESTART_COUNT", "0"))
@@ -125,7 +148,14 @@ def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | Non
     location = ckpt_location()
     if location is None or not is_rank0():
         return None
-    return _write_checkpoint(location, state_dict_numpy, step)
+    import time
+
+    from hybridfleet.obs.metrics import observe_checkpoint
+
+    started = time.perf_counter()
+    written = _write_checkpoint(location, state_dict_numpy, step)
+    observe_checkpoint(time.perf_counter() - started, sum(v.nbytes for v in state_dict_numpy.values()))
+    return written
 
 
 def _write_checkpoint(location: str, state: dict[str, np.ndarray], step: int) -> Path | str:

@@ -17,6 +17,7 @@ from hybridfleet.ps.wire.bulk import (
     _discard, _reject, _response, recv_exact,
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
+from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
 from hybridfleet.ps.wire.tls import remember_files, wrap
 
@@ -156,6 +157,8 @@ class BulkServer:
         except Reject as rej:
             log.warning("push_rejected" if op == OP_PUSH else "bulk_rejected", peer=who, code=rej.code,
                         reason=rej.message)
+            if op == OP_PUSH:
+                count_rejected_push(rej.code)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return not getattr(rej, "close", False)
         except (OSError, EOFError, ssl.SSLError):
