@@ -245,7 +245,7 @@ def test_volcano_gang_puts_every_pod_in_one_pod_group(tmp_path):
         assert pod["schedulerName"] == "volcano"
     for workload, _ in _pods(manifests):
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
-        assert annotations == {"scheduling.k8s.io/group-name": group["metadata"]["name"]}
+        assert annotations["scheduling.k8s.io/group-name"] == group["metadata"]["name"]
 
 
 def test_quota_example_is_valid_and_sized_for_the_job(tmp_path, capsys):
