@@ -40,9 +40,9 @@ def worker(
     if insecure_plaintext:
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:
-        from hybridfleet.security import load_pki
+        from hybridfleet.security import load_client_pki
 
-        pki = load_pki(certs)
+        pki = load_client_pki(certs)  # a worker host holds the CA (and its client certificate), not the server key
         env["HFLEET_CA_CERT"] = str(pki.ca_cert)
         if spec.security.mutual_tls and "worker" in pki.clients:
             env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients["worker"].cert,
