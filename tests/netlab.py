@@ -152,16 +152,21 @@ class NetLab:
         self.extra_names[name] = address
 
     def write_hosts(self) -> None:
-        """Write each host's /etc/netns/<ns>/hosts: localhost, the host's own names, then everyone's."""
+        """Write each host's /etc/netns/<ns>/hosts: localhost, then every host's names and every alias."""
         table = [(h.address, h.names) for h in self.hosts.values()]
         table += [(addr, [name]) for name, addr in self.extra_names.items()]
         for host in self.hosts.values():
-            lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-            lines += [f"{addr}\t{' '.join(names)}" for addr, names in table]
-            directory = NETNS_ETC / host.namespace
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / "hosts").write_text("\n".join(lines) + "\n")
-            (directory / "hostname").write_text(host.name + "\n")
+            self.hosts_file(host, table)
+
+    def hosts_file(self, host: Host, table: list[tuple[str, list[str]]]) -> Path:
+        """Write ``host``'s hosts file from (address, names) rows (after localhost); returns its path."""
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        lines += [f"{addr}\t{' '.join(names)}" for addr, names in table if names]
+        directory = NETNS_ETC / host.namespace
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts").write_text("\n".join(lines) + "\n")
+        (directory / "hostname").write_text(host.name + "\n")
+        return directory / "hosts"
 
     def close(self) -> None:
         """Kill what still runs in the hosts, delete every namespace and /etc/netns entry (idempotent)."""

@@ -1,0 +1,191 @@
+"""`hfleet k8s render` output run pod by pod (tests/k8s_kubelet.py): PS jobs in every security setting,
+collective PyTorchJob/PaddleJob with two pods, and the two sites of a hybrid job as two clusters joined
+by a 20 Mbit/s link.
+
+The Secrets are filled as docs/DEPLOY.md tells a user to: `hfleet certs init` with the Service names the
+workers dial, `hfleet certs token` per role, and each Secret key taken from the file or token of that name
+(what `kubectl create secret --from-file/--from-literal` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k8s_kubelet import Cluster, Kubelet, summary
+from k8s_pods import HarnessError, load_manifests
+from netlab import unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None,
+                                                   reason=f"network namespaces: {unavailable_reason()}")]
+TIMEOUT_S = 80
+IMAGE = "registry.example.com/hybridfleet/digits:0.1"
+
+
+def _hfleet(*args: str, cwd: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "hybridfleet", *args], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, f"hfleet {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+def _workspace(tmp_path: Path) -> Path:
+    """What the image's WORKDIR holds: the examples (the job's entrypoint is relative to it)."""
+    workspace = tmp_path / "workspace"
+    for sub in ("digits", "collective"):
+        shutil.copytree(REPO / "examples" / sub, workspace / "examples" / sub,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return workspace
+
+
+def _render(tmp_path: Path, job: dict) -> list[dict]:
+    """`hfleet k8s render` of ``job``; returns the objects it wrote."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    _hfleet("k8s", "render", str(path), "-o", str(tmp_path / "k8s"), cwd=tmp_path)
+    return load_manifests(tmp_path / "k8s")
+
+
+def _dialled_names(manifests: list[dict]) -> list[str]:
+    """The names a StatefulSet's pods are dialled at: ``<pod>.<service>`` and its longer forms."""
+    names = []
+    for obj in manifests:
+        if obj["kind"] == "StatefulSet":
+            svc, ns = obj["spec"]["serviceName"], obj["metadata"].get("namespace", "default")
+            for i in range(obj["spec"].get("replicas", 1)):
+                base = f"{obj['metadata']['name']}-{i}.{svc}"
+                names += [base, f"{base}.{ns}.svc", f"{base}.{ns}.svc.cluster.local"]
+    return names
+
+
+def create_secrets(manifests: list[dict], tmp_path: Path, job_name: str, extra_names: tuple[str, ...] = ()) -> list[dict]:
+    """The user's step: real certificates and tokens in place of every placeholder Secret value."""
+    certs = tmp_path / "k8s-certs"
+    hosts = [a for name in [*_dialled_names(manifests), *extra_names] for a in ("--host", name)]
+    _hfleet("certs", "init", str(certs), *hosts, cwd=tmp_path)
+    out = copy.deepcopy(manifests)
+    for obj in out:
+        if obj["kind"] != "Secret":
+            continue
+        values = {**obj.pop("data", {}), **obj.pop("stringData", {})}
+        filled = {}
+        for key in values:
+            if (certs / key).is_file():
+                filled[key] = (certs / key).read_text()
+            elif key.startswith("worker-"):
+                filled[key] = _hfleet("certs", "token", str(certs), "--job", job_name, "--site", key[len("worker-"):],
+                                      "--role", "worker", cwd=tmp_path).strip()
+            elif key in ("ps", "shard"):
+                filled[key] = _hfleet("certs", "token", str(certs), "--job", job_name, "--site", "-", "--role",
+                                      "shard", cwd=tmp_path).strip()
+            else:
+                raise HarnessError(f"Secret {obj['metadata']['name']}: key {key!r} is neither a file of "
+                                   f"`hfleet certs init` nor a token role")
+        obj["stringData"] = filled
+    return out
+
+
+def _ps_job(framework: str, **security) -> dict:
+    job = yaml.safe_load((REPO / "examples" / "digits-deploy.yaml").read_text())
+    job["framework"] = framework
+    job["entrypoint"] = f"examples/digits/train_{framework}.py"
+    job["security"] = {**job.get("security", {}), **security}
+    return job
+
+
+def _final_metrics(text: str) -> list[dict]:
+    return [r for r in (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+            if r.get("event") == "metrics" and r.get("final")]
+
+
+def _assert_ps_trained(runs: dict) -> None:
+    workers = {k: r for k, r in runs.items() if r.pod.owner.startswith("Job/")}
+    assert len(workers) == 2, summary(runs)
+    for key, run in workers.items():
+        assert run.returncodes == {"worker": 0}, summary(runs)
+        finals = _final_metrics(run.log())
+        assert len(finals) == 1 and finals[0]["test_accuracy"] >= 0.95, (key, finals)
+    shards = [r for r in runs.values() if r.pod.owner.startswith("StatefulSet/")]
+    assert len(shards) == 2 and all('"shard_serving"' in r.log() for r in shards), summary(runs)
+
+
+@pytest.mark.parametrize("framework,security", [
+    ("torch", {}), ("paddle", {}), ("paddle", {"tls": "off"}), ("torch", {"tokens": "off"}),
+    ("torch", {"tls": "off", "tokens": "off"}), ("paddle", {"mutual_tls": True}),
+], ids=["torch-tls-tokens", "paddle-tls-tokens", "paddle-tls-off", "torch-tokens-off", "torch-all-off",
+        "paddle-mutual-tls"])
+def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security):
+    # Prepare: render, then create the Secrets as a user would
+    job = _ps_job(framework, **security)
+    manifests = create_secrets(_render(tmp_path, job), tmp_path, job["name"])
+    # Execute
+    with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert
+    _assert_ps_trained(runs)
+    shard = runs["cloud/digits-deploy-ps-0"]
+    assert shard.pod.hostname == "digits-deploy-ps-0" and shard.pod.subdomain == "digits-deploy-ps"
+
+
+def _collective_job(framework: str) -> dict:
+    return {"name": f"digits-{framework}-ddp", "framework": framework,
+            "entrypoint": f"examples/collective/train_{framework}.py", "args": ["--epochs", "8"],
+            "mode": "collective", "collective": {"nproc_per_node": 1, "nnodes": "2"},
+            "resources": {"cpu": 1, "memory": "1Gi", "shm": "256Mi"}, "environment": {"image": IMAGE}}
+
+
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_rendered_collective_job_trains_on_two_pods(tmp_path, framework):
+    # Prepare
+    job = _collective_job(framework)
+    manifests = _render(tmp_path, job)
+    (kubeflow_job,) = [m for m in manifests if m["apiVersion"] == "kubeflow.org/v1"]
+    # Execute
+    with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert: two pods, named and addressed as the operator does, both exit 0, the model learned
+    assert len(runs) == 2, summary(runs)
+    assert all(list(r.returncodes.values()) == [0] for r in runs.values()), summary(runs)
+    logs = "\n".join(r.log() for r in runs.values())
+    finals = [json.loads(m) for m in re.findall(r'\{[^\n]*"final"[^\n]*\}', logs)]
+    assert finals and all(f["world_size"] == 2 and f["test_acc"] >= 0.9 for f in finals), logs[-3000:]
+    names = sorted(r.pod.name for r in runs.values())
+    if framework == "torch":
+        assert kubeflow_job["kind"] == "PyTorchJob"
+        assert names == [f"{job['name']}-master-0", f"{job['name']}-worker-0"]
+    else:
+        assert kubeflow_job["kind"] == "PaddleJob"
+        assert names == [f"{job['name']}-worker-0", f"{job['name']}-worker-1"]
+
+
+def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path):
+    # Prepare: the hospital's worker Job runs in the hospital's cluster, with the job's ConfigMap and Secrets;
+    # the cloud's cluster exposes each shard under the name the hospital dials
+    job = _ps_job("torch")
+    manifests = create_secrets(_render(tmp_path, job), tmp_path, job["name"])
+    hospital = [m for m in manifests if m["kind"] in ("ConfigMap", "Secret")
+                or m["metadata"]["labels"].get("hybridfleet/site") == "hospital"]
+    cloud = [m for m in manifests if m["metadata"]["labels"].get("hybridfleet/site") != "hospital"]
+    shard_names = {n: n.split(".")[0] for n in _dialled_names(manifests) if n.count(".") == 1}
+    clusters = [Cluster("cloud", cloud, exposes=shard_names), Cluster("hospital", hospital)]
+    # Execute
+    with Kubelet(clusters, _workspace(tmp_path), tmp_path / "pods", wan_mbit=20) as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert
+    _assert_ps_trained(runs)
+    assert {k for k in runs if k.startswith("hospital/")} == {"hospital/digits-deploy-worker-hospital-0"}
+    hospital_run = runs["hospital/digits-deploy-worker-hospital-0"]
+    assert hospital_run.host.segment == "hospital"
+    assert _final_metrics(hospital_run.log())[0]["raw_data_sent"] == 0
