@@ -111,9 +111,10 @@ def _ns(obj: dict[str, Any]) -> str:
 
 
 def _template(obj: dict[str, Any], where: str) -> dict[str, Any]:
-    template = obj.get("spec", {}).get("template")
+    """The pod template of a workload (``spec.template``) or of a replica spec (``template``)."""
+    template = obj.get("spec", {}).get("template") if "spec" in obj else obj.get("template")
     if not template or "spec" not in template:
-        raise HarnessError(f"{where}: spec.template.spec is missing")
+        raise HarnessError(f"{where}: the pod template (template.spec) is missing")
     return copy.deepcopy(template)
 
 
