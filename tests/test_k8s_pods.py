@@ -189,3 +189,63 @@ def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path):
     hospital_run = runs["hospital/digits-deploy-worker-hospital-0"]
     assert hospital_run.host.segment == "hospital"
     assert _final_metrics(hospital_run.log())[0]["raw_data_sent"] == 0
+
+
+def _env_of(pod) -> dict[str, str]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod.operator_env}
+
+
+def test_operator_env_follows_the_worked_examples_of_operators_md():
+    from k8s_pods import expand
+
+    def replica(container: str, count: int) -> dict:
+        return {"replicas": count, "template": {"spec": {"containers": [{"name": container, "image": IMAGE}]}}}
+
+    mnist = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "mnist"},
+             "spec": {"pytorchReplicaSpecs": {"Master": replica("pytorch", 1), "Worker": replica("pytorch", 2)}}}
+    pd = {"apiVersion": "kubeflow.org/v1", "kind": "PaddleJob", "metadata": {"name": "pd"},
+          "spec": {"paddleReplicaSpecs": {"Worker": replica("paddle", 2)}}}
+    worker_only = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "wo"},
+                   "spec": {"pytorchReplicaSpecs": {"worker": replica("pytorch", 2)}}}
+    bundle = expand([mnist, pd, worker_only])
+    pods = {p.name: p for p in bundle.pods}
+    # PyTorchJob mnist: Master x1, Worker x2
+    for name, rank in (("mnist-master-0", "0"), ("mnist-worker-0", "1"), ("mnist-worker-1", "2")):
+        env = _env_of(pods[name])
+        assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "mnist-master-0"
+        assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == "23456"
+        assert (env["WORLD_SIZE"], env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("3", "3", "auto")
+        assert env["RANK"] == env["PET_NODE_RANK"] == rank and env["PYTHONUNBUFFERED"] == "1"
+    services = {s.name: s for s in bundle.services}
+    assert services["mnist-worker-1"].headless and services["mnist-worker-1"].ports == [
+        {"name": "pytorchjob-port", "port": 23456}]
+    assert services["mnist-worker-1"].selects(pods["mnist-worker-1"]) and not services["mnist-worker-1"].selects(
+        pods["mnist-worker-0"])
+    # PaddleJob pd: collective, Worker x2; worker 0 hosts the rendezvous on its pod IP
+    assert _env_of(pods["pd-worker-0"]) == {
+        "PYTHONUNBUFFERED": "1", "PADDLE_JOB_ID": "pd", "PADDLE_NNODES": "2",
+        "POD_IP_DUMMY": {"fieldRef": {"fieldPath": "status.podIP"}}, "PADDLE_MASTER": "$(POD_IP_DUMMY):36543"}
+    assert _env_of(pods["pd-worker-1"])["PADDLE_MASTER"] == "pd-worker-0:36543"
+    assert "PADDLE_TRAINER_ID" not in _env_of(pods["pd-worker-1"])
+    # a worker-only PyTorchJob gets no master address, rank or world size
+    assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(_env_of(pods["wo-worker-0"]))
+
+
+def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs(tmp_path):
+    from k8s_kubelet import container_env
+    from k8s_pods import expand
+
+    manifests = _render(tmp_path, _ps_job("torch"))
+    bundle = expand(manifests)
+    worker = next(p for p in bundle.pods if p.name == "digits-deploy-worker-hospital-0")
+
+    class Nowhere:
+        address, name = "10.0.0.1", "nowhere"
+
+    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0: Secret '[a-z-]+' key '[a-z-]+' "
+                                           r"still holds the placeholder 'REPLACE"):
+        container_env(bundle, worker, Nowhere, worker.spec["containers"][0])
+    filled = expand(create_secrets(manifests, tmp_path, "digits-deploy"))
+    worker = next(p for p in filled.pods if p.name == "digits-deploy-worker-hospital-0")
+    env = container_env(filled, worker, Nowhere, worker.spec["containers"][0])
+    assert env["HFLEET_TOKEN"].count(".") >= 1 and env["JOB_COMPLETION_INDEX"] == "0"
