@@ -4,6 +4,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 JOB ?= examples/digits-hybrid.yaml
+# extras installed for `make test`; e.g. EXTRAS=paddle,dev for a paddle-only interpreter
+EXTRAS ?= torch,paddle,dev
 
 .PHONY: demo test venv proto clean
 
@@ -16,7 +18,7 @@ $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[torch,paddle,dev]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 demo: $(VENV)/.installed-demo

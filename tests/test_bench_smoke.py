@@ -28,6 +28,7 @@ def last_json(stdout: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the bench trains the torch digits example
 def test_compression_bench_ends_with_accuracies_and_byte_reductions():
     # Prepare / Execute
     proc = run_bench("compression.py", "--quick", "--steps", "2")

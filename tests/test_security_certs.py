@@ -272,24 +272,3 @@ def test_cli_token_without_signing_key_names_the_file(tmp_path):
     assert isinstance(result.exception, AuthError)
     assert "token-signing.key does not exist" in str(result.exception)
 
-
-def test_a_worker_host_needs_only_the_ca_and_its_client_certificate(tmp_path):
-    import shutil
-
-    from hybridfleet.errors import AuthError
-    from hybridfleet.security import load_client_pki
-
-    full = certs.make_dev_pki(tmp_path / "full", hosts=["shard-0.example"], clients=["worker"])
-    host = tmp_path / "worker-host"
-    host.mkdir()
-    with pytest.raises(AuthError, match="is missing ca.pem"):
-        load_client_pki(host)
-    shutil.copy(full.ca_cert, host)
-    assert load_client_pki(host).clients == {}
-    shutil.copy(full.clients["worker"].cert, host)
-    with pytest.raises(AuthError, match="missing client-worker.key, the key of client certificate client-worker.pem"):
-        load_client_pki(host)
-    shutil.copy(full.clients["worker"].key, host)
-    pki = load_client_pki(host)
-    assert pki.ca_cert == host / "ca.pem" and set(pki.clients) == {"worker"}
-    assert sorted(p.name for p in host.iterdir()) == ["ca.pem", "client-worker.key", "client-worker.pem"]

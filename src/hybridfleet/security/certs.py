@@ -77,15 +77,6 @@ class Pki:
 
 
 @dataclass(frozen=True)
-class ClientPki:
-    """Paths a client host needs: the CA certificate and its client certificates (for mutual TLS)."""
-
-    directory: Path
-    ca_cert: Path
-    clients: dict[str, CertKeyPair] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class CertInfo:
     """What `hfleet certs show` prints about one certificate."""
 
@@ -287,27 +278,6 @@ def _read_cert(path: Path) -> x509.Certificate:
         raise AuthError(f"{path} is not a PEM certificate ({err})") from None
 
 
-def load_client_pki(directory: str | os.PathLike[str]) -> ClientPki:
-    """What a client host holds: the CA certificate and any client certificates (no server key).
-
-    Raises `AuthError` naming a missing CA certificate, or a client certificate without its key.
-    """
-    root = Path(directory)
-    if not root.is_dir():
-        raise AuthError(f"TLS directory {root} does not exist; copy {CA_CERT} from `hfleet certs init` into it")
-    if not (root / CA_CERT).is_file():
-        raise AuthError(f"TLS directory {root} is missing {CA_CERT} (expected at {root / CA_CERT})")
-    _read_cert(root / CA_CERT)
-    clients: dict[str, CertKeyPair] = {}
-    for cert in sorted(root.glob(f"{CLIENT_PREFIX}*.pem")):
-        client = cert.name[len(CLIENT_PREFIX) : -len(".pem")]
-        key = cert.with_suffix(".key")
-        if not key.is_file():
-            raise AuthError(f"TLS directory {root} is missing {key.name}, the key of client certificate {cert.name}")
-        clients[client] = CertKeyPair(cert, key)
-    return ClientPki(directory=root, ca_cert=root / CA_CERT, clients=clients)
-
-
 def load_pki(directory: str | os.PathLike[str]) -> Pki:
     """The `Pki` of a directory made by `make_dev_pki` (or laid out the same way).
 
@@ -320,16 +290,23 @@ def load_pki(directory: str | os.PathLike[str]) -> Pki:
     for name in (CA_CERT, SERVER_CERT, SERVER_KEY):
         if not (root / name).is_file():
             raise AuthError(f"TLS directory {root} is missing {name} (expected at {root / name})")
-    _read_cert(root / SERVER_CERT)
-    client = load_client_pki(root)
+    for name in (CA_CERT, SERVER_CERT):
+        _read_cert(root / name)
+    clients: dict[str, CertKeyPair] = {}
+    for cert in sorted(root.glob(f"{CLIENT_PREFIX}*.pem")):
+        client = cert.name[len(CLIENT_PREFIX) : -len(".pem")]
+        key = cert.with_suffix(".key")
+        if not key.is_file():
+            raise AuthError(f"TLS directory {root} is missing {key.name}, the key of client certificate {cert.name}")
+        clients[client] = CertKeyPair(cert, key)
     ca_key = root / CA_KEY
     return Pki(
         directory=root,
-        ca_cert=client.ca_cert,
+        ca_cert=root / CA_CERT,
         server_cert=root / SERVER_CERT,
         server_key=root / SERVER_KEY,
         ca_key=ca_key if ca_key.is_file() else None,
-        clients=client.clients,
+        clients=clients,
     )
 
 
