@@ -2,14 +2,13 @@
 collective PyTorchJob/PaddleJob with two pods, and the two sites of a hybrid job as two clusters joined
 by a 20 Mbit/s link.
 
-The Secrets are filled as docs/DEPLOY.md tells a user to: `hfleet certs init` with the Service names the
-workers dial, `hfleet certs token` per role, and each Secret key taken from the file or token of that name
-(what `kubectl create secret --from-file/--from-literal` does).
+Credentials come the way docs/DEPLOY.md tells a user to make them: `hfleet certs init` with the names the
+shards are dialled at and one client certificate per site, then `hfleet k8s render --certs DIR`, which
+writes each site's Secret from those files (and signs its token).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -47,16 +46,16 @@ def _workspace(tmp_path: Path) -> Path:
     return workspace
 
 
-def _render(tmp_path: Path, job: dict) -> list[dict]:
-    """`hfleet k8s render` of ``job``; returns the objects it wrote."""
+def _render(tmp_path: Path, job: dict, *options: str, out: str = "k8s") -> list[dict]:
+    """`hfleet k8s render JOB OPTIONS -o OUT` of ``job``; returns the objects it wrote."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
-    _hfleet("k8s", "render", str(path), "-o", str(tmp_path / "k8s"), cwd=tmp_path)
-    return load_manifests(tmp_path / "k8s")
+    _hfleet("k8s", "render", str(path), *options, "-o", str(tmp_path / out), cwd=tmp_path)
+    return load_manifests(tmp_path / out)
 
 
 def _dialled_names(manifests: list[dict]) -> list[str]:
-    """The names a StatefulSet's pods are dialled at: ``<pod>.<service>`` and its longer forms."""
+    """The names a StatefulSet's pods are dialled at in the cluster: ``<pod>.<service>`` and longer forms."""
     names = []
     for obj in manifests:
         if obj["kind"] == "StatefulSet":
@@ -67,31 +66,14 @@ def _dialled_names(manifests: list[dict]) -> list[str]:
     return names
 
 
-def create_secrets(manifests: list[dict], tmp_path: Path, job_name: str, extra_names: tuple[str, ...] = ()) -> list[dict]:
-    """The user's step: real certificates and tokens in place of every placeholder Secret value."""
-    certs = tmp_path / "k8s-certs"
-    hosts = [a for name in [*_dialled_names(manifests), *extra_names] for a in ("--host", name)]
-    _hfleet("certs", "init", str(certs), *hosts, cwd=tmp_path)
-    out = copy.deepcopy(manifests)
-    for obj in out:
-        if obj["kind"] != "Secret":
-            continue
-        values = {**obj.pop("data", {}), **obj.pop("stringData", {})}
-        filled = {}
-        for key in values:
-            if (certs / key).is_file():
-                filled[key] = (certs / key).read_text()
-            elif key.startswith("worker-"):
-                filled[key] = _hfleet("certs", "token", str(certs), "--job", job_name, "--site", key[len("worker-"):],
-                                      "--role", "worker", cwd=tmp_path).strip()
-            elif key in ("ps", "shard"):
-                filled[key] = _hfleet("certs", "token", str(certs), "--job", job_name, "--site", "-", "--role",
-                                      "shard", cwd=tmp_path).strip()
-            else:
-                raise HarnessError(f"Secret {obj['metadata']['name']}: key {key!r} is neither a file of "
-                                   f"`hfleet certs init` nor a token role")
-        obj["stringData"] = filled
-    return out
+def make_certs(tmp_path: Path, job: dict, external: tuple[str, ...] = ()) -> Path:
+    """The user's first step: certificates for the names the shards are dialled at (learnt from a draft
+    render with placeholders, plus ``external``), one client certificate per site."""
+    draft = _render(tmp_path, job, "--placeholders", out="draft")
+    hosts = [a for name in [*_dialled_names(draft), *external] for a in ("--host", name)]
+    clients = [a for site in job.get("sites", {}) for a in ("--client", site)]
+    _hfleet("certs", "init", str(tmp_path / "k8s-certs"), *hosts, *clients, cwd=tmp_path)
+    return tmp_path / "k8s-certs"
 
 
 def _ps_job(framework: str, **security) -> dict:
@@ -126,7 +108,7 @@ def _assert_ps_trained(runs: dict) -> None:
 def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security):
     # Prepare: render, then create the Secrets as a user would
     job = _ps_job(framework, **security)
-    manifests = create_secrets(_render(tmp_path, job), tmp_path, job["name"])
+    manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
     # Execute
     with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
         kubelet.start()
@@ -170,25 +152,27 @@ def test_rendered_collective_job_trains_on_two_pods(tmp_path, framework):
 
 
 def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path):
-    # Prepare: the hospital's worker Job runs in the hospital's cluster, with the job's ConfigMap and Secrets;
-    # the cloud's cluster exposes each shard under the name the hospital dials
+    # Prepare: one bundle per site; the cloud's shards are exposed under external names (LoadBalancer
+    # Services), which are all the hospital's bundle knows of them
     job = _ps_job("torch")
-    manifests = create_secrets(_render(tmp_path, job), tmp_path, job["name"])
-    hospital = [m for m in manifests if m["kind"] in ("ConfigMap", "Secret")
-                or m["metadata"]["labels"].get("hybridfleet/site") == "hospital"]
-    cloud = [m for m in manifests if m["metadata"]["labels"].get("hybridfleet/site") != "hospital"]
-    shard_names = {n: n.split(".")[0] for n in _dialled_names(manifests) if n.count(".") == 1}
-    clusters = [Cluster("cloud", cloud, exposes=shard_names), Cluster("hospital", hospital)]
+    external = ("ps0.example.org", "ps1.example.org")
+    certs = make_certs(tmp_path, job, external)
+    site_options = [a for name in external for a in ("--external-name", name)]
+    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, "--certs", str(certs), out="k8s-cloud")
+    hospital = _render(tmp_path, job, "--site", "hospital", *site_options, "--certs", str(certs), out="k8s-hospital")
     # Execute
-    with Kubelet(clusters, _workspace(tmp_path), tmp_path / "pods", wan_mbit=20) as kubelet:
+    with Kubelet([Cluster("cloud", cloud), Cluster("hospital", hospital)], _workspace(tmp_path), tmp_path / "pods",
+                 wan_mbit=20) as kubelet:
         kubelet.start()
         runs = kubelet.wait(TIMEOUT_S)
-    # Assert
+    # Assert: trained across the link; the hospital's cluster held only its own credentials
     _assert_ps_trained(runs)
     assert {k for k in runs if k.startswith("hospital/")} == {"hospital/digits-deploy-worker-hospital-0"}
     hospital_run = runs["hospital/digits-deploy-worker-hospital-0"]
     assert hospital_run.host.segment == "hospital"
     assert _final_metrics(hospital_run.log())[0]["raw_data_sent"] == 0
+    secrets = kubelet.bundles["hospital"].secrets
+    assert all(not ({"server.key", "token-signing.key", "ca.key"} & set(keys)) for keys in secrets.values())
 
 
 def _env_of(pod) -> dict[str, str]:
@@ -235,17 +219,17 @@ def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs
     from k8s_kubelet import container_env
     from k8s_pods import expand
 
-    manifests = _render(tmp_path, _ps_job("torch"))
-    bundle = expand(manifests)
-    worker = next(p for p in bundle.pods if p.name == "digits-deploy-worker-hospital-0")
+    job = _ps_job("torch")
+    placeholders = expand(_render(tmp_path, job, "--placeholders"))
+    worker = next(p for p in placeholders.pods if p.name == "digits-deploy-worker-hospital-0")
 
     class Nowhere:
         address, name = "10.0.0.1", "nowhere"
 
     with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0: Secret '[a-z-]+' key '[a-z-]+' "
                                            r"still holds the placeholder 'REPLACE"):
-        container_env(bundle, worker, Nowhere, worker.spec["containers"][0])
-    filled = expand(create_secrets(manifests, tmp_path, "digits-deploy"))
-    worker = next(p for p in filled.pods if p.name == "digits-deploy-worker-hospital-0")
-    env = container_env(filled, worker, Nowhere, worker.spec["containers"][0])
+        container_env(placeholders, worker, Nowhere, worker.spec["containers"][0])
+    real = expand(_render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)), out="k8s-real"))
+    worker = next(p for p in real.pods if p.name == "digits-deploy-worker-hospital-0")
+    env = container_env(real, worker, Nowhere, worker.spec["containers"][0])
     assert env["HFLEET_TOKEN"].count(".") >= 1 and env["JOB_COMPLETION_INDEX"] == "0"

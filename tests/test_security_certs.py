@@ -271,4 +271,3 @@ def test_cli_token_without_signing_key_names_the_file(tmp_path):
     # Assert
     assert isinstance(result.exception, AuthError)
     assert "token-signing.key does not exist" in str(result.exception)
-
