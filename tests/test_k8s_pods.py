@@ -127,7 +127,7 @@ def _collective_job(framework: str) -> dict:
 
 
 @pytest.mark.parametrize("framework,api", [("torch", "v1"), ("paddle", "v1"), ("torch", "v2")],
-                         ids=["PyTorchJob", "PaddleJob", "TrainJob"])
+                         ids=["PyTorchJob", "PaddleJob", "torch-TrainJob"])
 def test_rendered_collective_job_trains_on_two_pods(tmp_path, framework, api):
     # Prepare
     job = _collective_job(framework)
@@ -151,10 +151,11 @@ def test_rendered_collective_job_trains_on_two_pods(tmp_path, framework, api):
     assert names == [f"{job['name']}-{suffix}" for suffix in expected]
 
 
-def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path):
+@pytest.mark.parametrize("framework", ["paddle"])
+def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framework):
     # Prepare: one bundle per site; the cloud's shards are exposed under external names (LoadBalancer
     # Services), which are all the hospital's bundle knows of them
-    job = _ps_job("torch")
+    job = _ps_job(framework)
     external = ("ps0.example.org", "ps1.example.org")
     certs = make_certs(tmp_path, job, external)
     site_options = [a for name in external for a in ("--external-name", name)]
