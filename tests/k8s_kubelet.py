@@ -78,6 +78,7 @@ class PodRun:
     host: Host
     directory: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    init_procs: list[subprocess.Popen] = field(default_factory=list)
     returncodes: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
@@ -324,6 +325,12 @@ class Kubelet:
             run.directory.mkdir(parents=True)
             self.lab.hosts_file(run.host, self._cluster_names(run.cluster, run.pod) + external)
 
+    def plain_host(self, name: str, cluster: str) -> Host:
+        """A machine without Kubernetes on ``cluster``'s network; it resolves the names other clusters expose."""
+        host = self.lab.host(f"{cluster}-{name}", cluster)
+        self.lab.hosts_file(host, [(host.address, [name]), *self._external_names()])
+        return host
+
     def _pods_of(self, cluster: str, service: Service) -> list[PodRun]:
         return [r for r in self.runs.values() if r.cluster == cluster and service.selects(r.pod)]
 
@@ -401,7 +408,8 @@ class Kubelet:
             workdir = run.directory / "workspace"
             shutil.copytree(self.workspace, workdir, ignore=shutil.ignore_patterns("__pycache__", "runs"))
             for init in run.pod.spec.get("initContainers", []):
-                rc = self._start(run, init, volumes, workdir).wait()
+                run.init_procs.append(self._start(run, init, volumes, workdir))
+                rc = run.init_procs[-1].wait()
                 if rc != 0:
                     run.error = f"init container {init['name']} exited {rc}: {run.log(init['name'])[-1500:]}"
                     return
@@ -444,7 +452,7 @@ class Kubelet:
 
     def stop(self) -> None:
         """SIGTERM every container still running, SIGKILL after 5 s."""
-        procs = [p for r in self.runs.values() for p in r.procs.values() if p.poll() is None]
+        procs = [p for r in self.runs.values() for p in [*r.init_procs, *r.procs.values()] if p.poll() is None]
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)
         end = time.monotonic() + 5

@@ -176,6 +176,42 @@ def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framew
     assert all(not ({"server.key", "token-signing.key", "ca.key"} & set(keys)) for keys in secrets.values())
 
 
+@pytest.mark.parametrize("framework", ["torch"])
+def test_hospital_on_plain_hosts_and_the_cloud_in_kubernetes_over_a_20_mbit_link(tmp_path, framework):
+    # Prepare: the cloud's bundle as above; the hospital has no Kubernetes, so it gets the plain-host bundle
+    # (job file, CA certificate, token, run-worker.sh) next to its copy of the training code
+    job = _ps_job(framework)
+    external = ("ps0.example.org", "ps1.example.org")
+    certs = make_certs(tmp_path, job, external)
+    site_options = [a for name in external for a in ("--external-name", name)]
+    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, "--certs", str(certs), out="k8s-cloud")
+    bundle = tmp_path / "hospital-hosts"
+    _hfleet("k8s", "render", str(tmp_path / "job.yaml"), "--site", "hospital", "--plain-host", *site_options,
+            "--certs", str(certs), "-o", str(bundle), cwd=tmp_path)
+    shutil.copytree(_workspace(tmp_path) / "examples", bundle / "examples")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
+           "OMP_NUM_THREADS": "1"}
+    # Execute
+    with Kubelet([Cluster("cloud", cloud), Cluster("hospital", [])], _workspace(tmp_path), tmp_path / "pods",
+                 wan_mbit=20) as kubelet:
+        host = kubelet.plain_host("hospital-0", "hospital")
+        kubelet.start()
+        with (tmp_path / "hospital-0.log").open("w") as log:
+            worker = subprocess.Popen([*host.exec_prefix, "./run-worker.sh", "0"], cwd=bundle, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+        rc = worker.wait(timeout=TIMEOUT_S)
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert
+    text = (tmp_path / "hospital-0.log").read_text()
+    assert rc == 0, text[-3000:] + summary(runs)
+    finals = _final_metrics(text)
+    assert len(finals) == 1 and finals[0]["test_accuracy"] >= 0.95 and finals[0]["raw_data_sent"] == 0, finals
+    (cloud_worker,) = [r for r in runs.values() if r.pod.owner.startswith("Job/")]
+    assert cloud_worker.returncodes == {"worker": 0}, summary(runs)
+    assert _final_metrics(cloud_worker.log())[0]["test_accuracy"] == finals[0]["test_accuracy"]  # one model
+    assert sorted(p.name for p in (bundle / "certs").iterdir()) == ["ca.pem", "token"]
+
+
 def _env_of(pod) -> dict[str, str]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod.operator_env}
 
