@@ -188,11 +188,12 @@ def test_hospital_on_plain_hosts_and_the_cloud_in_kubernetes_over_a_20_mbit_link
     bundle = tmp_path / "hospital-hosts"
     _hfleet("k8s", "render", str(tmp_path / "job.yaml"), "--site", "hospital", "--plain-host", *site_options,
             "--certs", str(certs), "-o", str(bundle), cwd=tmp_path)
-    shutil.copytree(_workspace(tmp_path) / "examples", bundle / "examples")
+    workspace = _workspace(tmp_path)
+    shutil.copytree(workspace / "examples", bundle / "examples")
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
            "OMP_NUM_THREADS": "1"}
     # Execute
-    with Kubelet([Cluster("cloud", cloud), Cluster("hospital", [])], _workspace(tmp_path), tmp_path / "pods",
+    with Kubelet([Cluster("cloud", cloud), Cluster("hospital", [])], workspace, tmp_path / "pods",
                  wan_mbit=20) as kubelet:
         host = kubelet.plain_host("hospital-0", "hospital")
         kubelet.start()
