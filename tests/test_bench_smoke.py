@@ -45,6 +45,7 @@ def test_compression_bench_ends_with_accuracies_and_byte_reductions():
     assert "dense (none)" in proc.stdout and "top-k 1% + EF" in proc.stdout
 
 
+@pytest.mark.torch  # trains or probes torch
 @pytest.mark.slow
 def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skipped():
     # Prepare: a low target so both runs reach it within a few steps

@@ -175,6 +175,7 @@ def test_lock_made_on_another_python_caps_versions_instead_of_pinning():
     assert torch.python == "3.11" and "numpy==2.4.6" in torch.requirements
 
 
+@pytest.mark.slow
 def test_paddle_image_install_step_resolves_for_its_python_310(tmp_path):
     """pip resolves the rendered requirements and hybridfleet's own for CPython 3.10 wheels (needs the package index)."""
     import importlib.metadata

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -16,11 +15,9 @@ from hybridfleet.errors import SpecError
 from hybridfleet.k8s.common import RenderOptions
 from hybridfleet.k8s.credentials import CredentialSource
 from hybridfleet.k8s.render import render_job_file, write_manifests
+from tests.kubeflow_schemas import crd_schema
 
 K8S_VERSION = "1.30.0"
-SCHEMAS = Path(__file__).parent / "schemas" / "kubeflow"
-CRD_FILES = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "PaddleJob": "kubeflow.org_paddlejobs.yaml",
-             "TrainJob": "trainer.kubeflow.org_trainjobs.yaml"}
 PLACEHOLDERS = RenderOptions(credentials=CredentialSource(placeholders=True))
 DIGEST = "sha256:" + "ab" * 32
 
@@ -47,16 +44,9 @@ def _write_job(tmp_path: Path, job: dict) -> Path:
     return path
 
 
-@functools.cache
-def _crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((SCHEMAS / CRD_FILES[kind]).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] in ("v1", "v1alpha1")]
-    return version["schema"]["openAPIV3Schema"]
-
-
 def _validate(manifest: dict) -> None:
     if manifest["apiVersion"].startswith(("kubeflow.org/", "trainer.kubeflow.org/")):
-        jsonschema.validate(manifest, _crd_schema(manifest["kind"]))
+        jsonschema.validate(manifest, crd_schema(manifest["kind"]))
     else:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 

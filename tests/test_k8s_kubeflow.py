@@ -7,7 +7,6 @@ it must parse with the real `hfleet launch` once they are expanded.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jsonschema
@@ -18,10 +17,8 @@ import yaml
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.common import RenderOptions
 from hybridfleet.k8s.render import render_job_file
+from tests.kubeflow_schemas import CRD_FILES, crd_schema
 
-SCHEMAS = Path(__file__).parent / "schemas" / "kubeflow"
-CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "PaddleJob": "kubeflow.org_paddlejobs.yaml",
-        "TrainJob": "trainer.kubeflow.org_trainjobs.yaml"}
 # What each operator sets in the training container (OPERATORS.md sections 2, 3 and 5), with sample values.
 INJECTED = {
     "pytorch-master": {"MASTER_ADDR": "ddp-master-0", "MASTER_PORT": "23456", "RANK": "1", "WORLD_SIZE": "3",
@@ -41,13 +38,6 @@ def _job(tmp_path: Path, framework: str, nnodes: str = "3", **extra) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
-
-
-@functools.cache
-def _schema(kind: str) -> dict:
-    crd = yaml.safe_load((SCHEMAS / CRDS[kind]).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v.get("storage")]
-    return version["schema"]["openAPIV3Schema"]
 
 
 def _launch_params(command: list[str], env: dict[str, str], repo_root: Path) -> dict:
@@ -77,8 +67,8 @@ def test_rendered_command_uses_only_what_the_operator_injects_and_parses(tmp_pat
     manifests = render_job_file(_job(tmp_path, framework, nnodes), RenderOptions(api=api))
 
     # Assert
-    (job,) = [m for m in manifests if m["kind"] in CRDS]
-    jsonschema.validate(job, _schema(job["kind"]))
+    (job,) = [m for m in manifests if m["kind"] in CRD_FILES]
+    jsonschema.validate(job, crd_schema(job["kind"]))
     if job["kind"] == "TrainJob":
         command = job["spec"]["trainer"]["command"]
         assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
@@ -111,7 +101,7 @@ def test_worker_only_torch_job_is_never_rendered_without_a_rendezvous(tmp_path):
 def test_one_restart_mechanism_the_operator(tmp_path, framework):
     for max_restarts, policy in ((0, "Never"), (3, "OnFailure")):
         (job,) = [m for m in render_job_file(_job(tmp_path, framework, max_restarts=max_restarts))
-                  if m["kind"] in CRDS]
+                  if m["kind"] in CRD_FILES]
         (replicas,) = [v for k, v in job["spec"].items() if k.endswith("ReplicaSpecs")]
         assert {r["restartPolicy"] for r in replicas.values()} == {policy}
         assert job["spec"]["runPolicy"]["backoffLimit"] == max_restarts
@@ -126,8 +116,8 @@ def test_remote_checkpoint_store_is_where_pods_write_checkpoints(tmp_path, api):
                                 RenderOptions(api=api))
 
     # Assert
-    (job,) = [m for m in manifests if m["kind"] in CRDS]
-    jsonschema.validate(job, _schema(job["kind"]))
+    (job,) = [m for m in manifests if m["kind"] in CRD_FILES]
+    jsonschema.validate(job, crd_schema(job["kind"]))
     if api == "v2":
         command, env = job["spec"]["trainer"]["command"], job["spec"]["trainer"]["env"]
         assert {"name": "AWS_ENDPOINT_URL", "valueFrom": {"secretKeyRef": {
@@ -156,7 +146,7 @@ def test_trainjob_refuses_what_trainer_v2_cannot_run(tmp_path, framework, nnodes
 def test_volcano_gang_for_kubeflow_uses_the_operators_scheduling_policy(tmp_path):
     (job,) = [m for m in render_job_file(_job(tmp_path, "torch"), RenderOptions(scheduler="volcano"))
               if m["kind"] == "PyTorchJob"]
-    jsonschema.validate(job, _schema("PyTorchJob"))
+    jsonschema.validate(job, crd_schema("PyTorchJob"))
     assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 3, "queue": "default"}
 
 

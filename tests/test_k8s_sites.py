@@ -229,7 +229,7 @@ def test_hospital_bundle_holds_only_its_credentials_and_dials_the_external_names
     (RenderOptions(site="lab", external_names=EXTERNAL), "--site: 'lab' is not a site of the job"),
     (RenderOptions(site="cloud", external_names=EXTERNAL[:1]), "--external-name: give one per shard (2), got 1"),
     (RenderOptions(api="v2"), "--api v2: only collective jobs become a TrainJob"),
-    (RenderOptions(expose="Ingress"), "--expose: must be one of LoadBalancer, NodePort"),
+    (RenderOptions(scheduler="kube-batch"), "--scheduler: must be one of volcano"),
 ])
 def test_bad_site_options_are_refused(tmp_path, options, message):
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -17,8 +17,8 @@ def init(
     directory: Path = typer.Argument(..., help="directory to create the PKI in"),
     host: list[str] = typer.Option(
         list(certs.DEFAULT_HOSTS), "--host", "--san",
-        help="IP or DNS name the server is dialled at, a SubjectAltName (repeat for each; `hfleet k8s render` "
-             "prints the names its manifests dial)"
+        help="IP or DNS name the server is dialled at, a SubjectAltName (repeat for each; a placeholder Secret of "
+             "`hfleet k8s render` gives the command with the names its manifests dial)"
     ),
     client: list[str] = typer.Option(
         list(certs.DEFAULT_CLIENTS), "--client", help="client certificate name for mutual TLS (repeat for each)"

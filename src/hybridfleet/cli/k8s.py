@@ -23,7 +23,6 @@ def render(
                                                                         "(default: 'cloud', else the first site)"),
     external_name: List[str] = typer.Option([], "--external-name", help="DNS name other sites dial for shard i "
                                                                         "(repeat once per shard, in shard order)"),
-    expose: str = typer.Option("LoadBalancer", "--expose", help="Service type exposing shards: LoadBalancer or NodePort"),
     certs: Optional[Path] = typer.Option(None, "--certs", help="`hfleet certs init` directory: Secrets get real values"),
     placeholders: bool = typer.Option(False, "--placeholders", help="write REPLACE-with-... Secret values "
                                                                     "(to fill in later) instead of --certs"),
@@ -36,7 +35,7 @@ def render(
     from hybridfleet.k8s.credentials import CredentialSource
 
     options = RenderOptions(image=image, api=api, site=site, shard_site=shard_site, external_names=tuple(external_name),
-                            expose=expose, credentials=CredentialSource(certs, placeholders), scheduler=scheduler)
+                            credentials=CredentialSource(certs, placeholders), scheduler=scheduler)
     if plain_host:
         from hybridfleet.k8s.hostbundle import write_host_bundle
 

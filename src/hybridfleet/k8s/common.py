@@ -20,7 +20,6 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 Manifest = dict[str, Any]
 APIS = ("v1", "v2")
-EXPOSE_TYPES = ("LoadBalancer", "NodePort")
 SCHEDULERS = ("volcano",)
 
 if TYPE_CHECKING:
@@ -42,7 +41,6 @@ class RenderOptions:
     site: str | None = None  # None: every site in one cluster
     shard_site: str | None = None  # the site whose cluster runs the shards (per-site rendering)
     external_names: tuple[str, ...] = ()  # one per shard: the name other sites dial
-    expose: str = "LoadBalancer"
     credentials: "CredentialSource" = field(default_factory=_no_credentials)
     scheduler: str | None = None
 

@@ -5,7 +5,7 @@ cluster at ``<job>-ps-<i>.<job>-ps:50051`` (gRPC) and ``:50052`` (bulk data plan
 the job sets ``ps.transport: grpc``). With external names (``--external-name``, one per
 shard) every shard also gets a LoadBalancer Service exposing both ports under the same
 numbers, because a worker reaches a shard's bulk plane at the gRPC host and the port the
-shard announces. Workers: one Indexed Job per site, the completion index being the
+shard announces (so not a NodePort, whose numbers differ from the pod's). Workers: one Indexed Job per site, the completion index being the
 worker's rank in its site. Each pod mounts only its own credentials (`credentials`).
 
 Restarts: a shard pod is restarted by its StatefulSet (``restartPolicy: Always``) and
@@ -122,7 +122,7 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
                     "metadata": {**metadata(spec, f"{name}-{index}-external", "ps"),
                                  # ExternalDNS publishes the name when it runs in the cluster; else point DNS by hand
                                  "annotations": {"external-dns.alpha.kubernetes.io/hostname": external}},
-                    "spec": {"type": options.expose, "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
+                    "spec": {"type": "LoadBalancer", "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
                              "ports": [dict(p, protocol="TCP") for p in service_ports]}})
     return out
 

@@ -8,7 +8,7 @@ import yaml
 
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
-from hybridfleet.k8s.common import APIS, EXPOSE_TYPES, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
+from hybridfleet.k8s.common import APIS, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
 from hybridfleet.k8s.ps import dialled_hosts, render_ps
 from hybridfleet.spec.load import parse_spec
 from hybridfleet.spec.models import JobSpec
@@ -46,8 +46,6 @@ def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
     """``options`` completed (the shard site) and checked against the job; SpecError naming the flag otherwise."""
     if options.api not in APIS:
         raise SpecError(f"--api: must be one of {', '.join(APIS)} (got {options.api!r})")
-    if options.expose not in EXPOSE_TYPES:
-        raise SpecError(f"--expose: must be one of {', '.join(EXPOSE_TYPES)} (got {options.expose!r})")
     if options.scheduler is not None and options.scheduler not in SCHEDULERS:
         raise SpecError(f"--scheduler: must be one of {', '.join(SCHEDULERS)} (got {options.scheduler!r})")
     if spec.mode == "collective":
