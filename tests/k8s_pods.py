@@ -11,7 +11,7 @@ the pods and Services a cluster would end up with:
   ``<job>-<i>``, and ``JOB_COMPLETION_INDEX`` in every container.
 - PyTorchJob / PaddleJob (kubeflow.org/v1): pods ``<job>-<master|worker>-<i>``,
   the default port appended, one headless Service per pod, and the environment
-  the operators inject, as listed in shared/schemas/kubeflow/OPERATORS.md
+  the operators inject, as listed in tests/schemas/kubeflow/OPERATORS.md
   (sections 1-3).
 - TrainJob (trainer.kubeflow.org/v1alpha1): ``numNodes`` pods
   ``<job>-node-0-<i>`` in the headless Service ``<job>``, with the torch plugin's
