@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -128,6 +129,17 @@ class NetLab:
             _run(*sw, "link", "set", end, "master", f"br{self.segments[seg]}")
             _run(*sw, "link", "set", end, "up")
             _run("tc", "-n", self.switch, "qdisc", "add", "dev", end, "root", *tbf)
+
+    def link_counters(self) -> dict[str, tuple[str, int]]:
+        """Each WAN link end's tbf rate and the bytes it has sent, e.g. ``{"wan1a": ("20Mbit", 1234)}``."""
+        out = {}
+        for n in range(1, self._links + 1):
+            for end in (f"wan{n}a", f"wan{n}b"):
+                text = _run("tc", "-s", "-n", self.switch, "qdisc", "show", "dev", end).stdout
+                rate = re.search(r"\btbf\b.*?\brate (\S+)", text)
+                sent = re.search(r"Sent (\d+) bytes", text)
+                out[end] = (rate.group(1) if rate else "", int(sent.group(1)) if sent else 0)
+        return out
 
     def host(self, name: str, segment: str, names: list[str] | tuple[str, ...] = ()) -> Host:
         """A new machine on ``segment``; it answers to ``name`` and every entry of ``names``."""

@@ -166,8 +166,10 @@ def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framew
                  wan_mbit=20) as kubelet:
         kubelet.start()
         runs = kubelet.wait(TIMEOUT_S)
-    # Assert: trained across the link; the hospital's cluster held only its own credentials
+        wan = kubelet.lab.link_counters()
+    # Assert: trained across the capped link; the hospital's cluster held only its own credentials
     _assert_ps_trained(runs)
+    assert {rate for rate, _ in wan.values()} == {"20Mbit"} and all(sent > 5e6 for _, sent in wan.values()), wan
     assert {k for k in runs if k.startswith("hospital/")} == {"hospital/digits-deploy-worker-hospital-0"}
     hospital_run = runs["hospital/digits-deploy-worker-hospital-0"]
     assert hospital_run.host.segment == "hospital"
@@ -202,7 +204,9 @@ def test_hospital_on_plain_hosts_and_the_cloud_in_kubernetes_over_a_20_mbit_link
                                       stderr=subprocess.STDOUT)
         rc = worker.wait(timeout=TIMEOUT_S)
         runs = kubelet.wait(TIMEOUT_S)
+        wan = kubelet.lab.link_counters()
     # Assert
+    assert all(sent > 5e6 for _, sent in wan.values()), wan  # the hospital's traffic crossed the capped link
     text = (tmp_path / "hospital-0.log").read_text()
     assert rc == 0, text[-3000:] + summary(runs)
     finals = _final_metrics(text)

@@ -148,6 +148,7 @@ def test_job_on_separate_hosts_trains_and_survives_a_shard_host_power_cut(tmp_pa
         _wait_for("the workers to finish", lambda: all(procs[w][0].poll() is not None for w in ("hospital-0", "cloud-0")),
                   {k: v for k, v in procs.items() if k not in ("hospital-0", "cloud-0", "shard-0")})
         worker_codes = {w: procs[w][0].wait() for w in ("hospital-0", "cloud-0")}
+        wan = lab.link_counters()
         restarted_log = procs["shard-0 again"][1].read_text()
     # Assert: every host held only its files, the job trained through the power cut
     assert sorted(p.name for p in (laptop / "shard-0" / "certs").iterdir()) == [
@@ -156,6 +157,8 @@ def test_job_on_separate_hosts_trains_and_survives_a_shard_host_power_cut(tmp_pa
         assert [p.name for p in (laptop / worker / "certs").iterdir()] == ["ca.pem"]
         assert not list((laptop / worker).glob("*.key")) and not list((laptop / worker).rglob("server.*"))
     assert status["shard"] == 0
+    # the hospital's traffic crossed the capped link, both ways
+    assert {rate for rate, _ in wan.values()} == {f"{WAN_MBIT}Mbit"} and all(sent > 5e6 for _, sent in wan.values()), wan
     assert killed and all(workers_alive), "the shard host was killed after the job had finished"
     logs = {w: procs[w][1].read_text() for w in ("hospital-0", "cloud-0")}
     assert worker_codes == {"hospital-0": 0, "cloud-0": 0}, logs
