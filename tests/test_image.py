@@ -184,12 +184,13 @@ def test_paddle_image_install_step_resolves_for_its_python_310(tmp_path):
     from packaging.requirements import Requirement
 
     from hybridfleet.env.lock import make_lock
+    from hybridfleet.env.runtime_deps import RUNTIME_EXTRAS
 
     # Prepare: the lock of this machine (Python 3.11 and test tools included), on the Python 3.10 paddle image
     rendered = render_dockerfile(make_lock(), resolve_base_image("paddle", "3.3.1", "cpu"), name="digits")
     own = [str(r) for r in map(Requirement, importlib.metadata.requires("hybridfleet") or [])
            if r.marker is None or any(r.marker.evaluate({"python_version": "3.10", "extra": e})
-                                      for e in ("", "s3", "examples"))]
+                                      for e in ("", *RUNTIME_EXTRAS))]
     requirements = tmp_path / "requirements.txt"
     requirements.write_text("\n".join([*rendered.requirements, *own]) + "\n")
 

@@ -327,3 +327,30 @@ def test_aggregating_site_finds_its_leader_through_a_headless_service(tmp_path, 
           "--external-name", EXTERNAL[1], "--certs", str(certs), "-o", str(tmp_path / "bundle")])
     assert "HFLEET_SITE_HUB:?set HFLEET_SITE_HUB=<host of site rank 0>:50060" in \
         (tmp_path / "bundle" / "run-worker.sh").read_text()
+
+
+@pytest.mark.parametrize(("store", "volume"), [(None, True), ("s3://team/ckpt", False)])
+def test_snapshotting_shards_keep_snapshots_where_a_restarted_pod_finds_them(tmp_path, store, volume):
+    # Prepare
+    job = copy.deepcopy(JOB)
+    job["ps"]["snapshot_every_steps"] = 50
+    if store:
+        job["checkpoint"] = {"store": store}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+
+    # Execute
+    manifests = render_job_file(path, RenderOptions(credentials=CredentialSource(placeholders=True)))
+
+    # Assert
+    (shards,) = [m for m in manifests if m["kind"] == "StatefulSet"]
+    kubernetes_validate.validate(shards, K8S_VERSION, strict=True)
+    container = shards["spec"]["template"]["spec"]["containers"][0]
+    if volume:  # a local store would die with the pod: one claim per shard instead
+        assert shards["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "snapshots"
+        assert {"name": "snapshots", "mountPath": "/var/lib/hfleet/snapshots"} in container["volumeMounts"]
+        assert container["command"][container["command"].index("--snapshot-store") + 1] == \
+            "file:///var/lib/hfleet/snapshots"
+    else:  # the shards write to the job's store, with the store Secret's credentials
+        assert "volumeClaimTemplates" not in shards["spec"] and "--snapshot-store" not in container["command"]
+        assert container["envFrom"] == [{"secretRef": {"name": "digits-hybrid-store", "optional": True}}]

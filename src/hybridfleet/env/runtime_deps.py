@@ -15,7 +15,8 @@ from packaging.requirements import Requirement
 from hybridfleet.env.lock import normalize_name
 
 PROJECT = "hybridfleet"
-RUNTIME_EXTRAS = ("s3", "examples")  # remote checkpoint stores; the shipped examples' data
+# remote checkpoint stores, packed site datasets, differential privacy, the shipped examples' data
+RUNTIME_EXTRAS = ("s3", "data", "privacy", "examples")
 
 
 def _marker_env(python: str, extra: str) -> dict[str, str]:

@@ -9,7 +9,8 @@ shard announces (so not a NodePort, whose numbers differ from the pod's). Worker
 worker's rank in its site. Each pod mounts only its own credentials (`credentials`).
 
 Restarts: a shard pod is restarted by its StatefulSet (``restartPolicy: Always``) and
-resumes from its newest snapshot; a worker pod by its Job (``backoffLimit:
+resumes from its newest snapshot, kept in a remote ``checkpoint.store`` or else on the
+shard's own PersistentVolumeClaim; a worker pod by its Job (``backoffLimit:
 max_restarts``); no process restarts itself inside a pod.
 """
 
@@ -49,10 +50,23 @@ def expected_workers(spec: JobSpec) -> int:
     return ps_clients(spec)
 
 
-def shard_command(spec: JobSpec, shard: str, certs_dir: str) -> list[str]:
+SNAPSHOT_DIR = "/var/lib/hfleet/snapshots"  # a shard's own volume, when the checkpoint store is not remote
+SNAPSHOT_VOLUME_SIZE = "10Gi"  # the claim's request; resize the rendered claim for large models
+
+
+def snapshots_on_volume(spec: JobSpec) -> bool:
+    """True when shards snapshot to a local path: in a pod that needs a volume that outlives it."""
+    from hybridfleet.k8s.common import remote_store
+
+    return bool(spec.ps.snapshot_every_steps or spec.ps.snapshot_every_s) and not remote_store(spec)
+
+
+def shard_command(spec: JobSpec, shard: str, certs_dir: str, snapshot_dir: str | None = None) -> list[str]:
     """`hfleet ps serve` for one shard, with the security flags the job's settings need."""
     command = ["hfleet", "ps", "serve", JOB_FILE, "--shard", shard, "--host", "0.0.0.0", "--port", str(PS_PORT),
                "--expected-workers", str(expected_workers(spec))]
+    if snapshot_dir:
+        command += ["--snapshot-store", f"file://{snapshot_dir}"]
     if spec.ps.transport != "grpc":
         command += ["--bulk-port", str(PS_BULK_PORT)]
     if tls_on(spec) or tokens_on(spec):
@@ -106,8 +120,12 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}]
     ports = _ports(spec)
     shard_resources = {"gpus": 0}  # shards aggregate and apply updates on the CPU
-    shard = container(spec, image, "ps", shard_command(spec, "$(HFLEET_SHARD)", CERTS_DIR), mounts, env=env,
-                      ports=ports, resources_override=shard_resources)
+    on_volume = snapshots_on_volume(spec)
+    if on_volume:
+        mounts = [*mounts, {"name": "snapshots", "mountPath": SNAPSHOT_DIR}]
+    shard = container(spec, image, "ps", shard_command(spec, "$(HFLEET_SHARD)", CERTS_DIR,
+                                                       SNAPSHOT_DIR if on_volume else None),
+                      mounts, env=env, ports=ports, resources_override=shard_resources)
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]} for p in ports]
     service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, name, "ps"),
                "spec": {"clusterIP": "None", "selector": selector, "ports": service_ports}}
@@ -116,6 +134,10 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
                              "selector": {"matchLabels": selector},
                              "template": {"metadata": _template_metadata(selector, options, group),
                                           "spec": _pod_spec(spec, [shard], vols, options, group)}}}
+    if on_volume:  # one claim per shard, kept across pod restarts: a restarted shard resumes from its snapshot
+        stateful_set["spec"]["volumeClaimTemplates"] = [{
+            "metadata": {"name": "snapshots"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": SNAPSHOT_VOLUME_SIZE}}}}]
     out = [service, stateful_set]
     for index, external in enumerate(options.external_names):
         out.append({"apiVersion": "v1", "kind": "Service",
