@@ -15,7 +15,8 @@ For every pod `tests/k8s_pods.py` expands from a bundle, this does the kubelet's
   command and args expanded as Kubernetes does;
 - volumes at their ``mountPath`` inside a private mount namespace (``unshare -m``):
   ConfigMaps and Secrets as one file per key (or per ``items`` entry), emptyDirs
-  as directories (``medium: Memory`` as tmpfs); a mountPath whose parent does not
+  as directories (``medium: Memory`` as tmpfs), PersistentVolumeClaims as a
+  directory of the pod's own (no storage class, no reattachment elsewhere); a mountPath whose parent does not
   exist (``/etc/hfleet/...``) is made on an overlay of its nearest existing
   ancestor, so nothing outside the pod changes;
 - init containers in order, then every container's command; the working
@@ -214,6 +215,9 @@ def _volume_sources(bundle: Bundle, pod: Pod, directory: Path) -> dict[str, tupl
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(value)
                 path.chmod(item.get("mode", ref.get("defaultMode", 0o644)))
+            out[name] = ("bind", target)
+        elif "persistentVolumeClaim" in volume:  # the pod's own claim: a directory that outlives its containers
+            target.mkdir(parents=True)
             out[name] = ("bind", target)
         elif "emptyDir" in volume:
             if (volume["emptyDir"] or {}).get("medium") == "Memory":

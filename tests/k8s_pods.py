@@ -4,7 +4,8 @@
 the pods and Services a cluster would end up with:
 
 - StatefulSet: pods ``<name>-<i>`` with hostname = pod name and subdomain =
-  ``serviceName``, the ``apps.kubernetes.io/pod-index`` label.
+  ``serviceName``, the ``apps.kubernetes.io/pod-index`` label, a volume per
+  ``volumeClaimTemplates`` entry.
 - Deployment: pods ``<name>-<i>``.
 - Job (batch/v1): ``parallelism`` pods; Indexed ones carry the
   ``batch.kubernetes.io/job-completion-index`` annotation and label, hostname
@@ -130,8 +131,13 @@ def _pod(owner: str, name: str, obj: dict[str, Any], template: dict[str, Any], h
 
 
 def _statefulset(obj: dict[str, Any]) -> list[Pod]:
+    """Pods ``<name>-<i>``; each ``volumeClaimTemplates`` entry becomes a volume of that name, which the
+    kubelet emulation backs with a directory of the pod's own (its PersistentVolume)."""
     name = obj["metadata"]["name"]
     template = _template(obj, f"StatefulSet/{name}")
+    for claim in obj["spec"].get("volumeClaimTemplates", []):
+        template["spec"].setdefault("volumes", []).append(
+            {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}})
     return [_pod(f"StatefulSet/{name}", f"{name}-{i}", obj, copy.deepcopy(template), subdomain=obj["spec"].get("serviceName"),
                  labels={"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": f"{name}-{i}"})
             for i in range(obj["spec"].get("replicas", 1))]
