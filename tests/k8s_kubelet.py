@@ -25,8 +25,9 @@ For every pod `tests/k8s_pods.py` expands from a bundle, this does the kubelet's
 
 What a real cluster adds, and this cannot show: scheduling (nodes, requests and
 limits, quotas, gang scheduling), image pulls and the image's own filesystem and
-ENV, the kubelet's restarts (``restartPolicy``, ``backoffLimit``: an exit here is
-reported, not retried), probes, the CNI and kube-proxy (Service virtual IPs and
+ENV, the kubelet's back-off between restarts and a Job's ``backoffLimit`` (here a
+container is restarted in place at once, as ``restartPolicy`` says, at most
+``MAX_RESTARTS`` times), rescheduling a pod onto another node, probes, the CNI and kube-proxy (Service virtual IPs and
 load balancing; a Service whose port differs from its targetPort is refused),
 cluster DNS search paths, NetworkPolicies, admission webhooks, the PyTorchJob
 init container (names resolve here from the start), service-link env vars,
@@ -57,6 +58,7 @@ from netlab import Host, NetLab
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEHOLDER = "REPLACE"
+MAX_RESTARTS = 3
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -81,7 +83,9 @@ class PodRun:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     init_procs: list[subprocess.Popen] = field(default_factory=list)
     returncodes: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    volumes: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
     def log(self, container: str | None = None) -> str:
         """The output of ``container`` (default: the first one)."""
@@ -300,6 +304,7 @@ class Kubelet:
         self.bundles: dict[str, Bundle] = {c.name: expand(c.manifests) for c in clusters}
         self.runs: dict[str, PodRun] = {}
         self._threads: list[threading.Thread] = []
+        self._stopping = False
 
     def __enter__(self) -> "Kubelet":
         self.lab.__enter__()
@@ -390,15 +395,19 @@ class Kubelet:
                                "the harness cannot know the image's ENTRYPOINT")
         return [expand_refs(a, env) for a in [*container["command"], *container.get("args", [])]]
 
-    def _start(self, run: PodRun, container: dict[str, Any], volumes, workdir: Path) -> subprocess.Popen:
+    def _start(self, run: PodRun, container: dict[str, Any], volumes, workdir: Path,
+               restart: int = 0) -> subprocess.Popen:
         bundle = self.bundles[run.cluster]
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                "PYTHONPATH": str(REPO / "src"), "HOME": str(workdir), "HOSTNAME": run.pod.hostname,
                "OMP_NUM_THREADS": "1", **container_env(bundle, run.pod, run.host, container)}
         argv = self._argv(run, container, env)
         hosts = Path("/etc/netns") / run.host.namespace / "hosts"
-        script = mount_script(run.pod, container, volumes, hosts, run.directory / container["name"])
-        log = (run.directory / f"{container['name']}.log").open("w")
+        script = mount_script(run.pod, container, volumes, hosts, run.directory / container["name"] / str(restart))
+        log = (run.directory / f"{container['name']}.log").open("a" if restart else "w")
+        if restart:
+            log.write(f"--- restart {restart} ---\n")
+            log.flush()
         try:
             return subprocess.Popen([*run.host.exec_prefix, "unshare", "--mount", "--uts", "--propagation", "private",
                                      "sh", "-c", script, "sh", *argv], cwd=workdir, env=env, stdout=log,
@@ -408,7 +417,7 @@ class Kubelet:
 
     def _run_pod(self, run: PodRun) -> None:
         try:
-            volumes = _volume_sources(self.bundles[run.cluster], run.pod, run.directory)
+            volumes = run.volumes = _volume_sources(self.bundles[run.cluster], run.pod, run.directory)
             workdir = run.directory / "workspace"
             shutil.copytree(self.workspace, workdir, ignore=shutil.ignore_patterns("__pycache__", "runs"))
             for init in run.pod.spec.get("initContainers", []):
@@ -432,10 +441,26 @@ class Kubelet:
             self._threads.append(thread)
 
     def _poll(self) -> None:
+        """Record exits; restart a container as its pod's restartPolicy says (Always, or OnFailure after a
+        non-zero exit), at most ``MAX_RESTARTS`` times, unless the kubelet is stopping."""
         for run in self.runs.values():
-            for name, proc in run.procs.items():
-                if name not in run.returncodes and proc.poll() is not None:
+            for name, proc in list(run.procs.items()):
+                if name in run.returncodes or proc.poll() is None:
+                    continue
+                policy = run.pod.spec.get("restartPolicy", "Always")
+                again = policy == "Always" or (policy == "OnFailure" and proc.returncode != 0)
+                if again and not self._stopping and run.restarts.get(name, 0) < MAX_RESTARTS:
+                    run.restarts[name] = run.restarts.get(name, 0) + 1
+                    container = next(c for c in run.pod.spec["containers"] if c["name"] == name)
+                    run.procs[name] = self._start(run, container, run.volumes, run.directory / "workspace",
+                                                  restart=run.restarts[name])
+                else:
                     run.returncodes[name] = proc.returncode
+
+    def kill(self, pod: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every container of ``pod`` (``cluster/name``), as an OOM kill or a crash would."""
+        for proc in self.runs[pod].procs.values():
+            os.killpg(proc.pid, sig)
 
     def wait(self, timeout_s: float) -> dict[str, PodRun]:
         """Block until every run-to-completion pod ended (or ``timeout_s``); then stop the others."""
@@ -456,6 +481,7 @@ class Kubelet:
 
     def stop(self) -> None:
         """SIGTERM every container still running, SIGKILL after 5 s."""
+        self._stopping = True
         procs = [p for r in self.runs.values() for p in [*r.init_procs, *r.procs.values()] if p.poll() is None]
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,32 @@ def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security):
     _assert_ps_trained(runs)
     shard = runs["cloud/digits-deploy-ps-0"]
     assert shard.pod.hostname == "digits-deploy-ps-0" and shard.pod.subdomain == "digits-deploy-ps"
+
+
+@pytest.mark.parametrize("framework", ["torch"])
+def test_a_sigkilled_shard_pod_is_restarted_and_resumes_from_its_volume(tmp_path, framework):
+    from hybridfleet.ckpt import list_checkpoints
+
+    # Prepare
+    job = _ps_job(framework)
+    manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
+    # Execute: SIGKILL shard 0's container once its volume holds the round-20 snapshot
+    with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        shard = kubelet.runs["cloud/digits-deploy-ps-0"]
+        snapshots = shard.directory / "volumes"
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not any(
+                c.step >= 20 for d in snapshots.glob("*/ps/shard-0") for c in list_checkpoints(str(d))):
+            time.sleep(0.05)
+        kubelet.kill("cloud/digits-deploy-ps-0")
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert: restarted in place, restored from the volume, the job completed
+    _assert_ps_trained(runs)
+    assert shard.restarts == {"ps": 1}, summary(runs)
+    after = shard.log().split("--- restart 1 ---")[1]
+    restored = [json.loads(line) for line in after.splitlines() if '"snapshot_restored"' in line]
+    assert len(restored) == 1 and restored[0]["version"] >= 20, after[-2000:]
 
 
 def _collective_job(framework: str) -> dict:
