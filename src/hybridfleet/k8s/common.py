@@ -97,14 +97,15 @@ def resources(spec: JobSpec, gpus: int | None = None) -> dict[str, Any]:
 
     ``gpus`` overrides ``resources.gpus`` (shards compute on the CPU and ask for none).
     """
-    amounts: dict[str, Any] = {"cpu": _cpu(spec.resources.cpu), "memory": spec.resources.memory}
+    amounts: dict[str, Any] = {"cpu": cpu_quantity(spec.resources.cpu), "memory": spec.resources.memory}
     wanted = spec.resources.gpus if gpus is None else gpus
     if wanted:
         amounts["nvidia.com/gpu"] = wanted
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _cpu(cores: float) -> str:
+def cpu_quantity(cores: float) -> str:
+    """Cores as a Kubernetes quantity: ``2`` or ``500m``."""
     return str(int(cores)) if float(cores).is_integer() else f"{int(round(cores * 1000))}m"
 
 

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from hybridfleet.errors import SpecError
-from hybridfleet.k8s.common import PS_BULK_PORT, PS_PORT, RenderOptions
+from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, RenderOptions
 from hybridfleet.k8s.credentials import SHARD_ROLE, TOKEN_FILE, credential_value, secret_files, tls_on
 from hybridfleet.k8s.ps import SITE_HUB_PORT, aggregates, server_addresses, shard_command, worker_command
 from hybridfleet.k8s.render import check_options, load_job
@@ -59,8 +59,6 @@ def _command_line(command: list[str], placeholder: str) -> str:
 
 def _local_paths(command: list[str]) -> list[str]:
     """The container command with the bundle's relative paths in place of the pod's mount points."""
-    from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE
-
     return ["job.yaml" if a == JOB_FILE else "certs" if a == CERTS_DIR else a for a in command]
 
 

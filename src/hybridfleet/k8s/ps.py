@@ -95,8 +95,8 @@ def _ports(spec: JobSpec) -> list[dict[str, Any]]:
     return ports
 
 
-def _pod_spec(spec: JobSpec, containers: list[dict], vols: list[dict], options: RenderOptions,
-              group: str | None, **extra: Any) -> dict[str, Any]:
+def _pod_spec(containers: list[dict], vols: list[dict], options: RenderOptions, group: str | None,
+              **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {**extra, "containers": containers, "volumes": vols}
     if options.scheduler == "volcano" and group:
         body["schedulerName"] = "volcano"
@@ -133,7 +133,7 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
                     "spec": {"serviceName": name, "replicas": spec.ps.shards, "podManagementPolicy": "Parallel",
                              "selector": {"matchLabels": selector},
                              "template": {"metadata": _template_metadata(selector, options, group),
-                                          "spec": _pod_spec(spec, [shard], vols, options, group)}}}
+                                          "spec": _pod_spec([shard], vols, options, group)}}}
     if on_volume:  # one claim per shard, kept across pod restarts: a restarted shard resumes from its snapshot
         stateful_set["spec"]["volumeClaimTemplates"] = [{
             "metadata": {"name": "snapshots"},
@@ -193,7 +193,7 @@ def worker_job(spec: JobSpec, image: str, site: str, servers: list[str], options
             "spec": {"completionMode": "Indexed", "completions": site_spec.workers,
                      "parallelism": site_spec.workers, "backoffLimit": spec.max_restarts,
                      "template": {"metadata": _template_metadata(pod_labels, options, group),
-                                  "spec": _pod_spec(spec, [worker], vols, options, group, **extra)}}}
+                                  "spec": _pod_spec([worker], vols, options, group, **extra)}}}
 
 
 def dialled_hosts(spec: JobSpec, options: RenderOptions) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridfleet.k8s.common import Manifest, _cpu, metadata
+from hybridfleet.k8s.common import Manifest, cpu_quantity, metadata
 from hybridfleet.spec.models import JobSpec
 
 
@@ -34,12 +34,12 @@ def team_quota(spec: JobSpec, pods: int, namespace: str = "team-a") -> list[Mani
     """An example ResourceQuota sized for ``pods`` pods of this job and a LimitRange whose
     defaults are the job's per-pod resources (so a pod without requests still gets them)."""
     cpu_total = spec.resources.cpu * pods
-    quota: dict[str, Any] = {"requests.cpu": _cpu(cpu_total), "limits.cpu": _cpu(cpu_total),
+    quota: dict[str, Any] = {"requests.cpu": cpu_quantity(cpu_total), "limits.cpu": cpu_quantity(cpu_total),
                              "requests.memory": _times(spec.resources.memory, pods),
                              "limits.memory": _times(spec.resources.memory, pods), "pods": str(pods)}
     if spec.resources.gpus:
         quota["requests.nvidia.com/gpu"] = str(spec.resources.gpus * pods)
-    per_pod = {"cpu": _cpu(spec.resources.cpu), "memory": spec.resources.memory}
+    per_pod = {"cpu": cpu_quantity(spec.resources.cpu), "memory": spec.resources.memory}
     return [
         {"apiVersion": "v1", "kind": "ResourceQuota",
          "metadata": {**metadata(spec, f"{namespace}-quota", "quota"), "namespace": namespace},
