@@ -58,3 +58,20 @@ def test_worker_command_derives_the_global_rank_from_site_and_site_rank(tmp_path
     bad = subprocess.run([sys.executable, "-m", "hybridfleet", "worker", str(job), "--site", "b", "--site-rank", "3",
                           "--servers", "127.0.0.1:50051"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be in 0..2 for site 'b' (got 3)" in bad.stderr
+
+
+def test_ps_serve_without_certs_or_explicit_plaintext_is_a_usage_error_and_serves_nothing(tmp_path):
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "nocerts", "framework": "torch", "entrypoint": "train.py", "mode": "ps",
+                                   "sites": {"a": {"workers": 1}}, "ps": {"shards": 2}}))
+    port_file = tmp_path / "shard.port"
+    for extra, message in ((["--shard", "0"], "--certs DIR is required"),
+                           (["--shard", "0", "--insecure-plaintext"], "--certs DIR is required"),
+                           (["--shard", "2", "--insecure-plaintext", "--no-auth"], "must be in 0..1 for a job of 2")):
+        bad = subprocess.run([sys.executable, "-m", "hybridfleet", "ps", "serve", str(job), *extra, "--port", "0",
+                              "--port-file", str(port_file)], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2, bad.stderr
+        assert message in bad.stderr and "Traceback" not in bad.stderr
+        assert not port_file.exists()  # nothing started serving

@@ -36,8 +36,14 @@ def serve(
 
     tune_allocator()
     spec = load_spec(job)
-    server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
-                         expected_workers, snapshot_store, bulk_port=bulk_port)
+    try:
+        security = server_security(spec, certs, insecure_plaintext, no_auth)
+    except ValueError as err:  # a missing --certs: say which flags, not a traceback
+        raise typer.BadParameter(str(err), param_hint="--certs") from None
+    if not 0 <= shard < spec.ps.shards:
+        raise typer.BadParameter(f"must be in 0..{spec.ps.shards - 1} for a job of {spec.ps.shards} shard(s) "
+                                 f"(got {shard})", param_hint="--shard")
+    server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
     from hybridfleet.obs.metrics import serve_from_env
     from hybridfleet.obs.psmetrics import watch_shard
 

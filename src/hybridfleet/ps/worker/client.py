@@ -147,27 +147,26 @@ class PSClient:
         failure (a call may legitimately wait long before it); map auth failures to AuthError."""
         deadline: float | None = None
         delay = 0.1
+        rejoin = False
         while True:
             try:
+                if rejoin:
+                    # the shard was unreachable and may have restarted from a snapshot: it must answer
+                    # a Join before anything else, then the caller starts the step over from its state
+                    self._join_one(shard)
+                    raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}")
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
+                if rejoin and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    code = grpc.StatusCode.UNAVAILABLE  # the Join timed out: still unreachable
                 if code in RETRYABLE and deadline is None:
                     deadline = time.monotonic() + self.retry_timeout_s
                 if code in RETRYABLE and time.monotonic() < deadline:
                     log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay, reason=err.details())
                     time.sleep(delay)
                     delay = min(delay * 2, 2.0)
-                    if what != "join" and self._join_args is not None:
-                        # the shard may have restarted from a snapshot: once it answers a Join again,
-                        # the caller starts the step over from the shard's state
-                        try:
-                            self._join_one(shard)
-                        except grpc.RpcError as again:
-                            if again.code() in RETRYABLE or again.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                                continue  # still unreachable: keep trying until the deadline
-                            raise
-                        raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}") from None
+                    rejoin = what != "join" and self._join_args is not None
                     continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise AuthError(f"shard {self.servers[shard]} refused {what}: {err.details()}") from None
