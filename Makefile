@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[torch,paddle,examples]'
+	$(BIN)/pip install -q -e '.[torch,paddle,examples,registry]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python

@@ -148,7 +148,8 @@ def history(name: str, alias_name: Optional[str] = typer.Option(None, "--alias")
 
 
 @group.command("promote")
-def promote(name: str, version: int, alias_name: str = typer.Option(..., "--alias"),
+def promote(name: str, version: str = typer.Argument(..., help="candidate: a version number or an alias naming it"),
+            alias_name: str = typer.Option(..., "--alias"),
             require: list[str] = typer.Option([], "--require", help="METRIC OP NUMBER, e.g. 'test_accuracy>=0.95'; repeatable"),
             no_regression_vs: Optional[str] = typer.Option(None, "--no-regression-vs", help="alias or version to compare with"),
             tolerance: float = typer.Option(0.0, help="allowed regression vs --no-regression-vs"),
@@ -156,8 +157,9 @@ def promote(name: str, version: int, alias_name: str = typer.Option(..., "--alia
             as_json: bool = typer.Option(False, "--json", help="print the machine-readable result"),
             registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
     """Move ALIAS to VERSION only if the gate passes; exit 18 with the reasons otherwise."""
+    candidate: int | str = int(version.lstrip("v")) if version.lstrip("v").isdigit() else version
     try:
-        result = _open(registry, token).promote(name, version, alias_name, require, no_regression_vs, tolerance, reason)
+        result = _open(registry, token).promote(name, candidate, alias_name, require, no_regression_vs, tolerance, reason)
     except GateFailedError as err:
         if as_json:
             typer.echo(json.dumps({"name": name, "version": version, "alias": alias_name, "passed": False,
@@ -166,7 +168,7 @@ def promote(name: str, version: int, alias_name: str = typer.Option(..., "--alia
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        typer.echo(f"{result['name']}@{alias_name} -> v{version} (gate passed)")
+        typer.echo(f"{result['name']}@{alias_name} -> v{result['version']} (gate passed)")
 
 
 @group.command("rollout")

@@ -192,9 +192,11 @@ def history(reg: "Registry", name: str, alias: str | None = None) -> list[dict[s
              "actor": r.actor, "reason": r.reason, "at_s": r.at_s} for r in rows]  # fmt: skip
 
 
-def promote(reg: "Registry", name: str, version: int, alias: str, require: list[str], no_regression_vs: str | None = None,
+def promote(reg: "Registry", name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
             tolerance: float = 0.0, reason: str = "") -> dict[str, Any]:  # fmt: skip
-    """Move ``alias`` to ``version`` only if the gate passes; GateFailedError (with reasons) otherwise.
+    """Move ``alias`` to ``version`` (a number, or an alias naming the candidate) only if the gate passes.
+
+    GateFailedError (with machine-readable reasons) otherwise.
 
     Permission and parse errors come first, so a gate never runs for a caller who could
     not move the alias anyway. Nothing changes unless every check passes.
@@ -214,6 +216,7 @@ def promote(reg: "Registry", name: str, version: int, alias: str, require: list[
             baseline = None  # the first promotion: nothing to regress from
     checks = gate.evaluate(candidate.metrics, requirements, baseline.metrics if baseline else None,
                            f"{no_regression_vs} (v{baseline.version})" if baseline else "", tolerance)  # fmt: skip
+    version = candidate.version
     result = {"name": f"{namespace}/{short}", "version": version, "alias": alias,
               "passed": all(c.passed for c in checks), "checks": [c.to_dict() for c in checks]}  # fmt: skip
     if not result["passed"]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import httpx
-
 from hybridfleet.errors import (
     AuthError,
     CheckpointError,
@@ -51,6 +49,11 @@ class RemoteRegistry:
     def __init__(self, url: str, token: str | None, timeout_s: float = 60.0):
         if not token:
             raise AuthError(f"a registry server needs a token: --token or ${TOKEN_ENV}")
+        try:
+            import httpx
+        except ImportError as err:
+            raise RegistryError("talking to a registry server needs httpx: pip install 'hybridfleet[registry]'") from err
+        self._http_error = httpx.HTTPError
         self.url = url.rstrip("/")
         self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {token}"})  # fmt: skip
@@ -59,7 +62,7 @@ class RemoteRegistry:
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as err:
+        except self._http_error as err:
             raise RegistryError(f"registry server {self.url} did not answer: {err}") from err
         if response.status_code < 400:
             return response.json()

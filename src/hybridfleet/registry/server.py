@@ -67,7 +67,7 @@ class Rollout(BaseModel):
 
 
 class Promotion(BaseModel):
-    version: int
+    version: int | str
     alias: str
     require: list[str] = Field(default_factory=list)
     no_regression_vs: str | None = None
