@@ -5,6 +5,7 @@ leaving the database and the store as they were."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from hybridfleet.errors import (
 from hybridfleet.registry import Registry
 from hybridfleet.registry.aliases import BUCKETS, bucket
 from tests.registry_fixtures import db_url, files_under, postgres, registry, save_model, table_counts  # noqa: F401
+from tests.seaweed import s3_url, seaweed  # noqa: F401
 
 pytest.importorskip("torch")
 
@@ -301,3 +303,33 @@ def test_an_older_schema_is_refused_with_the_migrate_command_then_migrated(db_ur
     assert db.current_revision(engine) == "0001" and sorted(inspect(engine).get_table_names()) == tables_before
     db.upgrade(engine)
     assert Registry(db_url, store=str(tmp_path / "a")).list_models() == []
+
+
+# ------------------------------------------------------------------ artifacts on real S3 (SeaweedFS)
+def test_s3_artifact_store_registers_pulls_and_detects_corruption(db_url, seaweed, s3_url, tmp_path, monkeypatch):
+    # Prepare: S3 endpoint and credentials by environment, as in a deployment
+    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret)
+    reg = Registry(db_url, store=s3_url)
+    save_model(tmp_path / "run", test_accuracy=0.9)
+    # Execute
+    first = reg.register("m", str(tmp_path / "run"))
+    in_store = save_checkpoint(s3_url, 3, tensors={"w": np.ones((128, 128), np.float32)})
+    second = reg.register("raw", s3_url)
+    out = reg.pull("m@1", "torch", "safetensors", str(tmp_path / "out"))
+    # Assert
+    assert first.copied_bytes == first.size_bytes
+    assert second.copied_bytes == next(f.size_bytes for f in in_store.files if f.role == "state")
+    assert Path(out["path"]).stat().st_size > 0
+    from hybridfleet.store import open_store
+
+    store = open_store(s3_url)
+    manifest = __import__("json").loads(store.get_bytes(first.manifest_path))
+    blob = next(f["path"] for f in manifest["files"] if f["role"] == "model")
+    data = bytearray(store.get_bytes(blob))
+    data[-1] ^= 1
+    store.put_bytes(blob, bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        reg.pull("m@1", "torch", "safetensors", str(tmp_path / "out2"))
+    assert not (tmp_path / "out2").exists()

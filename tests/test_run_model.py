@@ -47,7 +47,9 @@ def small_job(tmp_path: Path, example: str, **sections) -> Path:
 @pytest.mark.parametrize("example", ["digits-hybrid.yaml", "digits-hybrid-paddle.yaml"])
 def test_ps_run_ends_in_final_and_best_model_with_lineage(tmp_path, example):
     # Prepare
-    job = small_job(tmp_path, example, checkpoint={"every_steps": 50, "keep_last": 2, "keep_best": "test_accuracy"})
+    job = small_job(tmp_path, example, checkpoint={"every_steps": 50, "keep_last": 2, "keep_best": "test_accuracy"},
+                    registry={"publish_as": "test/digits", "require": ["test_accuracy>=0.5"], "alias": "staging",
+                              "model": "best", "url": f"sqlite:///{tmp_path / 'reg.db'}"})
     spec = load_spec(job)
     # Execute
     summary = run_ps_job(spec, job, echo=False, show_progress=False, run_root=tmp_path / "runs")
@@ -77,6 +79,34 @@ def test_ps_run_ends_in_final_and_best_model_with_lineage(tmp_path, example):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     digests = {m["params_sha256"] for m in metrics if m.get("final")}
     assert len(digests) == 1
+    # registry: the gate passed, so the best model is version 1 of test/digits, alias staging
+    registered = model["registered"]
+    assert registered["published"] and registered["version"] == 1, registered
+    from hybridfleet.registry import Registry
+
+    version = Registry(f"sqlite:///{tmp_path / 'reg.db'}").get_version("test/digits@staging")
+    assert version.step == card["best"]["step"] and version.lineage["model"]["which"] == "best"
+    assert version.lineage["run_id"] == run_dir.name and version.manifest_sha256
+
+
+def test_registry_block_with_a_failing_gate_publishes_nothing(tmp_path):
+    torch = pytest.importorskip("torch")
+    from hybridfleet.registry import Registry
+    from hybridfleet.registry.publish import publish_run
+
+    # Prepare: a finished run's model whose accuracy misses the gate
+    ModelCheckpointer(str(tmp_path / "m"), "torch").final(9, torch.nn.Linear(3, 2), {"test_accuracy": 0.8})
+    card = write_model_card(str(tmp_path / "m"), {"job": "j", "run_id": "r1", "metrics": {"test_accuracy": 0.8}})
+    url = f"sqlite:///{tmp_path / 'reg.db'}"
+    spec = load_spec(small_job(tmp_path, "digits-hybrid.yaml",
+                               registry={"publish_as": "t/m", "require": ["test_accuracy>=0.95"], "url": url}))
+    # Execute
+    out = publish_run(spec, card)
+    bad = publish_run(spec.model_copy(update={"registry": spec.registry.model_copy(update={"require": ["acc=>1"]})}), card)
+    # Assert
+    assert not out["published"] and "test_accuracy=0.8 fails test_accuracy>=0.95" in out["message"]
+    assert not bad["published"] and "does not parse" in bad["message"]
+    assert Registry(url).list_models() == []
 
 
 def test_model_checkpointer_every_s_and_keep_best_min(tmp_path):
