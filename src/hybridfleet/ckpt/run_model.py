@@ -1,6 +1,6 @@
 """A training run's model: periodic, best and final checkpoints, and the card that says where it came from.
 
-One path for every kind of job: a PS worker (global rank 0, see `hybridfleet.ps.frontend`)
+One path for every kind of job: a PS worker (global rank 0, see `hybridfleet.ps.worker.frontend`)
 and a collective script (rank 0, through `hybridfleet.launch.helpers.save_model`) drive a
 `ModelCheckpointer` rooted at ``HFLEET_MODEL_DIR`` (``<run_dir>/model``). Checkpoints are
 ordinary `hybridfleet.ckpt` checkpoints of the framework model (weights + layer layouts,
