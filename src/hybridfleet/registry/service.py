@@ -218,10 +218,20 @@ class Registry:
 
         ref = parse_ref(ref_text)
         self.actor.require("reader", ref.namespace, ref.name, "read versions")
+        query = (select(versions).join(models, models.c.id == versions.c.model_id)
+                 .where(and_(models.c.namespace == ref.namespace, models.c.name == ref.name)))  # fmt: skip
+        if ref.version is not None:
+            query = query.where(versions.c.version == ref.version)
+        elif ref.alias is not None:
+            query = query.join(aliases, and_(aliases.c.model_id == models.c.id, aliases.c.alias == ref.alias,
+                                             aliases.c.version == versions.c.version))  # fmt: skip
+        else:
+            query = query.order_by(versions.c.version.desc()).limit(1)
         with self.engine.connect() as conn:
-            model_id = self._model_id(conn, ref.namespace, ref.name)
-            number = resolve_number(conn, model_id, ref, None)
-            row = self._version_row(conn, model_id, ref, number)
+            row = conn.execute(query).first()  # one query on the hot path; the slow path names what is missing
+            if row is None:
+                model_id = self._model_id(conn, ref.namespace, ref.name)
+                row = self._version_row(conn, model_id, ref, resolve_number(conn, model_id, ref, None))
             return _version_info(ref.full_name, row, self._tags(conn, [row.id])[row.id])
 
     def list_versions(self, name: str) -> list[VersionInfo]:
