@@ -201,6 +201,22 @@ def pull(ref: str, framework: str = typer.Option(..., help="torch or paddle"),
     typer.echo(f"{result['name']} v{result['version']} -> {result['path']}")
 
 
+@group.command("import")
+def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscope:ORG/NAME@REV"),
+            name: Optional[str] = typer.Option(None, "--as", help="[NAMESPACE/]NAME (default: hub/<name>)"),
+            cache_dir: Optional[str] = typer.Option(None, help="the hub library's cache (default: its own)"),
+            offline: bool = typer.Option(False, help="use only the local hub cache; never touch the network"),
+            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+    """Import a hub model pinned to the resolved revision, verified complete, as a new version."""
+    from hybridfleet.registry.hub import import_model
+
+    reg = _open(registry, token)
+    if not hasattr(reg, "engine"):
+        raise RegistryError("import runs against the registry database (--registry sqlite:///... or postgresql://...)")
+    info = import_model(reg, source, name, cache_dir, offline)
+    typer.echo(f"imported {source} (revision {info.lineage['hub']['resolved_revision']}) as {info.name} v{info.version}")
+
+
 principal = typer.Typer(help="Users and service accounts.", no_args_is_help=True)
 
 
