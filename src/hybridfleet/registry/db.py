@@ -19,12 +19,12 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from hybridfleet.errors import RegistryError, SchemaError
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-DB_ENV = "HFLEET_REGISTRY_DB"
+DB_ENV = "HFLEET_REGISTRY"
 
 
 def default_db_url() -> str:
-    """``$HFLEET_REGISTRY_DB``, else SQLite at ``~/.hfleet/registry/registry.db``."""
-    if os.environ.get(DB_ENV):
+    """``$HFLEET_REGISTRY`` (when it names a database, not a server), else SQLite at ``~/.hfleet/registry/registry.db``."""
+    if os.environ.get(DB_ENV) and not os.environ[DB_ENV].startswith(("http://", "https://")):
         return os.environ[DB_ENV]
     path = Path.home() / ".hfleet" / "registry" / "registry.db"
     return f"sqlite:///{path}"
