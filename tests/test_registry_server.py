@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hybridfleet.cli.app import main
-from hybridfleet.errors import EXIT_CODES, GateFailedError, PermissionDeniedError
+from hybridfleet.errors import EXIT_CODES, GateFailedError, PermissionDeniedError, RegistryError
 from hybridfleet.registry import Registry
 from hybridfleet.registry.client import RemoteRegistry
 from hybridfleet.registry.server import create_app
@@ -193,3 +193,23 @@ def test_ci_example_commands_train_publish_and_promote_with_a_service_token(tmp_
     assert [(e["alias"], e["actor"], e["to_version"]) for e in events] == [("candidate", "ci-bot", 1), ("prod", "ci-bot", 1)]
     lineage = owner.get_version("ci/digits@prod").lineage
     assert lineage["job"] == "digits-ci" and lineage["git"]["commit"] and lineage["model"]["which"] == "final"
+
+
+def test_a_server_reads_local_checkpoints_only_under_its_allowed_folders(db_url, tmp_path):
+    owner = Registry(db_url, store=str(tmp_path / "artifacts"))
+    token = owner.add_principal("ci", "service")
+    owner.grant("ci", "writer", "ci")
+    save_model(tmp_path / "allowed" / "run")
+    save_model(tmp_path / "elsewhere" / "run")
+    from hybridfleet.store import open_store
+
+    roots = [owner.store_url, open_store(str(tmp_path / "allowed")).url]
+    server = Server(owner)
+    server.server.config.app = create_app(owner, roots)
+    with server:
+        ci = RemoteRegistry(server.url, token)
+        assert ci.register("ci/m", str(tmp_path / "allowed" / "run")).version == 1
+        before = table_counts(owner)
+        with pytest.raises(RegistryError, match="reads local checkpoints only under"):
+            ci.register("ci/m", str(tmp_path / "elsewhere" / "run"))
+        assert table_counts(owner) == before

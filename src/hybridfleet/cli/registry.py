@@ -248,11 +248,13 @@ def whoami(registry: Optional[str] = Url, token: Optional[str] = Token) -> None:
 @group.command("serve")
 def serve(db: Optional[str] = typer.Option(None, "--db", help="database URL or SQLite path"),
           host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080),
-          store: Optional[str] = typer.Option(None, help="artifact store (fixed when the registry is created)")) -> None:  # fmt: skip
+          store: Optional[str] = typer.Option(None, help="artifact store (fixed when the registry is created)"),
+          allow_path: list[str] = typer.Option([], "--allow-path", help="a local folder clients may register checkpoints from; repeatable"),
+          ) -> None:  # fmt: skip
     """Serve the registry over REST with token auth; OpenAPI at /openapi.json."""
     from hybridfleet.registry.server import serve as run_server
 
-    run_server(db, host, port, store)
+    run_server(db, host, port, store, allow_path)
 
 
 def register(app: typer.Typer) -> None:

@@ -22,6 +22,7 @@ from hybridfleet.errors import (
     GateFailedError,
     HfleetError,
     PermissionDeniedError,
+    RegistryError,
     RegistryNotFoundError,
 )
 from hybridfleet.registry.service import Registry
@@ -86,8 +87,23 @@ class Grant(BaseModel):
     scope: str
 
 
-def create_app(registry: Registry) -> FastAPI:
-    """The REST app over ``registry`` (its engine and store; each request acts for its token)."""
+def _check_source(url: str, allowed_roots: list[str] | None) -> None:
+    """Refuse a local checkpoint path outside ``allowed_roots`` (None: any path, for local use)."""
+    if allowed_roots is None or url.startswith(("s3://", "gs://", "http://", "https://")):
+        return
+    from hybridfleet.store import open_store
+
+    local = open_store(url).url
+    if not any(local == root or local.startswith(root.rstrip("/") + "/") for root in allowed_roots):
+        raise RegistryError(f"this server reads local checkpoints only under {', '.join(allowed_roots)}; "
+                            f"use an s3:// URL or start it with --allow-path")
+
+
+def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> FastAPI:
+    """The REST app over ``registry`` (its engine and store; each request acts for its token).
+
+    ``allowed_roots``: the local folders a registration may read checkpoints from (None: any).
+    """
     app = FastAPI(title="hybridfleet model registry", version="1", openapi_url="/openapi.json")
 
     @app.exception_handler(HfleetError)
@@ -121,6 +137,7 @@ def create_app(registry: Registry) -> FastAPI:
 
     @app.post(f"{API}/models/{{namespace}}/{{name}}/versions", status_code=201)
     def register(namespace: str, name: str, body: NewVersion, reg: Registry = Depends(caller)) -> dict:
+        _check_source(body.checkpoint_url, allowed_roots)
         if body.run_model:
             return reg.register_run(f"{namespace}/{name}", body.checkpoint_url, body.which, body.description, body.tags).to_dict()
         return reg.register(f"{namespace}/{name}", body.checkpoint_url, body.step, body.description, body.tags,
@@ -178,9 +195,15 @@ def create_app(registry: Registry) -> FastAPI:
     return app
 
 
-def serve(db_url: str | None, host: str = "127.0.0.1", port: int = 8080, store: str | None = None) -> None:
-    """Serve the registry on ``db_url`` until interrupted."""
+def serve(db_url: str | None, host: str = "127.0.0.1", port: int = 8080, store: str | None = None,
+          allow_paths: list[str] | None = None) -> None:  # fmt: skip
+    """Serve the registry on ``db_url`` until interrupted; local checkpoints are read only under
+    the artifact store and ``allow_paths``."""
     import uvicorn
 
-    app = create_app(Registry(db_url, store=store))
+    from hybridfleet.store import open_store
+
+    registry = Registry(db_url, store=store)
+    roots = [registry.store_url] + [open_store(p).url for p in allow_paths or []]
+    app = create_app(registry, roots)
     uvicorn.run(app, host=host, port=port, log_level="warning")
