@@ -333,3 +333,21 @@ def test_s3_artifact_store_registers_pulls_and_detects_corruption(db_url, seawee
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         reg.pull("m@1", "torch", "safetensors", str(tmp_path / "out2"))
     assert not (tmp_path / "out2").exists()
+
+
+def test_registering_a_corrupt_checkpoint_writes_no_row_and_no_manifest(registry, tmp_path):
+    # Prepare: a checkpoint whose model file has one flipped byte
+    save_model(tmp_path / "run")
+    manifest = next((tmp_path / "run").glob("step-*/MANIFEST.json"))
+    entry = next(f for f in __import__("json").loads(manifest.read_text())["files"] if f["role"] == "model")
+    blob = tmp_path / "run" / entry["path"]
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 1
+    blob.write_bytes(bytes(data))
+    before = table_counts(registry)
+    # Execute
+    with pytest.raises(CheckpointError, match="crc32 mismatch"):
+        registry.register("fresh/model", str(tmp_path / "run"))
+    # Assert: no model, no version, no manifest in the store
+    assert table_counts(registry) == before
+    assert not any(p.name == "MANIFEST.json" for p in (tmp_path / "artifacts").rglob("*"))

@@ -139,15 +139,6 @@ class Registry:
             raise RegistryError(f"model {namespace}/{short} exists already") from err
         return {"name": f"{namespace}/{short}", "description": description}
 
-    def _ensure_model(self, namespace: str, short: str) -> None:
-        with self.engine.connect() as conn:
-            exists = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == short))).scalar()
-        if exists is None:
-            try:
-                self.create_model(f"{namespace}/{short}")
-            except RegistryError:
-                pass  # created concurrently
-
     def register(self, name: str, checkpoint_url: str, step: int | None = None, description: str = "",
                  tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
                  lineage: dict[str, Any] | None = None, **store_options: Any) -> VersionInfo:  # fmt: skip
@@ -161,7 +152,6 @@ class Registry:
         self.actor.require("writer", namespace, short, "register a version")
         source = open_store(checkpoint_url, **store_options)
         manifest = artifacts.source_manifest(source, step)
-        self._ensure_model(namespace, short)
         merged_metrics = {**manifest.metrics, **(metrics or {})}
         for attempt in range(REGISTER_RETRIES):
             try:
@@ -175,7 +165,11 @@ class Registry:
     def _insert_version(self, namespace: str, short: str, source: Store, manifest: Any, metrics: dict[str, float],
                         lineage: dict[str, Any], description: str, tags: dict[str, str]) -> VersionInfo:  # fmt: skip
         with self.engine.begin() as conn:
-            model_id = self._model_id(conn, namespace, short)
+            model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == short))).scalar()
+            if model_id is None:  # created with its first version, in the same transaction
+                model_id = conn.execute(insert(models).values(namespace=namespace, name=short, description="",
+                                                              created_by=self.actor.name, created_s=time.time())
+                                        ).inserted_primary_key[0]  # fmt: skip
             number = (conn.execute(select(func.max(versions.c.version)).where(versions.c.model_id == model_id)).scalar() or 0) + 1
             path = artifacts.version_path(namespace, short, number)
             if self.store.exists(path):  # left by a registration that failed before its row committed
