@@ -42,7 +42,7 @@ class PostgresServer:
     def _run(self, *argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([*self._as_user, *argv], capture_output=True, text=True, timeout=120, check=True)
 
-    def __enter__(self) -> "PostgresServer":
+    def __enter__(self) -> PostgresServer:
         if os.geteuid() == 0:
             shutil.chown(self.tmp, "postgres")
             os.chmod(self.tmp, 0o700)

@@ -22,9 +22,9 @@ from hybridfleet.errors import (
 )
 from hybridfleet.registry import Registry
 from hybridfleet.registry.aliases import BUCKETS, bucket
-from tests.registry_fixtures import db_url, files_under, postgres, registry, save_model, table_counts  # noqa: F401
-from tests.seaweed import s3_url, seaweed  # noqa: F401
+from tests.registry_helpers import files_under, save_model, table_counts
 
+pytest_plugins = ["tests.registry_fixtures", "tests.seaweed"]
 pytest.importorskip("torch")
 
 

@@ -19,8 +19,9 @@ import pytest
 
 from hybridfleet.errors import CheckpointError, RegistryNotFoundError
 from hybridfleet.registry.hub import import_model
-from tests.registry_fixtures import db_url, postgres, registry, table_counts  # noqa: F401
+from tests.registry_helpers import table_counts
 
+pytest_plugins = ["tests.registry_fixtures"]
 pytest.importorskip("huggingface_hub")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -17,12 +17,18 @@ import pytest
 import yaml
 
 from hybridfleet.cli.app import main
-from hybridfleet.errors import EXIT_CODES, GateFailedError, PermissionDeniedError, RegistryError
+from hybridfleet.errors import (
+    EXIT_CODES,
+    GateFailedError,
+    PermissionDeniedError,
+    RegistryError,
+)
 from hybridfleet.registry import Registry
 from hybridfleet.registry.client import RemoteRegistry
 from hybridfleet.registry.server import create_app
-from tests.registry_fixtures import db_url, postgres, save_model, table_counts  # noqa: F401
+from tests.registry_helpers import save_model, table_counts
 
+pytest_plugins = ["tests.registry_fixtures"]
 pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +46,7 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(create_app(registry), host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:

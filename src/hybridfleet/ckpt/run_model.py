@@ -94,7 +94,7 @@ class ModelCheckpointer:
         self._last_save_time = time.monotonic()
 
     @classmethod
-    def from_env(cls, job: Any, framework: str, env: dict[str, str] | None = None) -> "ModelCheckpointer | None":
+    def from_env(cls, job: Any, framework: str, env: dict[str, str] | None = None) -> ModelCheckpointer | None:
         """The checkpointer ``HFLEET_MODEL_DIR`` asks for, with the job's ``checkpoint`` cadence; None when unset."""
         env = os.environ if env is None else env
         root = env.get(MODEL_DIR_ENV)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -17,7 +17,7 @@ Url = typer.Option(None, "--registry", "-r", help=REGISTRY_HELP)
 Token = typer.Option(None, "--token", help=TOKEN_HELP)
 
 
-def _open(registry: Optional[str], token: Optional[str], store: Optional[str] = None):
+def _open(registry: str | None, token: str | None, store: str | None = None):
     from hybridfleet.registry.client import open_registry
 
     return open_registry(registry, token, store)
@@ -42,7 +42,7 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 
 @group.command("init")
-def init(registry: Optional[str] = Url, store: Optional[str] = typer.Option(None, help="artifact store: file:///DIR or s3://BUCKET/PREFIX")) -> None:
+def init(registry: str | None = Url, store: str | None = typer.Option(None, help="artifact store: file:///DIR or s3://BUCKET/PREFIX")) -> None:
     """Create a registry database (newest schema) and fix its artifact store."""
     from hybridfleet.registry import Registry
 
@@ -51,7 +51,7 @@ def init(registry: Optional[str] = Url, store: Optional[str] = typer.Option(None
 
 
 @group.command("migrate")
-def migrate(db: Optional[str] = typer.Option(None, "--db", help="database URL or SQLite path")) -> None:
+def migrate(db: str | None = typer.Option(None, "--db", help="database URL or SQLite path")) -> None:
     """Migrate a registry database to this hfleet's schema (back it up first)."""
     from hybridfleet.registry import db as registry_db
 
@@ -65,11 +65,11 @@ def migrate(db: Optional[str] = typer.Option(None, "--db", help="database URL or
 @group.command("publish")
 def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
             checkpoint: str = typer.Argument(..., help="a run's model dir (with MODEL.json) or any checkpoint root URL"),
-            step: Optional[int] = typer.Option(None, help="checkpoint step (default: newest; or the run's final/best)"),
+            step: int | None = typer.Option(None, help="checkpoint step (default: newest; or the run's final/best)"),
             which: str = typer.Option("final", help="for a run's model dir: final or best"),
             tag: list[str] = typer.Option([], "--tag", help="KEY=VALUE, repeatable"),
             description: str = typer.Option("", help="free text"),
-            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Register a checkpoint as NAME's next immutable version (blobs already in the store are not copied)."""
     from hybridfleet.store import open_store
 
@@ -84,35 +84,35 @@ def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
 
 
 @group.command("ls")
-def ls(namespace: Optional[str] = typer.Argument(None), registry: Optional[str] = Url, token: Optional[str] = Token) -> None:
+def ls(namespace: str | None = typer.Argument(None), registry: str | None = Url, token: str | None = Token) -> None:
     """Models (in NAMESPACE) with their newest version."""
     for m in _open(registry, token).list_models(namespace):
         typer.echo(f"{m['name']:<40} v{m['latest'] if m['latest'] is not None else '-':<6} {m['description']}")
 
 
 @group.command("show")
-def show(ref: str = typer.Argument(..., help="NAME, NAME@ALIAS or NAME@VERSION"), registry: Optional[str] = Url,
-         token: Optional[str] = Token) -> None:  # fmt: skip
+def show(ref: str = typer.Argument(..., help="NAME, NAME@ALIAS or NAME@VERSION"), registry: str | None = Url,
+         token: str | None = Token) -> None:  # fmt: skip
     """One version as JSON: manifest sha256, metrics, lineage, tags."""
     _echo(_open(registry, token).get_version(ref))
 
 
 @group.command("versions")
-def versions(name: str, registry: Optional[str] = Url, token: Optional[str] = Token) -> None:
+def versions(name: str, registry: str | None = Url, token: str | None = Token) -> None:
     """Every version of NAME as JSON, oldest first."""
     _echo(_open(registry, token).list_versions(name))
 
 
 @group.command("search")
 def search(tag: list[str] = typer.Option(..., "--tag", help="KEY=VALUE, repeatable; all must match"),
-           namespace: Optional[str] = typer.Option(None), registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+           namespace: str | None = typer.Option(None), registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Versions carrying every given tag, newest first."""
     _echo(_open(registry, token).search(_pairs(tag, "--tag"), namespace))
 
 
 @group.command("tag")
-def tag_version(ref: str, tags: list[str] = typer.Argument(..., help="KEY=VALUE ..."), registry: Optional[str] = Url,
-                token: Optional[str] = Token) -> None:  # fmt: skip
+def tag_version(ref: str, tags: list[str] = typer.Argument(..., help="KEY=VALUE ..."), registry: str | None = Url,
+                token: str | None = Token) -> None:  # fmt: skip
     """Add or replace tags on a version."""
     _echo(_open(registry, token).set_tags(ref, _pairs(tags, "tag")))
 
@@ -120,8 +120,8 @@ def tag_version(ref: str, tags: list[str] = typer.Argument(..., help="KEY=VALUE 
 @group.command("alias")
 def alias(name: str, alias_name: str = typer.Argument(..., metavar="ALIAS"), version: int = typer.Argument(...),
           reason: str = typer.Option("", help="recorded in the history"),
-          expect_revision: Optional[int] = typer.Option(None, help="refuse (conflict) unless the alias is at this revision"),
-          registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+          expect_revision: int | None = typer.Option(None, help="refuse (conflict) unless the alias is at this revision"),
+          registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Point ALIAS of NAME at VERSION (no gate; `promote` gates)."""
     _echo(_open(registry, token).move_alias(name, alias_name, version, reason, expect_revision))
 
@@ -129,14 +129,14 @@ def alias(name: str, alias_name: str = typer.Argument(..., metavar="ALIAS"), ver
 @group.command("protect")
 def protect(name: str, alias_name: str = typer.Argument(..., metavar="ALIAS"),
             off: bool = typer.Option(False, "--off", help="remove the protection"),
-            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Protect an alias: only releasers may move it (`prod` is protected from its creation)."""
     _echo(_open(registry, token).protect_alias(name, alias_name, not off))
 
 
 @group.command("history")
-def history(name: str, alias_name: Optional[str] = typer.Option(None, "--alias"), registry: Optional[str] = Url,
-            token: Optional[str] = Token) -> None:  # fmt: skip
+def history(name: str, alias_name: str | None = typer.Option(None, "--alias"), registry: str | None = Url,
+            token: str | None = Token) -> None:  # fmt: skip
     """Who moved which alias from which version to which, when and why (append-only)."""
     import time
 
@@ -151,11 +151,11 @@ def history(name: str, alias_name: Optional[str] = typer.Option(None, "--alias")
 def promote(name: str, version: str = typer.Argument(..., help="candidate: a version number or an alias naming it"),
             alias_name: str = typer.Option(..., "--alias"),
             require: list[str] = typer.Option([], "--require", help="METRIC OP NUMBER, e.g. 'test_accuracy>=0.95'; repeatable"),
-            no_regression_vs: Optional[str] = typer.Option(None, "--no-regression-vs", help="alias or version to compare with"),
+            no_regression_vs: str | None = typer.Option(None, "--no-regression-vs", help="alias or version to compare with"),
             tolerance: float = typer.Option(0.0, help="allowed regression vs --no-regression-vs"),
             reason: str = typer.Option("", help="recorded in the history"),
             as_json: bool = typer.Option(False, "--json", help="print the machine-readable result"),
-            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Move ALIAS to VERSION only if the gate passes; exit 18 with the reasons otherwise."""
     candidate: int | str = int(version.lstrip("v")) if version.lstrip("v").isdigit() else version
     try:
@@ -173,19 +173,19 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
 
 @group.command("rollout")
 def rollout(name: str, alias_name: str = typer.Option(..., "--alias"),
-            canary: Optional[int] = typer.Option(None, help="canary version"),
-            weight: Optional[float] = typer.Option(None, help="percent of keys on the canary"),
+            canary: int | None = typer.Option(None, help="canary version"),
+            weight: float | None = typer.Option(None, help="percent of keys on the canary"),
             promote_: bool = typer.Option(False, "--promote", help="the canary becomes the stable version"),
             rollback: bool = typer.Option(False, "--rollback", help="drop the canary"),
-            reason: str = typer.Option(""), registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            reason: str = typer.Option(""), registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Gray release on an alias: --canary V --weight W, --weight W, --promote or --rollback."""
     _echo(_open(registry, token).rollout(name, alias_name, canary, weight, promote_, rollback, reason))
 
 
 @group.command("resolve")
 def resolve(ref: str = typer.Argument(..., help="NAME@ALIAS (or @VERSION)"),
-            key: Optional[str] = typer.Option(None, help="request key (user id ...): sticky under gray release"),
-            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            key: str | None = typer.Option(None, help="request key (user id ...): sticky under gray release"),
+            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Print the version a reference resolves to (for KEY, under gray release) as JSON."""
     _echo(_open(registry, token).resolve(ref, key))
 
@@ -193,9 +193,9 @@ def resolve(ref: str = typer.Argument(..., help="NAME@ALIAS (or @VERSION)"),
 @group.command("pull")
 def pull(ref: str, framework: str = typer.Option(..., help="torch or paddle"),
          fmt: str = typer.Option("safetensors", "--format", help="safetensors, pt (torch) or pdparams (paddle)"),
-         out: Optional[str] = typer.Option(None, "-o", "--out", help="output directory (default: ./NAME-vN)"),
-         key: Optional[str] = typer.Option(None, help="resolve a gray-release alias for this key"),
-         registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+         out: str | None = typer.Option(None, "-o", "--out", help="output directory (default: ./NAME-vN)"),
+         key: str | None = typer.Option(None, help="resolve a gray-release alias for this key"),
+         registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Verify every byte of a version, then write its weights for FRAMEWORK (converted if needed)."""
     result = _open(registry, token).pull(ref, framework, fmt, out, key)
     typer.echo(f"{result['name']} v{result['version']} -> {result['path']}")
@@ -203,10 +203,10 @@ def pull(ref: str, framework: str = typer.Option(..., help="torch or paddle"),
 
 @group.command("import")
 def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscope:ORG/NAME@REV"),
-            name: Optional[str] = typer.Option(None, "--as", help="[NAMESPACE/]NAME (default: hub/<name>)"),
-            cache_dir: Optional[str] = typer.Option(None, help="the hub library's cache (default: its own)"),
+            name: str | None = typer.Option(None, "--as", help="[NAMESPACE/]NAME (default: hub/<name>)"),
+            cache_dir: str | None = typer.Option(None, help="the hub library's cache (default: its own)"),
             offline: bool = typer.Option(False, help="use only the local hub cache; never touch the network"),
-            registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Import a hub model pinned to the resolved revision, verified complete, as a new version."""
     from hybridfleet.registry.hub import import_model
 
@@ -222,7 +222,7 @@ principal = typer.Typer(help="Users and service accounts.", no_args_is_help=True
 
 @principal.command("add")
 def principal_add(name: str, kind: str = typer.Option("user", help="user or service"),
-                  registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+                  registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Create a principal and print its token (shown once)."""
     typer.echo(_open(registry, token).add_principal(name, kind))
 
@@ -234,21 +234,21 @@ group.add_typer(principal, name="principal")
 def grant(principal_name: str = typer.Argument(..., metavar="PRINCIPAL"),
           role: str = typer.Argument(..., help="reader, writer, releaser or admin"),
           scope: str = typer.Argument(..., help="*, NAMESPACE or NAMESPACE/NAME"),
-          registry: Optional[str] = Url, token: Optional[str] = Token) -> None:  # fmt: skip
+          registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Give PRINCIPAL ROLE on SCOPE."""
     _echo(_open(registry, token).grant(principal_name, role, scope))
 
 
 @group.command("whoami")
-def whoami(registry: Optional[str] = Url, token: Optional[str] = Token) -> None:
+def whoami(registry: str | None = Url, token: str | None = Token) -> None:
     """The principal the token belongs to, and its grants."""
     _echo(_open(registry, token).whoami())
 
 
 @group.command("serve")
-def serve(db: Optional[str] = typer.Option(None, "--db", help="database URL or SQLite path"),
+def serve(db: str | None = typer.Option(None, "--db", help="database URL or SQLite path"),
           host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080),
-          store: Optional[str] = typer.Option(None, help="artifact store (fixed when the registry is created)"),
+          store: str | None = typer.Option(None, help="artifact store (fixed when the registry is created)"),
           allow_path: list[str] = typer.Option([], "--allow-path", help="a local folder clients may register checkpoints from; repeatable"),
           ) -> None:  # fmt: skip
     """Serve the registry over REST with token auth; OpenAPI at /openapi.json."""

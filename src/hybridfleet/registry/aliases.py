@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, and_, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from hybridfleet.errors import ConflictError, GateFailedError, RegistryError, RegistryNotFoundError
+from hybridfleet.errors import (
+    ConflictError,
+    GateFailedError,
+    RegistryError,
+    RegistryNotFoundError,
+)
 from hybridfleet.registry import gate
 from hybridfleet.registry.refs import ModelRef, check_alias, parse_name, parse_ref
 from hybridfleet.registry.schema import alias_events, aliases, versions
@@ -59,7 +64,7 @@ def resolve_number(conn: Connection, model_id: int, ref: ModelRef, key: str | No
     return row.version
 
 
-def resolve(reg: "Registry", ref_text: str, key: str | None = None) -> dict[str, Any]:
+def resolve(reg: Registry, ref_text: str, key: str | None = None) -> dict[str, Any]:
     """``{"name", "version", "alias", "canary"}`` for a reference; with ``key``, gray release applies. Reader."""
     ref = parse_ref(ref_text)
     reg.actor.require("reader", ref.namespace, ref.name, "resolve versions")
@@ -78,7 +83,7 @@ def _required_role(row: Any, alias: str) -> str:
     return "releaser" if protected else "writer"
 
 
-def _change(reg: "Registry", name: str, alias: str, action: str, reason: str, expect_revision: int | None,
+def _change(reg: Registry, name: str, alias: str, action: str, reason: str, expect_revision: int | None,
             compute: Any) -> dict[str, Any]:  # fmt: skip
     """Apply ``compute(row) -> new column values`` to an alias with compare-and-set, plus one history row."""
     namespace, short = parse_name(name)
@@ -125,14 +130,14 @@ def describe_alias(row: Any, full_name: str) -> dict[str, Any]:
             "canary_weight": row.canary_weight, "revision": row.revision, "protected": row.protected}  # fmt: skip
 
 
-def move_alias(reg: "Registry", name: str, alias: str, version: int, reason: str = "",
+def move_alias(reg: Registry, name: str, alias: str, version: int, reason: str = "",
                expect_revision: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Point ``alias`` at ``version`` (ending any canary). Writer; releaser for a protected alias."""
     return _change(reg, name, alias, "move", reason, expect_revision,
                    lambda row: {"version": version, "canary_version": None, "canary_weight": 0.0})
 
 
-def protect_alias(reg: "Registry", name: str, alias: str, protected: bool = True) -> dict[str, Any]:
+def protect_alias(reg: Registry, name: str, alias: str, protected: bool = True) -> dict[str, Any]:
     """Mark an existing alias protected (only releasers move it) or not. Admin."""
     namespace, short = parse_name(name)
     reg.actor.require("admin", namespace, short, f"change the protection of alias {alias!r}")
@@ -150,7 +155,7 @@ def protect_alias(reg: "Registry", name: str, alias: str, protected: bool = True
         return describe_alias(_alias_row(conn, model_id, alias), f"{namespace}/{short}")
 
 
-def rollout(reg: "Registry", name: str, alias: str, canary: int | None = None, weight: float | None = None,
+def rollout(reg: Registry, name: str, alias: str, canary: int | None = None, weight: float | None = None,
             promote: bool = False, rollback: bool = False, reason: str = "") -> dict[str, Any]:  # fmt: skip
     """Gray release on an alias: start or reweight a canary, promote it, or roll it back (one per call)."""
     if sum([canary is not None or weight is not None, promote, rollback]) != 1:
@@ -177,7 +182,7 @@ def rollout(reg: "Registry", name: str, alias: str, canary: int | None = None, w
     return _change(reg, name, alias, action, reason, None, compute)
 
 
-def history(reg: "Registry", name: str, alias: str | None = None) -> list[dict[str, Any]]:
+def history(reg: Registry, name: str, alias: str | None = None) -> list[dict[str, Any]]:
     """Every change of the model's aliases (or of one), oldest first. Reader."""
     namespace, short = parse_name(name)
     reg.actor.require("reader", namespace, short, "read alias history")
@@ -192,7 +197,7 @@ def history(reg: "Registry", name: str, alias: str | None = None) -> list[dict[s
              "actor": r.actor, "reason": r.reason, "at_s": r.at_s} for r in rows]  # fmt: skip
 
 
-def promote(reg: "Registry", name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
+def promote(reg: Registry, name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
             tolerance: float = 0.0, reason: str = "") -> dict[str, Any]:  # fmt: skip
     """Move ``alias`` to ``version`` (a number, or an alias naming the candidate) only if the gate passes.
 

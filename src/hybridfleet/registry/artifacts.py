@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,6 @@ def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tupl
     for entry in manifest.files:
         buffer = read_verified(store, entry, check_sha256=True)
         if entry.role == "state":
-            import json
-
             state = json.loads(bytes(buffer))
             continue
         tensors, _ = safetensors_io.decode(buffer, f"{store.url}/{entry.path} ({entry.name})")

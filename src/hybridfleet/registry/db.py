@@ -50,7 +50,7 @@ def make_engine(url: str) -> Engine:
                            pool_pre_ping=not url.startswith("sqlite"))  # fmt: skip
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn, _record):  # noqa: ANN001
+        def _pragmas(dbapi_conn, _record):
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")

@@ -82,7 +82,10 @@ def download(source: HubSource, cache_dir: str | None, offline: bool) -> Path:
     try:
         if source.hub == "hf":
             from huggingface_hub import snapshot_download
-            from huggingface_hub.errors import LocalEntryNotFoundError, RevisionNotFoundError
+            from huggingface_hub.errors import (
+                LocalEntryNotFoundError,
+                RevisionNotFoundError,
+            )
 
             missing: tuple = (LocalEntryNotFoundError, RevisionNotFoundError)
             return Path(snapshot_download(source.repo, revision=source.revision, cache_dir=cache_dir, local_files_only=offline))

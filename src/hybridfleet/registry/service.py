@@ -7,6 +7,7 @@ Aliases, gray release and the promotion gate live in `hybridfleet.registry.alias
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,15 @@ from sqlalchemy.exc import IntegrityError
 from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
 from hybridfleet.registry import artifacts, auth, db
 from hybridfleet.registry.refs import ModelRef, parse_name, parse_ref
-from hybridfleet.registry.schema import aliases, grants, models, principals, settings, version_tags, versions
+from hybridfleet.registry.schema import (
+    aliases,
+    grants,
+    models,
+    principals,
+    settings,
+    version_tags,
+    versions,
+)
 from hybridfleet.store import Store, open_store
 
 STORE_ENV = "HFLEET_REGISTRY_STORE"
@@ -81,7 +90,7 @@ class Registry:
                 if wanted and open_store(wanted).url != current:
                     raise RegistryError(f"this registry keeps artifacts in {current}; it cannot switch to {wanted}")
                 return current
-            wanted = wanted or __import__("os").environ.get(STORE_ENV)
+            wanted = wanted or os.environ.get(STORE_ENV)
             if not wanted:
                 url = db.normalize_url(self.db_url)
                 if not url.startswith("sqlite:///"):
@@ -328,7 +337,7 @@ class Registry:
 
         return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason)
 
-    def for_token(self, token: str | None) -> "Registry":
+    def for_token(self, token: str | None) -> Registry:
         """This registry (same engine and store) acting for ``token``'s principal."""
         import copy
 
