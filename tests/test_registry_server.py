@@ -193,6 +193,7 @@ def test_ci_example_commands_train_publish_and_promote_with_a_service_token(tmp_
             outputs.append(done.stdout)
     # Assert
     assert "registered ci/digits v1 as candidate" in outputs[0]
+    assert "model: file://" in outputs[0] and "lineage in MODEL.json" in outputs[0]
     promoted = json.loads(outputs[1])
     assert promoted["passed"] and promoted["alias_state"]["version"] == 1
     events = owner.history("ci/digits")
@@ -219,3 +220,16 @@ def test_a_server_reads_local_checkpoints_only_under_its_allowed_folders(db_url,
         with pytest.raises(RegistryError, match="reads local checkpoints only under"):
             ci.register("ci/m", str(tmp_path / "elsewhere" / "run"))
         assert table_counts(owner) == before
+
+
+def test_cli_refuses_an_older_schema_with_exit_19_then_migrates_it(db_url, tmp_path):
+    from hybridfleet.registry import db
+
+    engine = db.make_engine(db_url)
+    db.upgrade(engine, "0001")
+    code, _ = cli("registry", "ls", "--registry", db_url)
+    assert code == EXIT_CODES["schema"].code and db.current_revision(engine) == "0001"
+    code, out = cli("registry", "migrate", "--db", db_url)
+    assert code == 0 and "0001 -> 0002" in out
+    code, _ = cli("registry", "init", "--registry", db_url, "--store", str(tmp_path / "a"))
+    assert code == 0 and db.current_revision(engine) == db.head_revision()
