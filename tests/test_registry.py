@@ -220,6 +220,11 @@ def test_roles_are_enforced_and_refusals_name_the_missing_role(registry, tmp_pat
     assert [m["name"] for m in ann.list_models()] == ["vision/digits"]
     with pytest.raises(AuthError, match="not valid"):
         registry.for_token("hfr_forged")
+    with pytest.raises(PermissionDeniedError, match="needs role 'admin' on namespace \\*"):
+        adm.remove_principal("ci")  # admin of a namespace is not admin of the registry
+    registry.remove_principal("ci")
+    with pytest.raises(AuthError, match="not valid"):
+        registry.for_token(tokens["ci"])
 
 
 # ------------------------------------------------------------------ the promotion gate

@@ -227,6 +227,13 @@ def principal_add(name: str, kind: str = typer.Option("user", help="user or serv
     typer.echo(_open(registry, token).add_principal(name, kind))
 
 
+@principal.command("remove")
+def principal_remove(name: str, registry: str | None = Url, token: str | None = Token) -> None:
+    """Delete a principal and its grants (its token stops working)."""
+    _open(registry, token).remove_principal(name)
+    typer.echo(f"removed {name}")
+
+
 group.add_typer(principal, name="principal")
 
 

@@ -156,6 +156,9 @@ class RemoteRegistry:
     def add_principal(self, name: str, kind: str = "user") -> str:
         return self._call("POST", "/principals", json={"name": name, "kind": kind})["token"]
 
+    def remove_principal(self, name: str) -> None:
+        self._call("DELETE", f"/principals/{name}")
+
     def grant(self, principal: str, role: str, scope: str) -> dict:
         return self._call("POST", "/grants", json={"principal": principal, "role": role, "scope": scope})
 

@@ -184,6 +184,11 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
     def add_principal(body: NewPrincipal, reg: Registry = Depends(caller)) -> dict:
         return {"name": body.name, "token": reg.add_principal(body.name, body.kind)}
 
+    @app.delete(f"{API}/principals/{{name}}")
+    def remove_principal(name: str, reg: Registry = Depends(caller)) -> dict:
+        reg.remove_principal(name)
+        return {"removed": name}
+
     @app.post(f"{API}/grants")
     def grant(body: Grant, reg: Registry = Depends(caller)) -> dict:
         return reg.grant(body.principal, body.role, body.scope)

@@ -360,6 +360,14 @@ class Registry:
             raise RegistryError(f"principal {name!r} exists already") from err
         return token
 
+    def remove_principal(self, name: str) -> None:
+        """Delete a principal and its grants: its token stops working at once. Admin on ``*``."""
+        self.actor.require("admin", "*", None, "remove principals")
+        with self.engine.begin() as conn:
+            conn.execute(grants.delete().where(grants.c.principal == name))
+            if conn.execute(principals.delete().where(principals.c.name == name)).rowcount != 1:
+                raise RegistryNotFoundError(f"no principal {name!r}")
+
     def grant(self, principal: str, role: str, scope: str) -> dict[str, str]:
         """Give ``principal`` ``role`` on ``scope`` (``*``, NAMESPACE or NAMESPACE/NAME); admin on that scope."""
         auth.check_role(role)
