@@ -355,4 +355,23 @@ def test_registering_a_corrupt_checkpoint_writes_no_row_and_no_manifest(registry
         registry.register("fresh/model", str(tmp_path / "run"))
     # Assert: no model, no version, no manifest in the store
     assert table_counts(registry) == before
-    assert not any(p.name == "MANIFEST.json" for p in (tmp_path / "artifacts").rglob("*"))
+    assert not any(p.name.startswith("MANIFEST") for p in (tmp_path / "artifacts").rglob("*"))
+
+
+def test_concurrent_registrations_get_distinct_versions_each_with_its_manifest(registry, tmp_path):
+    save_model(tmp_path / "run")
+    barrier = threading.Barrier(4)
+    numbers: list[int] = []
+
+    def register() -> None:
+        barrier.wait()
+        numbers.append(registry.register("m", str(tmp_path / "run")).version)
+
+    threads = [threading.Thread(target=register) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(numbers) == [1, 2, 3, 4]
+    for n in numbers:
+        assert registry.pull(f"m@{n}", "torch", "safetensors", str(tmp_path / f"out{n}"))["version"] == n

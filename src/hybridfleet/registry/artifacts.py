@@ -3,7 +3,7 @@
 Layout under the registry store root (file:// or s3://)::
 
     blobs/sha256/<hex>                        every file of every version, by content
-    models/<namespace>/<name>/v<N>/MANIFEST.json   a checkpoint manifest whose entries all name blobs
+    models/<namespace>/<name>/v<N>/MANIFEST-<id>.json   a checkpoint manifest whose entries all name blobs
 
 Registering a checkpoint copies only the blobs the store lacks, so a checkpoint already in
 the same store (or sharing tensors with an earlier version) copies no tensor bytes. A
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ class Registered:
 
 
 def version_path(namespace: str, name: str, version: int) -> str:
-    """Store path of a version's manifest."""
-    return f"models/{namespace}/{name}/v{version}/MANIFEST.json"
+    """A new store path for a version's manifest: unique per registration attempt, so two
+    registrations racing for the same number never touch each other's file."""
+    return f"models/{namespace}/{name}/v{version}/MANIFEST-{uuid.uuid4().hex[:12]}.json"
 
 
 def newest_step(store: Store) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, and_, func, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
 from hybridfleet.registry import artifacts, auth, db
@@ -166,8 +166,8 @@ class Registry:
             try:
                 return self._insert_version(namespace, short, source, manifest, merged_metrics, lineage or {},
                                             description, tags or {})  # fmt: skip
-            except IntegrityError:  # another registration took the same number: take the next
-                if attempt == REGISTER_RETRIES - 1:
+            except (IntegrityError, OperationalError) as err:  # another registration took the number: take the next
+                if attempt == REGISTER_RETRIES - 1 or (isinstance(err, OperationalError) and "locked" not in str(err)):
                     raise
         raise AssertionError("unreachable")
 
@@ -181,8 +181,6 @@ class Registry:
                                         ).inserted_primary_key[0]  # fmt: skip
             number = (conn.execute(select(func.max(versions.c.version)).where(versions.c.model_id == model_id)).scalar() or 0) + 1
             path = artifacts.version_path(namespace, short, number)
-            if self.store.exists(path):  # left by a registration that failed before its row committed
-                self.store.rm(path)
             done = artifacts.copy_into_store(source, manifest, self.store, path)
             try:
                 version_id = conn.execute(insert(versions).values(
