@@ -95,6 +95,12 @@ class StoreError(HfleetError, OSError):
     kind = "store"
 
 
+class DataError(HfleetError, ValueError):
+    """A packed dataset is missing, corrupt, or does not fit its cache; or a worker asked for another site's data."""
+
+    kind = "data"
+
+
 class RegistryError(HfleetError, ValueError):
     """A model-registry request is invalid (bad name, reference, gate expression or metric)."""
 
@@ -150,13 +156,14 @@ EXIT_CODES: dict[str, ExitCode] = {
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
-    "registry": ExitCode(14, "see `hfleet registry --help`; references are NAME@ALIAS or NAME@VERSION"),
-    "registry_not_found": ExitCode(15, "list what exists with `hfleet registry ls` or `hfleet registry show NAME`"),
-    "permission": ExitCode(16, "ask an admin of the namespace: `hfleet registry grant PRINCIPAL ROLE SCOPE`"),
-    "conflict": ExitCode(17, "the alias moved meanwhile; check `hfleet registry history NAME` and retry"),
-    "gate": ExitCode(18, "the version does not meet the gate; `--json` gives the reasons"),
-    "schema": ExitCode(19, "migrate the database: `hfleet registry migrate --db URL`"),
+    "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
+    "registry": ExitCode(21, "see `hfleet registry --help`; references are NAME@ALIAS or NAME@VERSION"),
+    "registry_not_found": ExitCode(22, "list what exists with `hfleet registry ls` or `hfleet registry show NAME`"),
+    "permission": ExitCode(23, "ask an admin of the namespace: `hfleet registry grant PRINCIPAL ROLE SCOPE`"),
+    "conflict": ExitCode(24, "the alias moved meanwhile; check `hfleet registry history NAME` and retry"),
+    "gate": ExitCode(25, "the version does not meet the gate; `--json` gives the reasons"),
+    "schema": ExitCode(26, "migrate the database: `hfleet registry migrate --db URL`"),
 }
 
 

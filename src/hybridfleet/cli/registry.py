@@ -156,7 +156,7 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
             reason: str = typer.Option("", help="recorded in the history"),
             as_json: bool = typer.Option(False, "--json", help="print the machine-readable result"),
             registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
-    """Move ALIAS to VERSION only if the gate passes; exit 18 with the reasons otherwise."""
+    """Move ALIAS to VERSION only if the gate passes; exit 25 with the reasons otherwise."""
     candidate: int | str = int(version.lstrip("v")) if version.lstrip("v").isdigit() else version
     try:
         result = _open(registry, token).promote(name, candidate, alias_name, require, no_regression_vs, tolerance, reason)
