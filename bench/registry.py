@@ -8,9 +8,10 @@ model. Measured: p95 of resolve-by-alias (ours `get_version("m@prod")`, MLflow
 `get_model_version_by_alias`; both return the full version with its tags) and of a search by
 3 tags (ours `search`, MLflow `search_model_versions("tags.a = .. AND ..")`); p95 of our
 resolve over REST (`hfleet registry serve` in its own process, uvicorn, a token); and
-registering a checkpoint of ``--ckpt-mb`` into a file:// and an s3:// (SeaweedFS) store vs a
-plain copy of the same bytes (``cp`` + fsync; s3fs ``put``), plus the bytes copied when the
-checkpoint is already in the store. MLflow comes from the ``bench`` extra (mlflow-skinny).
+registering a checkpoint of ``--ckpt-mb`` into a file:// store and one of ``--s3-mb`` into an
+s3:// (SeaweedFS) store vs a plain copy of the same bytes (``cp`` + fsync; s3fs ``put``), plus
+the bytes copied when the checkpoint is already in the store. The s3 size is smaller because
+the SeaweedFS test server (tests/seaweed.py) holds 512 MiB. MLflow comes from the ``bench`` extra (mlflow-skinny).
 The JSON line's ratios are MLflow / ours (higher is better) and plain copy time / ours.
 """
 
@@ -95,7 +96,7 @@ def plain_copy_file(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
-def register_fraction(work: Path, size_bytes: int, s3: dict | None) -> dict:
+def register_fraction(work: Path, size_bytes: int, s3: dict | None, s3_size_bytes: int) -> dict:
     """Register a checkpoint into a file:// (and s3://) store vs a plain copy of its bytes."""
     from hybridfleet.registry import Registry
 
@@ -112,15 +113,20 @@ def register_fraction(work: Path, size_bytes: int, s3: dict | None) -> dict:
     if s3 is not None:
         import s3fs
 
+        small = work / "ckpt-s3"
+        write_checkpoint(small, s3_size_bytes)
         fs = s3fs.S3FileSystem(key=s3["key"], secret=s3["secret"], client_kwargs={"endpoint_url": s3["endpoint_url"]})
-        start = time.perf_counter()
-        fs.put(str(ckpt), f"{s3['bucket']}/plain-copy", recursive=True)
-        plain_s3 = time.perf_counter() - start
-        reg_s3 = Registry(f"sqlite:///{work / 'reg-s3.db'}", store=f"s3://{s3['bucket']}/registry")
-        start = time.perf_counter()
-        reg_s3.register("bench/big", str(ckpt))
-        ours_s3 = time.perf_counter() - start
-        out.update(s3_plain_s=plain_s3, s3_register_s=ours_s3, s3_fraction=plain_s3 / ours_s3)
+        try:
+            start = time.perf_counter()
+            fs.put(str(small), f"{s3['bucket']}/plain-copy", recursive=True)
+            plain_s3 = time.perf_counter() - start
+            reg_s3 = Registry(f"sqlite:///{work / 'reg-s3.db'}", store=f"s3://{s3['bucket']}/registry")
+            start = time.perf_counter()
+            reg_s3.register("bench/big", str(small))
+            ours_s3 = time.perf_counter() - start
+            out.update(s3_plain_s=plain_s3, s3_register_s=ours_s3, s3_fraction=plain_s3 / ours_s3)
+        except OSError as err:  # reported, not hidden: the file:// figures still stand
+            out["s3_error"] = str(err)[:200]
     return out
 
 
@@ -172,6 +178,8 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20000)
     parser.add_argument("--ckpt-mb", type=int, default=1024)
     parser.add_argument("--no-s3", action="store_true", help="skip the s3:// store (SeaweedFS)")
+    # tests/seaweed.py's server holds 8 volumes of 64 MiB: the plain copy and ours must fit in 512 MiB
+    parser.add_argument("--s3-mb", type=int, default=192, help="checkpoint size for the s3:// store")
     args = parser.parse_args()
     if args.quick:
         args.models, args.versions, args.ckpt_mb, args.no_s3 = 20, 200, 32, True
@@ -208,7 +216,7 @@ def main() -> None:
         s3 = None
         if not args.no_s3:
             seaweed_proc, s3 = start_seaweed(work)
-        reg = register_fraction(work, args.ckpt_mb << 20, s3)
+        reg = register_fraction(work, args.ckpt_mb << 20, s3, args.s3_mb << 20)
     finally:
         if seaweed_proc is not None:
             from tests import seaweed
@@ -227,9 +235,9 @@ def main() -> None:
     print(f"{'store':<10}{'plain (s)':>12}{'register (s)':>14}{'plain/register':>16}")
     print(f"{'file://':<10}{reg['file_plain_s']:>12.3f}{reg['file_register_s']:>14.3f}{reg['file_fraction']:>16.2f}")
     if "s3_fraction" in reg:
-        print(f"{'s3://':<10}{reg['s3_plain_s']:>12.3f}{reg['s3_register_s']:>14.3f}{reg['s3_fraction']:>16.2f}")
+        print(f"{'s3:// (' + str(args.s3_mb) + ' MiB)':<10}{reg['s3_plain_s']:>12.3f}{reg['s3_register_s']:>14.3f}{reg['s3_fraction']:>16.2f}")
     else:
-        print("s3://     skipped (--no-s3 or no SeaweedFS binary)")
+        print(f"s3://     {'failed: ' + reg['s3_error'] if 's3_error' in reg else 'skipped (--no-s3 or no SeaweedFS binary)'}")
     print(f"bytes copied registering it again (already in the store): {reg['already_in_store_copied_bytes']}")
     print(json.dumps({
         "bench": "registry", "versions": args.versions, "models": args.models, "ckpt_mb": args.ckpt_mb,
@@ -240,6 +248,7 @@ def main() -> None:
         "register_copy_fraction_file": round(reg["file_fraction"], 3),
         "register_copy_fraction_s3": round(reg["s3_fraction"], 3) if "s3_fraction" in reg else None,
         "already_in_store_copied_bytes": reg["already_in_store_copied_bytes"],
+        "s3_ckpt_mb": None if args.no_s3 else args.s3_mb, "s3_error": reg.get("s3_error"),
     }))  # fmt: skip
 
 

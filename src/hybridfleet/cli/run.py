@@ -49,10 +49,12 @@ def _print_summary(summary: dict) -> None:
     model = summary.get("model")
     if model:
         best = "" if model["best_step"] is None else f", best step {model['best_step']}"
-        console.print(f"model: {model['url']} (final step {model['final_step']}{best}; lineage in MODEL.json)")
+        # soft_wrap: a path broken over two lines cannot be copied
+        console.print(f"model: {model['url']} (final step {model['final_step']}{best}; lineage in MODEL.json)",
+                      soft_wrap=True, markup=False, highlight=False)
         registered = model.get("registered")
         if registered:
-            console.print(f"registry: {registered['message']}")
+            console.print(f"registry: {registered['message']}", soft_wrap=True, markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:
