@@ -101,6 +101,12 @@ class DataError(HfleetError, ValueError):
     kind = "data"
 
 
+class ReportError(HfleetError, ValueError):
+    """A run directory is missing or is not a run (`hfleet report`, `hfleet ui`)."""
+
+    kind = "report"
+
+
 class RegistryError(HfleetError, ValueError):
     """A model-registry request is invalid (bad name, reference, gate expression or metric)."""
 
@@ -157,6 +163,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
     "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
+    "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
     "registry": ExitCode(21, "see `hfleet registry --help`; references are NAME@ALIAS or NAME@VERSION"),
     "registry_not_found": ExitCode(22, "list what exists with `hfleet registry ls` or `hfleet registry show NAME`"),
