@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridfleet.ckpt.checkpoint import save_checkpoint
 from hybridfleet.ckpt.manifest import MANIFEST_NAME, step_dir
@@ -30,6 +30,9 @@ from hybridfleet.ckpt.retention import gc
 from hybridfleet.errors import CheckpointError, SpecError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.store import Store, open_store
+
+if TYPE_CHECKING:
+    from hybridfleet.spec.models import CheckpointSpec, JobSpec
 
 log = get_logger("ckpt.run_model")
 
@@ -94,16 +97,16 @@ class ModelCheckpointer:
         self._last_save_time = time.monotonic()
 
     @classmethod
-    def from_env(cls, job: Any, framework: str, env: dict[str, str] | None = None) -> ModelCheckpointer | None:
+    def from_env(cls, job: JobSpec | None, framework: str, env: dict[str, str] | None = None) -> ModelCheckpointer | None:
         """The checkpointer ``HFLEET_MODEL_DIR`` asks for, with the job's ``checkpoint`` cadence; None when unset."""
         env = os.environ if env is None else env
         root = env.get(MODEL_DIR_ENV)
         if not root:
             return None
-        c = job.checkpoint if job is not None else None
-        if c is None:
+        if job is None:
             return cls(root, framework)
-        return cls(root, framework, c.every_steps, c.every_s, c.keep_last, c.keep_best)
+        cadence: CheckpointSpec = job.checkpoint
+        return cls(root, framework, cadence.every_steps, cadence.every_s, cadence.keep_last, cadence.keep_best)
 
     def after_step(self, step: int, model: Any) -> bool:
         """Save when ``every_steps`` or ``every_s`` says so; True when a checkpoint was written."""
