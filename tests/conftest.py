@@ -42,4 +42,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, framework))
 
 
+@pytest.fixture(autouse=True)
+def _private_model_registry(tmp_path_factory, monkeypatch):
+    # Jobs with a `registry:` block publish at the end of a run; tests publish to a
+    # registry of their own session, never to the user's ~/.hfleet/registry.
+    if "HFLEET_REGISTRY" not in os.environ:
+        monkeypatch.setenv("HFLEET_REGISTRY", str(tmp_path_factory.getbasetemp() / "registry" / "registry.db"))
+
+
 from tests.obs_fixtures import demo_run  # noqa: E402,F401  (session fixture: one demo run per framework)

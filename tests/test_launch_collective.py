@@ -63,6 +63,13 @@ def test_two_process_run_reaches_the_one_process_accuracy(framework, tmp_path):
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert one["test_acc"] >= 0.93
     assert abs(one["test_acc"] - two["test_acc"]) <= 0.02
+    # the run ends in a model: rank 0's final checkpoint, named with lineage in MODEL.json
+    from hybridfleet.ckpt.run_model import read_model_card
+
+    card = read_model_card(str((tmp_path / "logs" / "model").resolve()))
+    assert card["final"]["metrics"]["test_acc"] == two["test_acc"]
+    assert card["lineage"]["framework"] == framework and card["lineage"]["git"]["commit"]
+    assert "model: file://" in double.stderr
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -22,7 +22,7 @@ from paddle.io import DataLoader, DistributedBatchSampler, TensorDataset
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_rank0
+from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_model, save_rank0
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=30)
@@ -82,4 +82,6 @@ for epoch in range(start_epoch, args.epochs + 1):
 net.eval()
 with paddle.no_grad():
     predicted = net(paddle.to_tensor(x_test)).argmax(axis=1).numpy()
-log_rank0("final", framework="paddle", world_size=world_size, test_acc=float((predicted == y_test).mean()))
+test_acc = float((predicted == y_test).mean())
+log_rank0("final", framework="paddle", world_size=world_size, test_acc=test_acc)
+save_model(net, step=args.epochs, metrics={"test_acc": test_acc})  # the run's model, with lineage

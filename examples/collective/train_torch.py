@@ -23,7 +23,7 @@ from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_rank0
+from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_model, save_rank0
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=30)
@@ -81,6 +81,8 @@ for epoch in range(start_epoch, args.epochs + 1):
 net.eval()
 with torch.no_grad():
     predicted = net(torch.from_numpy(x_test)).argmax(dim=1).numpy()
-log_rank0("final", framework="torch", world_size=world_size, test_acc=float((predicted == y_test).mean()))
+test_acc = float((predicted == y_test).mean())
+log_rank0("final", framework="torch", world_size=world_size, test_acc=test_acc)
+save_model(net, step=args.epochs, metrics={"test_acc": test_acc})  # the run's model, with lineage
 if world_size > 1:
     dist.destroy_process_group()

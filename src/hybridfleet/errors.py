@@ -107,6 +107,46 @@ class ReportError(HfleetError, ValueError):
     kind = "report"
 
 
+class RegistryError(HfleetError, ValueError):
+    """A model-registry request is invalid (bad name, reference, gate expression or metric)."""
+
+    kind = "registry"
+
+
+class RegistryNotFoundError(RegistryError, LookupError):
+    """A model, version or alias the request names does not exist."""
+
+    kind = "registry_not_found"
+
+
+class PermissionDeniedError(HfleetError, PermissionError):
+    """The caller lacks a registry permission; the message names it."""
+
+    kind = "permission"
+
+
+class ConflictError(RegistryError):
+    """Someone else changed the same alias first; nothing was written."""
+
+    kind = "conflict"
+
+
+class GateFailedError(HfleetError, RuntimeError):
+    """A promotion gate refused the version; ``reasons`` says why, machine-readably."""
+
+    kind = "gate"
+
+    def __init__(self, message: str, reasons: list[dict] | None = None):
+        super().__init__(message)
+        self.reasons = reasons or []
+
+
+class SchemaError(HfleetError, RuntimeError):
+    """The registry database has another schema version than this hfleet."""
+
+    kind = "schema"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -125,6 +165,12 @@ EXIT_CODES: dict[str, ExitCode] = {
     "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
     "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
+    "registry": ExitCode(21, "see `hfleet registry --help`; references are NAME@ALIAS or NAME@VERSION"),
+    "registry_not_found": ExitCode(22, "list what exists with `hfleet registry ls` or `hfleet registry show NAME`"),
+    "permission": ExitCode(23, "ask an admin of the namespace: `hfleet registry grant PRINCIPAL ROLE SCOPE`"),
+    "conflict": ExitCode(24, "the alias moved meanwhile; check `hfleet registry history NAME` and retry"),
+    "gate": ExitCode(25, "the version does not meet the gate; `--json` gives the reasons"),
+    "schema": ExitCode(26, "migrate the database: `hfleet registry migrate --db URL`"),
 }
 
 

@@ -23,6 +23,7 @@ def launch_command(
                                                         "(s3://bucket/prefix); default <log-dir>/ckpt"),
     device: str = typer.Option("auto", "--device", help="auto (framework default), cpu (gloo) or gpu (one per process)"),
     connect_timeout_s: float = typer.Option(60.0, "--connect-timeout-s", help="how long a node waits for the master"),
+    keep_best: str = typer.Option(None, "--keep-best", help="METRIC or METRIC:min: which saved model MODEL.json calls best"),
 ) -> None:
     """Run SCRIPT on N processes per node with torch.distributed.run or paddle.distributed.launch."""
     from hybridfleet.launch.collective import LaunchConfig, launch
@@ -35,6 +36,13 @@ def launch_command(
     )
     result = launch(config, echo=lambda line: (sys.stdout.write(line), sys.stdout.flush()))
     typer.echo(f"launch finished after {result.attempts} attempt(s); logs in {result.log_dir}", err=True)
+    model_root = Path(result.log_dir) / "model"
+    if model_root.is_dir():  # the script saved its model with hybridfleet.launch.helpers.save_model
+        from hybridfleet.ckpt.run_model import launch_lineage, write_model_card
+
+        card = write_model_card(str(model_root.resolve()), launch_lineage(script, Path(result.log_dir)), keep_best)
+        if card is not None:
+            typer.echo(f"model: {card['url']} (final step {card['final']['step']}; lineage in MODEL.json)", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -61,6 +61,15 @@ def _print_summary(summary: dict) -> None:
     table.add_row("wall time (s)", f"{summary['wall_s']}")
     console.print(table)
     console.print(f"summary: {summary['run_dir']}/summary.json")
+    model = summary.get("model")
+    if model:
+        best = "" if model["best_step"] is None else f", best step {model['best_step']}"
+        # soft_wrap: a path broken over two lines cannot be copied
+        console.print(f"model: {model['url']} (final step {model['final_step']}{best}; lineage in MODEL.json)",
+                      soft_wrap=True, markup=False, highlight=False)
+        registered = model.get("registered")
+        if registered:
+            console.print(f"registry: {registered['message']}", soft_wrap=True, markup=False, highlight=False)
     if summary.get("report"):
         console.print(f"report: {summary['report']}")
 

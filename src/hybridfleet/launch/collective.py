@@ -91,6 +91,7 @@ def child_env(config: LaunchConfig, attempt: int, ckpt_dir: str | Path, launch_i
     env.update({
         "HFLEET_RESTART_COUNT": str(attempt),
         "HFLEET_CKPT_DIR": str(ckpt_dir),
+        "HFLEET_MODEL_DIR": str(Path(config.log_dir).resolve() / "model"),
         "HFLEET_LOG_DIR": str(config.log_dir),
         "HFLEET_FRAMEWORK": config.framework,
         "HFLEET_LAUNCH_ID": launch_id,

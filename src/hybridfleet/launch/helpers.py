@@ -170,6 +170,28 @@ def _write_checkpoint(location: str, state: dict[str, np.ndarray], step: int) ->
     return f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
 
 
+def save_model(model: Any, step: int, metrics: dict[str, float] | None = None, keep_best: str | None = None) -> Path | None:
+    """On rank 0, checkpoint the framework ``model`` as the run's model in ``HFLEET_MODEL_DIR``.
+
+    Call it after evaluations (with their ``metrics``) and once at the end; `hfleet launch`
+    then writes MODEL.json naming the final checkpoint (the newest) and the best by
+    ``keep_best`` (``METRIC`` or ``METRIC:min``), with lineage. The same checkpoints as a PS
+    run's model (`hybridfleet.ckpt.run_model`). Returns the checkpoint folder, or None on
+    other ranks and when ``HFLEET_MODEL_DIR`` is unset.
+    """
+    directory = os.environ.get("HFLEET_MODEL_DIR")
+    if not directory or not is_rank0():
+        return None
+    from hybridfleet.ckpt.manifest import step_dir
+    from hybridfleet.ckpt.run_model import ModelCheckpointer
+
+    framework = detect_framework()
+    if framework is None:
+        raise ValueError("save_model: import torch or paddle first (or set HFLEET_FRAMEWORK)")
+    ModelCheckpointer(directory, framework, keep_last=KEEP_LAST, keep_best=keep_best).save(step, model, metrics)
+    return Path(directory) / step_dir(step)
+
+
 def latest_checkpoint() -> Checkpoint | None:
     """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
     from hybridfleet.ckpt import load_tensors_checkpoint

@@ -94,6 +94,11 @@ def snapshot_store(spec: JobSpec, run_dir: Path) -> str:
     return f"file://{run_dir.resolve() / 'snapshots'}"
 
 
+def model_root(run_dir: Path) -> Path:
+    """Where the run's model checkpoints and MODEL.json go (see `hybridfleet.ckpt.run_model`)."""
+    return run_dir.resolve() / "model"
+
+
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
     """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
     # a fixed port, so that a restarted shard is found where its workers left it
@@ -121,6 +126,7 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
            "PYTHONUNBUFFERED": "1"}
     if with_servers:
         env["HFLEET_SERVERS"] = ",".join(layout.shard_addresses)
+        env["HFLEET_MODEL_DIR"] = str(model_root(layout.run_dir))
         if spec.security.tls == "off":
             env["HFLEET_INSECURE"] = "1"
         elif layout.certs_dir is not None:
@@ -288,6 +294,28 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     }
 
 
+def finish_model(spec: JobSpec, run_dir: Path, summary: dict) -> dict | None:
+    """Write the run's MODEL.json (final + best checkpoint, lineage) and publish it per ``registry:``.
+
+    Returns what summary.json records under ``model`` (None when no worker saved a model).
+    """
+    from hybridfleet.ckpt.run_model import run_lineage, write_model_card
+
+    root = model_root(run_dir)
+    if not root.is_dir():
+        return None
+    card = write_model_card(str(root), run_lineage(spec, run_dir, summary), spec.checkpoint.keep_best)
+    if card is None:
+        return None
+    out = {"url": card["url"], "final_step": card["final"]["step"],
+           "best_step": card["best"]["step"] if card["best"] else None, "registered": None}
+    if spec.registry.publish_as:
+        from hybridfleet.registry.publish import publish_run
+
+        out["registered"] = publish_run(spec, card)
+    return out
+
+
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
                on_started=None, metrics: bool = True, report: bool = True, stream=None,
@@ -366,6 +394,7 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
                 exporter.server_close()
     collector.close()
     summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
+    summary["model"] = finish_model(spec, run_dir, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if report:  # after summary.json, so the report shows the run as finished
         summary["report"] = str(_write_report(run_dir))

@@ -150,7 +150,8 @@ class CheckpointSpec(_Strict):
     every_steps: int | None = Field(None, ge=1)
     every_s: float | None = Field(None, gt=0)
     keep_last: int = Field(3, ge=1)
-    keep_best: str | None = Field(None, description="metric name; the best checkpoint by it is kept too")
+    keep_best: str | None = Field(None, pattern=r"^[^:\s]+(:(min|max))?$",
+                                  description="METRIC (higher is better) or METRIC:min; the best checkpoint by it is kept too")
     store: str = Field("runs/checkpoints", description="a path, file:///abs/dir or s3://bucket/prefix")
 
 
@@ -164,9 +165,14 @@ class SecuritySpec(_Strict):
 
 
 class RegistrySpec(_Strict):
-    publish_as: str | None = None
-    require: list[str] = []
-    url: str | None = None
+    """Publish the run's model to the model registry when the gate passes (`hybridfleet.registry.publish`)."""
+
+    publish_as: str | None = Field(None, description="[NAMESPACE/]NAME to register the model as; unset: no publishing")
+    require: list[str] = Field([], description="gate: METRIC OP NUMBER each, e.g. test_accuracy>=0.95")
+    url: str | None = Field(None, description="registry: http(s)://server, sqlite:///PATH or postgresql://...; "
+                                              "default $HFLEET_REGISTRY or the local registry")
+    model: Literal["final", "best"] = Field("final", description="which of the run's models to publish")
+    alias: str | None = Field(None, description="also move this alias to the new version through the same gate")
 
 
 class ResourcesSpec(_Strict):

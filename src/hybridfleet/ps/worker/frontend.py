@@ -30,6 +30,13 @@ class ParameterServerHandle(ABC):
         params = self._named_parameters()
         self.session = PSSession({k: tuple(p.shape) for k, p in params.items()}, self.config, self.framework)
         self._assign(self.session.start({k: self._to_numpy(p) for k, p in params.items()}))
+        # The job's model is saved by global rank 0 from the parameters it pulled, which in
+        # BSP are bit-identical on every worker (see summary.json's params_sha256).
+        self._model_ckpt = None
+        if self.config.rank == 0 and not self.session.local:
+            from hybridfleet.ckpt.run_model import ModelCheckpointer
+
+            self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
 
     # framework specifics --------------------------------------------------
     @abstractmethod
@@ -56,6 +63,8 @@ class ParameterServerHandle(ABC):
             g = self._grad(p)
             grads[name] = np.zeros(tuple(p.shape), dtype=np.float32) if g is None else g
         self._assign(self.session.step(grads))
+        if self._model_ckpt is not None:
+            self._model_ckpt.after_step(self.session.step_count, self.model)
 
     @property
     def job(self):
@@ -83,11 +92,23 @@ class ParameterServerHandle(ABC):
         return self.session.step_count
 
     def report(self, **metrics: Any) -> None:
-        """Record metrics (loss, accuracy, ...) with the worker's byte counters."""
+        """Record metrics (loss, accuracy, ...) with the worker's byte counters.
+
+        On the worker that saves the job's model, a new best of ``checkpoint.keep_best``
+        is checkpointed, and ``final=True`` saves the final model with these metrics.
+        """
         self.session.report(**metrics)
+        if self._model_ckpt is not None:
+            if metrics.get("final"):
+                self._model_ckpt.final(self.session.step_count, self.model, metrics)
+            else:
+                self._model_ckpt.on_metrics(self.session.step_count, self.model, metrics)
 
     def close(self) -> None:
-        """Leave the job (so synchronous rounds stop waiting for this worker)."""
+        """Leave the job (so synchronous rounds stop waiting for this worker); saves the final
+        model first when no ``report(final=True)`` did."""
+        if self._model_ckpt is not None and not self._model_ckpt.final_saved:
+            self._model_ckpt.final(self.session.step_count, self.model)
         self.session.close()
 
     def __enter__(self) -> "ParameterServerHandle":

@@ -1,0 +1,152 @@
+"""Model artifacts in the registry's store: content-addressed, verified on every read.
+
+Layout under the registry store root (file:// or s3://)::
+
+    blobs/sha256/<hex>                        every file of every version, by content
+    models/<namespace>/<name>/v<N>/MANIFEST-<id>.json   a checkpoint manifest whose entries all name blobs
+
+Registering a checkpoint copies only the blobs the store lacks, so a checkpoint already in
+the same store (or sharing tensors with an earlier version) copies no tensor bytes. A
+version's manifest sha256 is kept in the database; a pull checks it and every file's
+sha256 before anything is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridfleet.ckpt import safetensors_io
+from hybridfleet.ckpt.manifest import FileEntry, Manifest
+from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
+from hybridfleet.errors import CheckpointError, RegistryError, StoreError
+from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
+from hybridfleet.store import Store, blob_path, open_store, put_blob
+
+FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt", "pdparams": "model.pdparams"}
+
+
+@dataclass
+class Registered:
+    """What registering a checkpoint wrote."""
+
+    manifest: Manifest
+    manifest_path: str
+    manifest_sha256: str
+    copied_bytes: int
+
+
+def version_path(namespace: str, name: str, version: int) -> str:
+    """A new store path for a version's manifest: unique per registration attempt, so two
+    registrations racing for the same number never touch each other's file."""
+    return f"models/{namespace}/{name}/v{version}/MANIFEST-{uuid.uuid4().hex[:12]}.json"
+
+
+def newest_step(store: Store) -> int:
+    """The newest step of a checkpoint root that has a readable manifest."""
+    for step in reversed(list_steps(store)):
+        try:
+            read_manifest(store, step)
+            return step
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"{store.url}: no checkpoint with a manifest")
+
+
+def source_manifest(source: Store, step: int | None) -> Manifest:
+    """The manifest of ``step`` (default: newest) of a checkpoint root."""
+    return read_manifest(source, newest_step(source) if step is None else step)
+
+
+def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_path: str) -> Registered:
+    """Copy ``manifest``'s files into ``target`` as blobs (only those absent), then write its manifest.
+
+    Each copied file is checked against its size and CRC-32 on the way; nothing is
+    written under ``manifest_path`` until every blob is in place.
+    """
+    if target.exists(manifest_path):
+        raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
+    copied = 0
+    entries = []
+    for entry in manifest.files:
+        blob = blob_path(entry.sha256)
+        present = target.exists(blob) and target.size(blob) == entry.size_bytes
+        if not present:
+            data = read_verified(source, entry)
+            copied += put_blob(target, [data], entry.sha256)
+        entries.append(FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
+                                 sha256=entry.sha256, crc32=entry.crc32))  # fmt: skip
+    out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
+                   files=entries, metrics=dict(manifest.metrics))  # fmt: skip
+    data = out.to_json()
+    target.put_bytes(manifest_path, data)
+    return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
+
+
+def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+    """(manifest, state, role -> tensors) of a registered version, every byte verified by sha256.
+
+    CheckpointError names the missing or corrupt file; nothing is returned from a version
+    that does not verify completely.
+    """
+    source = f"{store.url}/{manifest_path}"
+    try:
+        data = store.get_bytes(manifest_path)
+    except StoreError as err:
+        raise CheckpointError(f"{source}: the version's manifest is missing from the store") from err
+    if hashlib.sha256(data).hexdigest() != manifest_sha256:
+        raise CheckpointError(f"{source}: manifest sha256 differs from the registered one (replaced or corrupt)")
+    manifest = Manifest.from_json(data, source)
+    state: dict[str, Any] = {}
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for entry in manifest.files:
+        buffer = read_verified(store, entry, check_sha256=True)
+        if entry.role == "state":
+            state = json.loads(bytes(buffer))
+            continue
+        tensors, _ = safetensors_io.decode(buffer, f"{store.url}/{entry.path} ({entry.name})")
+        groups.setdefault(entry.role, {}).update(tensors)
+    return manifest, state, groups
+
+
+def export_weights(manifest: Manifest, state: dict[str, Any], groups: dict[str, dict[str, np.ndarray]],
+                   framework: str, fmt: str, out_dir: str | Path) -> Path:  # fmt: skip
+    """Write the model weights laid out for ``framework`` as one ``fmt`` file under ``out_dir``.
+
+    torch <-> paddle conversion uses the layer layouts recorded at save time
+    (`hybridfleet.frameworks.layout`); ``pt`` needs torch and ``pdparams`` needs paddle.
+    """
+    if framework not in FRAMEWORK_NAMES:
+        raise RegistryError(f"--framework must be one of {FRAMEWORK_NAMES} (got {framework!r})")
+    if fmt not in FORMATS:
+        raise RegistryError(f"--format must be one of {sorted(FORMATS)} (got {fmt!r})")
+    if (fmt, framework) in (("pt", "paddle"), ("pdparams", "torch")):
+        raise RegistryError(f"--format {fmt} is a {'torch' if fmt == 'pt' else 'paddle'} file; use --format safetensors "
+                            f"or --format {'pdparams' if fmt == 'pt' else 'pt'} for --framework {framework}")
+    if "model" not in groups:
+        raise CheckpointError("this version holds raw tensors, not a framework model; nothing to export")
+    src = manifest.framework or framework
+    weights, _ = convert_state(groups["model"], state.get("layouts", {}), src, framework)
+    target = open_store(str(Path(out_dir).expanduser().resolve()))
+    if fmt == "safetensors":
+        target.put_parts(FORMATS[fmt], safetensors_io.encode(weights, metadata={"framework": framework}))
+    elif fmt == "pt":
+        import torch
+
+        buf = io.BytesIO()
+        torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)
+        target.put_bytes(FORMATS[fmt], buf.getvalue())
+    else:
+        import paddle
+
+        buf = io.BytesIO()
+        paddle.save({k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)
+        target.put_bytes(FORMATS[fmt], buf.getvalue())
+    return Path(out_dir).expanduser().resolve() / FORMATS[fmt]

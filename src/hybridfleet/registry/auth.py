@@ -1,0 +1,75 @@
+"""Who may do what: principals (users, service accounts) with tokens, and roles per scope.
+
+Roles are ordered: reader < writer < releaser < admin; a role includes those below it.
+A grant's scope is ``*`` (everything), a namespace, or one model ``NAMESPACE/NAME``; a
+principal's role on a model is the highest of its grants on these three. Creating a
+model gives its creator no role (MLflow's automatic MANAGE is what users asked us to
+avoid): an admin grants roles explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+
+from hybridfleet.errors import PermissionDeniedError, RegistryError
+
+ROLES = ("reader", "writer", "releaser", "admin")
+KINDS = ("user", "service")
+TOKEN_PREFIX = "hfr_"
+LOCAL_OWNER = "local-owner"  # direct database access without a token: whoever can open the DB owns it
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@\-]{0,127}$")
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise RegistryError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
+    return role
+
+
+def check_principal_name(name: str) -> str:
+    if not _NAME.match(name or ""):
+        raise RegistryError(f"principal name {name!r}: letters, digits and _ . @ - only, up to 128 characters")
+    return name
+
+
+def new_token() -> tuple[str, str]:
+    """(token shown once to the user, sha256 kept in the database)."""
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    return token, token_digest(token)
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def scopes_of(namespace: str, name: str | None) -> list[str]:
+    """The grant scopes that cover a model (or, with ``name`` None, a namespace)."""
+    return ["*", namespace] + ([f"{namespace}/{name}"] if name else [])
+
+
+@dataclass(frozen=True)
+class Actor:
+    """The caller of a registry operation and its grants (scope -> role)."""
+
+    name: str
+    grants: dict[str, str]
+    owner: bool = False  # local database access without a token
+
+    def role_on(self, namespace: str, name: str | None) -> str | None:
+        """The highest role this actor holds on the model (or namespace)."""
+        if self.owner:
+            return "admin"
+        held = [self.grants[s] for s in scopes_of(namespace, name) if s in self.grants]
+        return max(held, key=ROLES.index) if held else None
+
+    def require(self, role: str, namespace: str, name: str | None, action: str) -> None:
+        """PermissionDeniedError naming the missing role unless the actor holds ``role`` or above."""
+        have = self.role_on(namespace, name)
+        if have is not None and ROLES.index(have) >= ROLES.index(role):
+            return
+        target = f"{namespace}/{name}" if name else f"namespace {namespace}"
+        raise PermissionDeniedError(
+            f"permission denied: {self.name} needs role '{role}' on {target} to {action} (has: {have or 'no role'})")

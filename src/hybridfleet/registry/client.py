@@ -1,0 +1,166 @@
+"""Talking to a registry: `open_registry` gives a local `Registry` or a `RemoteRegistry` over REST.
+
+`RemoteRegistry` has the same methods as `Registry`; errors come back as the same
+exception classes (a 403 is a PermissionDeniedError naming the missing role). A pull
+asks the server which version and manifest to read, then reads and verifies the bytes
+straight from the artifact store (the client needs access to it, as with MLflow).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hybridfleet.errors import (
+    AuthError,
+    CheckpointError,
+    ConflictError,
+    GateFailedError,
+    HfleetError,
+    PermissionDeniedError,
+    RegistryError,
+    RegistryNotFoundError,
+    SchemaError,
+)
+from hybridfleet.registry import artifacts
+from hybridfleet.registry.refs import parse_name
+from hybridfleet.registry.service import Registry, VersionInfo
+from hybridfleet.store import open_store
+
+URL_ENV = "HFLEET_REGISTRY"
+TOKEN_ENV = "HFLEET_REGISTRY_TOKEN"
+_KINDS = {cls.kind: cls for cls in (AuthError, PermissionDeniedError, RegistryNotFoundError, ConflictError,
+                                   CheckpointError, RegistryError, SchemaError)}  # fmt: skip
+
+
+def open_registry(url: str | None = None, token: str | None = None, store: str | None = None):
+    """A registry at ``url`` (``http(s)://`` server, or a database URL/path; default ``$HFLEET_REGISTRY``,
+    then the local SQLite registry) acting for ``token`` (default ``$HFLEET_REGISTRY_TOKEN``)."""
+    url = url or os.environ.get(URL_ENV) or None
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if url and url.startswith(("http://", "https://")):
+        return RemoteRegistry(url, token)
+    return Registry(url, token=token, store=store)
+
+
+class RemoteRegistry:
+    """The registry's operations over its REST API."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float = 60.0):
+        if not token:
+            raise AuthError(f"a registry server needs a token: --token or ${TOKEN_ENV}")
+        try:
+            import httpx
+        except ImportError as err:
+            raise RegistryError("talking to a registry server needs httpx: pip install 'hybridfleet[registry]'") from err
+        self._http_error = httpx.HTTPError
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=timeout_s,
+                                 headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        self._store_url: str | None = None
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except self._http_error as err:
+            raise RegistryError(f"registry server {self.url} did not answer: {err}") from err
+        if response.status_code < 400:
+            return response.json()
+        try:
+            body = response.json()
+        except ValueError:
+            raise RegistryError(f"registry server {self.url}: HTTP {response.status_code} {response.text[:200]}") from None
+        detail = body.get("detail", body)
+        if body.get("error") == "gate":
+            raise GateFailedError(str(detail), body.get("reasons"))
+        raise _KINDS.get(body.get("error"), HfleetError)(str(detail))
+
+    @staticmethod
+    def _model_path(name: str) -> str:
+        namespace, short = parse_name(name)
+        return f"/models/{namespace}/{short}"
+
+    @property
+    def store_url(self) -> str:
+        if self._store_url is None:
+            self._store_url = self._call("GET", "/info")["store"]
+        return self._store_url
+
+    def create_model(self, name: str, description: str = "") -> dict:
+        return self._call("POST", "/models", json={"name": name, "description": description})
+
+    def register(self, name: str, checkpoint_url: str, step: int | None = None, description: str = "",
+                 tags: dict | None = None, metrics: dict | None = None, lineage: dict | None = None) -> VersionInfo:  # fmt: skip
+        body = {"checkpoint_url": checkpoint_url, "step": step, "description": description, "tags": tags or {},
+                "metrics": metrics or {}, "lineage": lineage or {}}  # fmt: skip
+        return VersionInfo(**self._call("POST", f"{self._model_path(name)}/versions", json=body))
+
+    def register_run(self, name: str, model_root: str, which: str = "final", description: str = "",
+                     tags: dict | None = None) -> VersionInfo:  # fmt: skip
+        body = {"checkpoint_url": model_root, "run_model": True, "which": which, "description": description, "tags": tags or {}}
+        return VersionInfo(**self._call("POST", f"{self._model_path(name)}/versions", json=body))
+
+    def get_version(self, ref: str) -> VersionInfo:
+        return VersionInfo(**self._call("GET", "/version", params={"ref": ref}))
+
+    def resolve_version(self, ref: str, key: str | None = None) -> VersionInfo:
+        return VersionInfo(**self._call("GET", "/version", params={"ref": ref, **({"key": key} if key else {})}))
+
+    def list_versions(self, name: str) -> list[VersionInfo]:
+        return [VersionInfo(**v) for v in self._call("GET", f"{self._model_path(name)}/versions")]
+
+    def list_models(self, namespace: str | None = None) -> list[dict]:
+        return self._call("GET", "/models", params={"namespace": namespace} if namespace else {})
+
+    def search(self, tags: dict[str, str], namespace: str | None = None, limit: int = 100) -> list[VersionInfo]:
+        params: dict[str, Any] = {"tag": [f"{k}={v}" for k, v in tags.items()]}
+        if namespace:
+            params["namespace"] = namespace
+        return [VersionInfo(**v) for v in self._call("GET", "/search", params=params)][:limit]
+
+    def set_tags(self, ref: str, tags: dict[str, str]) -> VersionInfo:
+        return VersionInfo(**self._call("POST", "/tags", json={"ref": ref, "tags": tags}))
+
+    def resolve(self, ref: str, key: str | None = None) -> dict:
+        return self._call("GET", "/resolve", params={"ref": ref, **({"key": key} if key else {})})
+
+    def move_alias(self, name: str, alias: str, version: int, reason: str = "", expect_revision: int | None = None) -> dict:
+        body = {"version": version, "reason": reason, "expect_revision": expect_revision}
+        return self._call("PUT", f"{self._model_path(name)}/aliases/{alias}", json=body)
+
+    def protect_alias(self, name: str, alias: str, protected: bool = True) -> dict:
+        return self._call("POST", f"{self._model_path(name)}/aliases/{alias}/protect", params={"protected": protected})
+
+    def rollout(self, name: str, alias: str, canary: int | None = None, weight: float | None = None,
+                promote: bool = False, rollback: bool = False, reason: str = "") -> dict:  # fmt: skip
+        body = {"canary": canary, "weight": weight, "promote": promote, "rollback": rollback, "reason": reason}
+        return self._call("POST", f"{self._model_path(name)}/aliases/{alias}/rollout", json=body)
+
+    def history(self, name: str, alias: str | None = None) -> list[dict]:
+        return self._call("GET", f"{self._model_path(name)}/history", params={"alias": alias} if alias else {})
+
+    def promote(self, name: str, version: int, alias: str, require: list[str], no_regression_vs: str | None = None,
+                tolerance: float = 0.0, reason: str = "") -> dict:  # fmt: skip
+        body = {"version": version, "alias": alias, "require": require, "no_regression_vs": no_regression_vs,
+                "tolerance": tolerance, "reason": reason}  # fmt: skip
+        return self._call("POST", f"{self._model_path(name)}/promote", json=body)
+
+    def pull(self, ref: str, framework: str, fmt: str = "safetensors", out_dir: str | None = None,
+             key: str | None = None) -> dict:  # fmt: skip
+        info = self.resolve_version(ref, key)
+        manifest, state, groups = artifacts.read_version(open_store(self.store_url), info.manifest_path, info.manifest_sha256)
+        out = out_dir or f"{info.name.split('/')[-1]}-v{info.version}"
+        path = artifacts.export_weights(manifest, state, groups, framework, fmt, out)
+        return {"name": info.name, "version": info.version, "path": str(path), "framework": framework, "format": fmt}
+
+    def add_principal(self, name: str, kind: str = "user") -> str:
+        return self._call("POST", "/principals", json={"name": name, "kind": kind})["token"]
+
+    def remove_principal(self, name: str) -> None:
+        self._call("DELETE", f"/principals/{name}")
+
+    def grant(self, principal: str, role: str, scope: str) -> dict:
+        return self._call("POST", "/grants", json={"principal": principal, "role": role, "scope": scope})
+
+    def whoami(self) -> dict:
+        return self._call("GET", "/whoami")

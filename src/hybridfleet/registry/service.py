@@ -1,0 +1,385 @@
+"""The registry's operations on a database + artifact store, each checked against the caller's role.
+
+`Registry` is what the CLI uses on a local database and what the REST server wraps;
+`hybridfleet.registry.client.RemoteRegistry` offers the same methods over HTTP.
+Aliases, gray release and the promotion gate live in `hybridfleet.registry.aliases`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, insert, select
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
+from hybridfleet.registry import artifacts, auth, db
+from hybridfleet.registry.refs import ModelRef, parse_name, parse_ref
+from hybridfleet.registry.schema import (
+    aliases,
+    grants,
+    models,
+    principals,
+    settings,
+    version_tags,
+    versions,
+)
+from hybridfleet.store import Store, open_store
+
+STORE_ENV = "HFLEET_REGISTRY_STORE"
+REGISTER_RETRIES = 5
+
+
+@dataclass
+class VersionInfo:
+    """One immutable model version."""
+
+    name: str  # NAMESPACE/NAME
+    version: int
+    manifest_path: str
+    manifest_sha256: str
+    framework: str | None
+    step: int | None
+    size_bytes: int
+    metrics: dict[str, float]
+    lineage: dict[str, Any]
+    description: str
+    created_by: str
+    created_s: float
+    tags: dict[str, str] = field(default_factory=dict)
+    copied_bytes: int | None = None  # set by `register`: payload bytes it copied into the store
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _version_info(full_name: str, row: Any, tags: dict[str, str]) -> VersionInfo:
+    return VersionInfo(name=full_name, version=row.version, manifest_path=row.manifest_path,
+                       manifest_sha256=row.manifest_sha256, framework=row.framework, step=row.step,
+                       size_bytes=row.size_bytes, metrics=dict(row.metrics), lineage=dict(row.lineage),
+                       description=row.description, created_by=row.created_by, created_s=row.created_s, tags=tags)  # fmt: skip
+
+
+class Registry:
+    """A registry on ``db_url`` (SQLite path/URL or PostgreSQL URL), acting for ``token``'s principal.
+
+    Without a token the caller is the database's owner (whoever can open the database
+    file or has its credentials controls it anyway); the REST server always passes one.
+    ``store`` sets the artifact store when the registry is created (default for SQLite:
+    ``artifacts/`` next to the database file; PostgreSQL needs one).
+    """
+
+    def __init__(self, db_url: str | None = None, token: str | None = None, store: str | None = None,
+                 create: bool = True, engine: Any = None):  # fmt: skip
+        self.db_url = db_url or db.default_db_url()
+        self.engine = engine or db.make_engine(self.db_url)
+        db.check_schema(self.engine, self.db_url, create=create)
+        self.store_url = self._store_setting(store)
+        self._store: Store | None = None
+        self.actor = self.authenticate(token) if token else auth.Actor(auth.LOCAL_OWNER, {}, owner=True)
+
+    # ------------------------------------------------------------------ plumbing
+    def _store_setting(self, wanted: str | None) -> str:
+        with self.engine.begin() as conn:
+            current = conn.execute(select(settings.c.value).where(settings.c.key == "store")).scalar()
+            if current is not None:
+                if wanted and open_store(wanted).url != current:
+                    raise RegistryError(f"this registry keeps artifacts in {current}; it cannot switch to {wanted}")
+                return current
+            wanted = wanted or os.environ.get(STORE_ENV)
+            if not wanted:
+                url = db.normalize_url(self.db_url)
+                if not url.startswith("sqlite:///"):
+                    raise RegistryError("a PostgreSQL registry needs an artifact store: pass --store URL (file:// or s3://)")
+                wanted = str(Path(url[len("sqlite:///"):]).parent / "artifacts")
+            resolved = open_store(wanted).url
+            conn.execute(insert(settings).values(key="store", value=resolved))
+            return resolved
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.store_url)
+        return self._store
+
+    def authenticate(self, token: str) -> auth.Actor:
+        """The principal a token belongs to, with its grants; AuthError for an unknown token."""
+        digest = auth.token_digest(token)
+        with self.engine.connect() as conn:
+            name = conn.execute(select(principals.c.name).where(principals.c.token_sha256 == digest)).scalar()
+            if name is None:
+                raise AuthError("registry token is not valid (unknown or revoked)")
+            rows = conn.execute(select(grants.c.scope, grants.c.role).where(grants.c.principal == name)).all()
+        return auth.Actor(name, {r.scope: r.role for r in rows})
+
+    def _model_id(self, conn: Connection, namespace: str, name: str) -> int:
+        model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == name))).scalar()
+        if model_id is None:
+            raise RegistryNotFoundError(f"no model {namespace}/{name} in this registry")
+        return model_id
+
+    def _tags(self, conn: Connection, version_ids: list[int]) -> dict[int, dict[str, str]]:
+        out: dict[int, dict[str, str]] = {i: {} for i in version_ids}
+        if version_ids:
+            for row in conn.execute(select(version_tags).where(version_tags.c.version_id.in_(version_ids))):
+                out[row.version_id][row.key] = row.value
+        return out
+
+    def _version_row(self, conn: Connection, model_id: int, ref: ModelRef, version: int) -> Any:
+        row = conn.execute(select(versions).where(and_(versions.c.model_id == model_id, versions.c.version == version))).first()
+        if row is None:
+            raise RegistryNotFoundError(f"model {ref.full_name} has no version {version}")
+        return row
+
+    # ------------------------------------------------------------------ models and versions
+    def create_model(self, name: str, description: str = "") -> dict[str, Any]:
+        """Create ``[NAMESPACE/]NAME`` (writer on the namespace); RegistryError when it exists."""
+        namespace, short = parse_name(name)
+        self.actor.require("writer", namespace, short, "create a model")
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(models).values(namespace=namespace, name=short, description=description,
+                                                   created_by=self.actor.name, created_s=time.time()))  # fmt: skip
+        except IntegrityError as err:
+            raise RegistryError(f"model {namespace}/{short} exists already") from err
+        return {"name": f"{namespace}/{short}", "description": description}
+
+    def register(self, name: str, checkpoint_url: str, step: int | None = None, description: str = "",
+                 tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
+                 lineage: dict[str, Any] | None = None, **store_options: Any) -> VersionInfo:  # fmt: skip
+        """Register a checkpoint (newest step, or ``step``) as the next version of ``name``.
+
+        Blobs the store lacks are copied (verified on the way); a checkpoint already in the
+        store copies none. The version's metrics are the checkpoint's, updated with ``metrics``.
+        Needs writer; the model is created when absent.
+        """
+        namespace, short = parse_name(name)
+        self.actor.require("writer", namespace, short, "register a version")
+        source = open_store(checkpoint_url, **store_options)
+        manifest = artifacts.source_manifest(source, step)
+        merged_metrics = {**manifest.metrics, **(metrics or {})}
+        for attempt in range(REGISTER_RETRIES):
+            try:
+                return self._insert_version(namespace, short, source, manifest, merged_metrics, lineage or {},
+                                            description, tags or {})  # fmt: skip
+            except (IntegrityError, OperationalError) as err:  # another registration took the number: take the next
+                if attempt == REGISTER_RETRIES - 1 or (isinstance(err, OperationalError) and "locked" not in str(err)):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _insert_version(self, namespace: str, short: str, source: Store, manifest: Any, metrics: dict[str, float],
+                        lineage: dict[str, Any], description: str, tags: dict[str, str]) -> VersionInfo:  # fmt: skip
+        with self.engine.begin() as conn:
+            model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == short))).scalar()
+            if model_id is None:  # created with its first version, in the same transaction
+                model_id = conn.execute(insert(models).values(namespace=namespace, name=short, description="",
+                                                              created_by=self.actor.name, created_s=time.time())
+                                        ).inserted_primary_key[0]  # fmt: skip
+            number = (conn.execute(select(func.max(versions.c.version)).where(versions.c.model_id == model_id)).scalar() or 0) + 1
+            path = artifacts.version_path(namespace, short, number)
+            done = artifacts.copy_into_store(source, manifest, self.store, path)
+            try:
+                version_id = conn.execute(insert(versions).values(
+                    model_id=model_id, version=number, manifest_path=path, manifest_sha256=done.manifest_sha256,
+                    framework=manifest.framework, step=manifest.step, size_bytes=manifest.size_bytes,
+                    metrics=metrics, lineage=lineage, description=description, created_by=self.actor.name,
+                    created_s=time.time())).inserted_primary_key[0]  # fmt: skip
+                for key, value in tags.items():
+                    conn.execute(insert(version_tags).values(version_id=version_id, key=key, value=str(value)))
+            except BaseException:
+                self.store.rm(path)  # the row is rolled back: so is the manifest
+                raise
+            row = self._version_row(conn, model_id, ModelRef(namespace, short), number)
+        info = _version_info(f"{namespace}/{short}", row, {k: str(v) for k, v in tags.items()})
+        info.copied_bytes = done.copied_bytes
+        return info
+
+    def register_run(self, name: str, model_root: str, which: str = "final", description: str = "",
+                     tags: dict[str, str] | None = None) -> VersionInfo:  # fmt: skip
+        """Register a run's final (or best) model from its MODEL.json, with the run's lineage."""
+        from hybridfleet.ckpt.run_model import read_model_card
+
+        if which not in ("final", "best"):
+            raise RegistryError(f"which must be final or best (got {which!r})")
+        card = read_model_card(model_root)
+        chosen = card[which] or card["final"]
+        lineage = dict(card["lineage"])
+        metrics = {**lineage.get("metrics", {}), **chosen.get("metrics", {})} if chosen is card["final"] else {}
+        lineage["model"] = {"url": card["url"], "which": which if card[which] else "final", "step": chosen["step"]}
+        return self.register(name, card["url"], step=chosen["step"], description=description, tags=tags,
+                             metrics=metrics, lineage=lineage)  # fmt: skip
+
+    def get_version(self, ref_text: str) -> VersionInfo:
+        """The version a reference names (``NAME`` alone: the newest); reader."""
+        from hybridfleet.registry.aliases import resolve_number
+
+        ref = parse_ref(ref_text)
+        self.actor.require("reader", ref.namespace, ref.name, "read versions")
+        query = (select(versions).join(models, models.c.id == versions.c.model_id)
+                 .where(and_(models.c.namespace == ref.namespace, models.c.name == ref.name)))  # fmt: skip
+        if ref.version is not None:
+            query = query.where(versions.c.version == ref.version)
+        elif ref.alias is not None:
+            query = query.join(aliases, and_(aliases.c.model_id == models.c.id, aliases.c.alias == ref.alias,
+                                             aliases.c.version == versions.c.version))  # fmt: skip
+        else:
+            query = query.order_by(versions.c.version.desc()).limit(1)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()  # one query on the hot path; the slow path names what is missing
+            if row is None:
+                model_id = self._model_id(conn, ref.namespace, ref.name)
+                row = self._version_row(conn, model_id, ref, resolve_number(conn, model_id, ref, None))
+            return _version_info(ref.full_name, row, self._tags(conn, [row.id])[row.id])
+
+    def list_versions(self, name: str) -> list[VersionInfo]:
+        """Every version of a model, oldest first; reader."""
+        namespace, short = parse_name(name)
+        self.actor.require("reader", namespace, short, "list versions")
+        with self.engine.connect() as conn:
+            model_id = self._model_id(conn, namespace, short)
+            rows = conn.execute(select(versions).where(versions.c.model_id == model_id).order_by(versions.c.version)).all()
+            tags = self._tags(conn, [r.id for r in rows])
+        return [_version_info(f"{namespace}/{short}", r, tags[r.id]) for r in rows]
+
+    def list_models(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Models (in ``namespace``) the caller may read, with their newest version number."""
+        query = (select(models.c.namespace, models.c.name, models.c.description, func.max(versions.c.version).label("latest"))
+                 .select_from(models.outerjoin(versions, versions.c.model_id == models.c.id))
+                 .group_by(models.c.id, models.c.namespace, models.c.name, models.c.description)
+                 .order_by(models.c.namespace, models.c.name))  # fmt: skip
+        if namespace:
+            query = query.where(models.c.namespace == namespace)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [{"name": f"{r.namespace}/{r.name}", "description": r.description, "latest": r.latest}
+                for r in rows if self.actor.role_on(r.namespace, r.name)]  # fmt: skip
+
+    def search(self, tags: dict[str, str], namespace: str | None = None, limit: int = 100) -> list[VersionInfo]:
+        """Versions carrying every ``key=value`` in ``tags`` (newest first), among models the caller may read."""
+        if not tags:
+            raise RegistryError("search needs at least one tag KEY=VALUE")
+        query = select(versions, models.c.namespace, models.c.name).join(models, models.c.id == versions.c.model_id)
+        for i, (key, value) in enumerate(sorted(tags.items())):
+            t = version_tags.alias(f"t{i}")
+            query = query.join(t, and_(t.c.version_id == versions.c.id, t.c.key == key, t.c.value == str(value)))
+        if namespace:
+            query = query.where(models.c.namespace == namespace)
+        query = query.order_by(versions.c.created_s.desc(), versions.c.id.desc()).limit(limit)
+        with self.engine.connect() as conn:
+            rows = [r for r in conn.execute(query).all() if self.actor.role_on(r.namespace, r.name)]
+            all_tags = self._tags(conn, [r.id for r in rows])
+        return [_version_info(f"{r.namespace}/{r.name}", r, all_tags[r.id]) for r in rows]
+
+    def set_tags(self, ref_text: str, tags: dict[str, str]) -> VersionInfo:
+        """Add or replace tags on a version (tags are labels; the artifact stays immutable); writer."""
+        ref = parse_ref(ref_text)
+        self.actor.require("writer", ref.namespace, ref.name, "tag a version")
+        info = self.get_version(ref_text)
+        with self.engine.begin() as conn:
+            model_id = self._model_id(conn, ref.namespace, ref.name)
+            row = self._version_row(conn, model_id, ref, info.version)
+            for key, value in tags.items():
+                conn.execute(version_tags.delete().where(and_(version_tags.c.version_id == row.id, version_tags.c.key == key)))
+                conn.execute(insert(version_tags).values(version_id=row.id, key=key, value=str(value)))
+        return self.get_version(f"{ref.full_name}@{info.version}")
+
+    def pull(self, ref_text: str, framework: str, fmt: str = "safetensors", out_dir: str | None = None,
+             key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """Verify a version completely, then write its weights for ``framework`` as ``fmt``; reader."""
+        info = self.resolve_version(ref_text, key)
+        manifest, state, groups = artifacts.read_version(self.store, info.manifest_path, info.manifest_sha256)
+        out = out_dir or f"{info.name.split('/')[-1]}-v{info.version}"
+        path = artifacts.export_weights(manifest, state, groups, framework, fmt, out)
+        return {"name": info.name, "version": info.version, "path": str(path), "framework": framework, "format": fmt}
+
+    def resolve_version(self, ref_text: str, key: str | None = None) -> VersionInfo:
+        """`get_version`, with a gray-release alias resolved for ``key``."""
+        number = self.resolve(ref_text, key)["version"]
+        ref = parse_ref(ref_text)
+        return self.get_version(f"{ref.full_name}@{number}")
+
+    # ------------------------------------------------------------------ aliases (see `aliases`)
+    def resolve(self, ref_text: str, key: str | None = None) -> dict[str, Any]:
+        from hybridfleet.registry import aliases as a
+
+        return a.resolve(self, ref_text, key)
+
+    def move_alias(self, name: str, alias: str, version: int, reason: str = "", expect_revision: int | None = None) -> dict[str, Any]:
+        from hybridfleet.registry import aliases as a
+
+        return a.move_alias(self, name, alias, version, reason, expect_revision)
+
+    def protect_alias(self, name: str, alias: str, protected: bool = True) -> dict[str, Any]:
+        from hybridfleet.registry import aliases as a
+
+        return a.protect_alias(self, name, alias, protected)
+
+    def rollout(self, name: str, alias: str, canary: int | None = None, weight: float | None = None,
+                promote: bool = False, rollback: bool = False, reason: str = "") -> dict[str, Any]:  # fmt: skip
+        from hybridfleet.registry import aliases as a
+
+        return a.rollout(self, name, alias, canary, weight, promote, rollback, reason)
+
+    def history(self, name: str, alias: str | None = None) -> list[dict[str, Any]]:
+        from hybridfleet.registry import aliases as a
+
+        return a.history(self, name, alias)
+
+    def promote(self, name: str, version: int, alias: str, require: list[str], no_regression_vs: str | None = None,
+                tolerance: float = 0.0, reason: str = "") -> dict[str, Any]:  # fmt: skip
+        from hybridfleet.registry import aliases as a
+
+        return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason)
+
+    def for_token(self, token: str | None) -> Registry:
+        """This registry (same engine and store) acting for ``token``'s principal."""
+        import copy
+
+        other = copy.copy(self)
+        other.actor = self.authenticate(token) if token else auth.Actor(auth.LOCAL_OWNER, {}, owner=True)
+        return other
+
+    # ------------------------------------------------------------------ principals and grants
+    def add_principal(self, name: str, kind: str = "user") -> str:
+        """Create a user or service account; returns its token (shown once). Admin on ``*``."""
+        auth.check_principal_name(name)
+        if kind not in auth.KINDS:
+            raise RegistryError(f"kind must be one of {auth.KINDS} (got {kind!r})")
+        self.actor.require("admin", "*", None, "create principals")
+        token, digest = auth.new_token()
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(principals).values(name=name, kind=kind, token_sha256=digest, created_s=time.time()))
+        except IntegrityError as err:
+            raise RegistryError(f"principal {name!r} exists already") from err
+        return token
+
+    def remove_principal(self, name: str) -> None:
+        """Delete a principal and its grants: its token stops working at once. Admin on ``*``."""
+        self.actor.require("admin", "*", None, "remove principals")
+        with self.engine.begin() as conn:
+            conn.execute(grants.delete().where(grants.c.principal == name))
+            if conn.execute(principals.delete().where(principals.c.name == name)).rowcount != 1:
+                raise RegistryNotFoundError(f"no principal {name!r}")
+
+    def grant(self, principal: str, role: str, scope: str) -> dict[str, str]:
+        """Give ``principal`` ``role`` on ``scope`` (``*``, NAMESPACE or NAMESPACE/NAME); admin on that scope."""
+        auth.check_role(role)
+        namespace, _, short = scope.partition("/")
+        if scope != "*":
+            parse_name(scope if short else f"{scope}/x")
+        self.actor.require("admin", namespace, short or None, f"grant roles on {scope}")
+        with self.engine.begin() as conn:
+            if conn.execute(select(principals.c.name).where(principals.c.name == principal)).scalar() is None:
+                raise RegistryNotFoundError(f"no principal {principal!r}; create it with `hfleet registry principal add`")
+            conn.execute(grants.delete().where(and_(grants.c.principal == principal, grants.c.scope == scope)))
+            conn.execute(insert(grants).values(principal=principal, scope=scope, role=role))
+        return {"principal": principal, "role": role, "scope": scope}
+
+    def whoami(self) -> dict[str, Any]:
+        return {"name": self.actor.name, "grants": self.actor.grants, "owner": self.actor.owner}
+

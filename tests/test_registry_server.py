@@ -1,0 +1,235 @@
+"""`hfleet registry serve` over real HTTP (uvicorn on 127.0.0.1), on SQLite and PostgreSQL; the CLI
+against it with tokens; exit codes from the errors table; and the CI examples' commands as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from hybridfleet.cli.app import main
+from hybridfleet.errors import (
+    EXIT_CODES,
+    GateFailedError,
+    PermissionDeniedError,
+    RegistryError,
+)
+from hybridfleet.registry import Registry
+from hybridfleet.registry.client import RemoteRegistry
+from hybridfleet.registry.server import create_app
+from tests.registry_helpers import save_model, table_counts
+
+pytest_plugins = ["tests.registry_fixtures"]
+pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Server:
+    """uvicorn serving the registry app in a thread."""
+
+    def __init__(self, registry: Registry):
+        import uvicorn
+
+        from hybridfleet.launch.preflight import free_port
+
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(registry), host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started, "registry server did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def served(db_url, tmp_path):
+    """(owner registry, server, tokens by principal) with ci (writer on ci, releaser on ci/digits) and ann (reader)."""
+    owner = Registry(db_url, store=str(tmp_path / "artifacts"))
+    tokens = {"ci": owner.add_principal("ci", "service"), "ann": owner.add_principal("ann")}
+    owner.grant("ci", "writer", "ci")
+    owner.grant("ci", "releaser", "ci/digits")
+    owner.grant("ann", "reader", "ci")
+    with Server(owner) as server:
+        yield owner, server, tokens
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """Run `hfleet ARGS` in-process; (exit code, stdout)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as ex:
+            code = int(ex.code or 0)
+    return code, out.getvalue()
+
+
+def test_rest_api_needs_a_token_and_answers_403_with_the_missing_role(served, tmp_path):
+    owner, server, tokens = served
+    save_model(tmp_path / "run", test_accuracy=0.97)
+    owner.register("ci/digits", str(tmp_path / "run"))
+    assert httpx.get(f"{server.url}/api/v1/models").status_code == 401
+    openapi = httpx.get(f"{server.url}/openapi.json").json()
+    assert "/api/v1/resolve" in openapi["paths"] and "/api/v1/models/{namespace}/{name}/promote" in openapi["paths"]
+    before = table_counts(owner)
+    response = httpx.put(f"{server.url}/api/v1/models/ci/digits/aliases/prod", json={"version": 1},
+                         headers={"Authorization": f"Bearer {tokens['ann']}"})
+    assert response.status_code == 403
+    assert response.json()["error"] == "permission"
+    assert "ann needs role 'releaser' on ci/digits to move protected alias 'prod' (has: reader)" in response.json()["detail"]
+    assert table_counts(owner) == before
+
+
+def test_remote_client_does_what_the_local_registry_does(served, tmp_path):
+    owner, server, tokens = served
+    save_model(tmp_path / "run", test_accuracy=0.97)
+    ci = RemoteRegistry(server.url, tokens["ci"])
+    v = ci.register("ci/digits", str(tmp_path / "run"), tags={"commit": "abc"})
+    assert v.version == 1 and v.copied_bytes > 0
+    ci.promote("ci/digits", 1, "prod", ["test_accuracy>=0.95"], "prod", 0.005)
+    ci.register("ci/digits", str(tmp_path / "run"))
+    ci.rollout("ci/digits", "prod", canary=2, weight=30)
+    for key in ("a", "b", "c", "d"):
+        assert ci.resolve("ci/digits@prod", key) == owner.resolve("ci/digits@prod", key)
+    assert [e["action"] for e in ci.history("ci/digits")] == ["move", "canary"]
+    assert [x.version for x in ci.search({"commit": "abc"})] == [1]
+    pulled = ci.pull("ci/digits@1", "torch", "safetensors", str(tmp_path / "out"))
+    assert Path(pulled["path"]).stat().st_size > 0
+    with pytest.raises(GateFailedError) as refused:
+        ci.promote("ci/digits", 2, "prod", ["test_accuracy>=0.99"])
+    assert refused.value.reasons[0]["metric"] == "test_accuracy" and not refused.value.reasons[0]["passed"]
+    with pytest.raises(PermissionDeniedError, match="needs role 'admin'"):
+        ci.grant("ci", "admin", "ci")
+
+
+def test_cli_exit_codes_come_from_the_errors_table(served, tmp_path):
+    owner, server, tokens = served
+    save_model(tmp_path / "run", test_accuracy=0.93)
+    owner.register("ci/digits", str(tmp_path / "run"))
+    as_ann = ["--registry", server.url, "--token", tokens["ann"]]
+    as_ci = ["--registry", server.url, "--token", tokens["ci"]]
+    code, _ = cli("registry", "alias", "ci/digits", "prod", "1", *as_ann)
+    assert code == EXIT_CODES["permission"].code
+    code, out = cli("registry", "promote", "ci/digits", "1", "--alias", "prod", "--require", "test_accuracy>=0.95", "--json", *as_ci)
+    assert code == EXIT_CODES["gate"].code
+    result = json.loads(out)
+    assert result["passed"] is False and result["checks"][0]["value"] == 0.93
+    code, _ = cli("registry", "promote", "ci/digits", "1", "--alias", "prod", "--require", "test_accuracy=>0.95", *as_ci)
+    assert code == EXIT_CODES["registry"].code
+    code, _ = cli("registry", "show", "ci/nope@1", *as_ci)
+    assert code == EXIT_CODES["registry_not_found"].code
+    code, out = cli("registry", "resolve", "ci/digits@1", *as_ann)
+    assert code == 0 and json.loads(out)["version"] == 1
+    assert owner.history("ci/digits") == []
+
+
+def _ci_commands() -> tuple[list[str], list[str]]:
+    """(image-job commands, train-job commands) of the GitHub workflow; the GitLab file must run the same."""
+    gh = yaml.safe_load((REPO / "examples/ci/github-actions.yml").read_text())
+    gl = yaml.safe_load((REPO / "examples/ci/gitlab-ci.yml").read_text())
+
+    def lines(steps):
+        return [line.strip() for s in steps if "run" in s for line in s["run"].splitlines() if line.strip()]
+
+    image, train = lines(gh["jobs"]["image"]["steps"]), lines(gh["jobs"]["train"]["steps"])
+    assert [c for c in image if c.startswith("hfleet") or c.startswith("docker")] == gl["image"]["script"]
+    assert train == gl["train"]["script"]
+    return image, train
+
+
+@pytest.mark.slow
+def test_ci_example_commands_train_publish_and_promote_with_a_service_token(tmp_path):
+    """Runs the CI files' commands as written, except `docker build/push` and `pip install`:
+    no Docker engine here, and the package is installed already. The `train` job's container
+    is this machine's environment."""
+    # Prepare: a registry server with the CI service account
+    owner = Registry(f"sqlite:///{tmp_path / 'reg.db'}", store=str(tmp_path / "artifacts"))
+    token = owner.add_principal("ci-bot", "service")
+    owner.grant("ci-bot", "writer", "ci")
+    owner.grant("ci-bot", "releaser", "ci/digits")
+    image, train = _ci_commands()
+    hfleet = [sys.executable, "-m", "hybridfleet"]
+    env = {**os.environ, "HFLEET_REGISTRY_TOKEN": token, "PYTHONPATH": str(REPO / "src")}
+    with Server(owner) as server:
+        env["HFLEET_REGISTRY"] = server.url
+        # Execute: the image job's render step (in a scratch dir: it writes ./Dockerfile)
+        (tmp_path / "examples/ci").mkdir(parents=True)
+        (tmp_path / "examples/ci/digits-ci.yaml").write_text((REPO / "examples/ci/digits-ci.yaml").read_text())
+        render = [c for c in image if c.startswith("hfleet image render")]
+        assert render
+        for command in render:
+            done = subprocess.run(hfleet + shlex.split(command)[1:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+        assert "FROM " in (tmp_path / "Dockerfile").read_text()
+        # the train job, from the repository root (what `actions/checkout` gives)
+        outputs = []
+        for command in train:
+            argv = shlex.split(command)
+            argv += ["--run-root", str(tmp_path / "runs")] if argv[1] == "run" else []
+            done = subprocess.run(hfleet + argv[1:], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+            outputs.append(done.stdout)
+    # Assert
+    assert "registered ci/digits v1 as candidate" in outputs[0]
+    assert "model: file://" in outputs[0] and "lineage in MODEL.json" in outputs[0]
+    promoted = json.loads(outputs[1])
+    assert promoted["passed"] and promoted["alias_state"]["version"] == 1
+    events = owner.history("ci/digits")
+    assert [(e["alias"], e["actor"], e["to_version"]) for e in events] == [("candidate", "ci-bot", 1), ("prod", "ci-bot", 1)]
+    lineage = owner.get_version("ci/digits@prod").lineage
+    assert lineage["job"] == "digits-ci" and lineage["git"]["commit"] and lineage["model"]["which"] == "final"
+
+
+def test_a_server_reads_local_checkpoints_only_under_its_allowed_folders(db_url, tmp_path):
+    owner = Registry(db_url, store=str(tmp_path / "artifacts"))
+    token = owner.add_principal("ci", "service")
+    owner.grant("ci", "writer", "ci")
+    save_model(tmp_path / "allowed" / "run")
+    save_model(tmp_path / "elsewhere" / "run")
+    from hybridfleet.store import open_store
+
+    roots = [owner.store_url, open_store(str(tmp_path / "allowed")).url]
+    server = Server(owner)
+    server.server.config.app = create_app(owner, roots)
+    with server:
+        ci = RemoteRegistry(server.url, token)
+        assert ci.register("ci/m", str(tmp_path / "allowed" / "run")).version == 1
+        before = table_counts(owner)
+        with pytest.raises(RegistryError, match="reads local checkpoints only under"):
+            ci.register("ci/m", str(tmp_path / "elsewhere" / "run"))
+        assert table_counts(owner) == before
+
+
+def test_cli_refuses_an_older_schema_with_exit_19_then_migrates_it(db_url, tmp_path):
+    from hybridfleet.registry import db
+
+    engine = db.make_engine(db_url)
+    db.upgrade(engine, "0001")
+    code, _ = cli("registry", "ls", "--registry", db_url)
+    assert code == EXIT_CODES["schema"].code and db.current_revision(engine) == "0001"
+    code, out = cli("registry", "migrate", "--db", db_url)
+    assert code == 0 and "0001 -> 0002" in out
+    code, _ = cli("registry", "init", "--registry", db_url, "--store", str(tmp_path / "a"))
+    assert code == 0 and db.current_revision(engine) == db.head_revision()
