@@ -202,10 +202,11 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
 def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
     """Progress from shard 0's version (one per applied round in BSP, one per push otherwise)."""
     from hybridfleet.ps.worker.status import ShardStatusProbe
+    from hybridfleet.spec.rules import ROUND_SYNC_MODES, outer_rounds
 
     probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
                              insecure=spec.security.tls == "off")
-    total = spec.train.steps * (1 if spec.ps.sync == "bsp" else spec.num_workers)
+    total = outer_rounds(spec.ps, spec.train.steps) * (1 if spec.ps.sync in ROUND_SYNC_MODES else spec.num_workers)
 
     def progress() -> tuple[float, float, str]:
         version = probe.version()

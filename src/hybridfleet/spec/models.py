@@ -64,7 +64,11 @@ class PSSpec(_Strict):
     """Parameter-server settings."""
 
     shards: int = Field(1, ge=1)
-    sync: Literal["bsp", "ssp", "asp"] = "bsp"
+    sync: Literal["bsp", "ssp", "asp", "local"] = Field(
+        "bsp", description="bsp/ssp/asp: the shards apply `optimizer` to every step's gradients; local: local SGD "
+                           "(DiLoCo), workers take `local_steps` steps with the script's own optimizer, then the "
+                           "shards apply the averaged pseudo-gradient with `optimizer` as the outer optimizer")
+    local_steps: int = Field(50, ge=1, description="sync local: inner steps between outer rounds (H)")
     staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
     optimizer: OptimizerSpec = OptimizerSpec()
     compression: CompressionSpec = CompressionSpec()
@@ -79,6 +83,22 @@ class PSSpec(_Strict):
                             "grpc: everything on gRPC (one port per shard, e.g. behind a gRPC proxy)")
     snapshot_every_s: float | None = Field(None, gt=0)
     snapshot_every_steps: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_optimizer_default(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("sync") == "local" and "optimizer" not in data:
+            from hybridfleet.spec.rules import OUTER_OPTIMIZER_DEFAULT
+
+            data = {**data, "optimizer": dict(OUTER_OPTIMIZER_DEFAULT)}
+        return data
+
+    @model_validator(mode="after")
+    def _sync_and_optimizer_agree(self) -> "PSSpec":
+        from hybridfleet.spec.rules import check_sync_optimizer
+
+        check_sync_optimizer(self)
+        return self
 
     @model_validator(mode="after")
     def _timeout_after_interval(self) -> "PSSpec":

@@ -6,6 +6,12 @@ A training script adds three lines::
     ps = hf.connect(model)                # joins the job, loads the job's current parameters
     ...; loss.backward(); ps.step()       # replaces optimizer.step(): push gradients, pull parameters
 
+With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
+``ps = hf.connect(model, optimizer)``; ``ps.step()`` then steps it and, every
+``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
+(see `hybridfleet.ps.worker.local`). In the other modes the shards apply
+``ps.optimizer`` and an optimizer given here is not stepped.
+
 Subclasses only say how to list parameters, read gradients and assign values.
 """
 
@@ -16,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
+
+log = get_logger("ps.worker")
 
 
 class ParameterServerHandle(ABC):
@@ -24,12 +33,25 @@ class ParameterServerHandle(ABC):
 
     framework: str = ""
 
-    def __init__(self, model: Any, config: WorkerConfig | None = None):
+    def __init__(self, model: Any, config: WorkerConfig | None = None, optimizer: Any = None):
         self.model = model
+        self.optimizer = optimizer
         self.config = config or WorkerConfig.from_env()
+        self.rounds = None  # LocalRounds in ps.sync: local
+        if self.config.job.ps.sync == "local" and optimizer is None:
+            raise ValueError("ps.sync: local trains with the script's own optimizer as the inner optimizer: "
+                             "pass it, ps = hf.connect(model, optimizer)")
         params = self._named_parameters()
         self.session = PSSession({k: tuple(p.shape) for k, p in params.items()}, self.config, self.framework)
         self._assign(self.session.start({k: self._to_numpy(p) for k, p in params.items()}))
+        if self.config.job.ps.sync != "local" and optimizer is not None:
+            log.info("optimizer_not_stepped", sync=self.config.job.ps.sync,
+                     reason="the shards apply ps.optimizer; the script's optimizer is the inner one of sync: local")
+        if self.config.job.ps.sync == "local":
+            from hybridfleet.ps.worker.local import InnerState, LocalRounds
+
+            self.rounds = LocalRounds(self.session, optimizer,
+                                      InnerState.from_env(self.framework))
 
     # framework specifics --------------------------------------------------
     @abstractmethod
@@ -50,7 +72,15 @@ class ParameterServerHandle(ABC):
 
     # the API ----------------------------------------------------------------
     def step(self) -> None:
-        """Push this step's gradients (zeros for parameters without one) and load the new parameters."""
+        """Push this step's gradients (zeros for parameters without one) and load the new parameters;
+        in local mode, step the inner optimizer and sync at the end of each outer round."""
+        if self.rounds is not None:
+            self.optimizer.step()
+            new = self.rounds.after_inner_step(
+                lambda: {n: self._to_numpy(p) for n, p in self._named_parameters().items()})
+            if new is not None:
+                self._assign(new)
+            return
         grads = {}
         for name, p in self._named_parameters().items():
             g = self._grad(p)
@@ -80,11 +110,12 @@ class ParameterServerHandle(ABC):
 
     @property
     def step_count(self) -> int:
-        return self.session.step_count
+        """Training steps taken by this job so far (inner steps in local mode)."""
+        return self.session.step_count if self.rounds is None else self.rounds.inner_steps
 
     def report(self, **metrics: Any) -> None:
         """Record metrics (loss, accuracy, ...) with the worker's byte counters."""
-        self.session.report(**metrics)
+        self.session.report(step=self.step_count, **metrics)
 
     def close(self) -> None:
         """Leave the job (so synchronous rounds stop waiting for this worker)."""
