@@ -57,19 +57,26 @@ def num_parameters(hidden: str = HIDDEN) -> int:
 
 def digits_job(name: str, framework: str, steps: int, compression: dict, *, eval_every_steps: int,
                optimizer: dict | None = None, host: str = "127.0.0.1", aggregate: bool = False,
-               hospital_netns: str | None = None) -> dict:
-    """The digits hybrid job as a dict (hospital + cloud, 2 workers each, 2 shards), ready for YAML."""
+               hospital_netns: str | None = None, local_steps: int | None = None, inner_lr: float | None = None) -> dict:
+    """The digits hybrid job as a dict (hospital + cloud, 2 workers each, 2 shards), ready for YAML.
+
+    With ``local_steps`` the job runs ``sync: local`` (the script's Adam, lr ``inner_lr``, takes the inner
+    steps; ``optimizer`` is the outer one, DiLoCo's Nesterov SGD when None)."""
     if framework not in ENTRYPOINTS:
         raise ValueError(f"framework: must be one of {sorted(ENTRYPOINTS)} (got {framework!r})")
     hospital = {"workers": 2, "data": "digits:site-a", "aggregate": aggregate}
     if hospital_netns:
         hospital["netns"] = hospital_netns
+    ps = {"shards": 2, "sync": "bsp", "optimizer": optimizer or DEFAULT_OPTIMIZER}
+    args = ["--hidden", HIDDEN]
+    if local_steps is not None:
+        ps = {"shards": 2, "sync": "local", "local_steps": local_steps, **({"optimizer": optimizer} if optimizer else {})}
+        args += ["--lr", str(inner_lr)] if inner_lr is not None else []
     return {
         "name": name, "framework": framework, "entrypoint": str(ENTRYPOINTS[framework]),
-        "args": ["--hidden", HIDDEN], "mode": "ps",
+        "args": args, "mode": "ps",
         "sites": {"hospital": hospital, "cloud": {"workers": 2, "data": "digits:site-b", "aggregate": aggregate}},
-        "ps": {"shards": 2, "sync": "bsp", "optimizer": optimizer or DEFAULT_OPTIMIZER, "compression": compression,
-               "host": host, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30},
+        "ps": {**ps, "compression": compression, "host": host, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30},
         "train": {"steps": steps, "batch_size": 32, "seed": 0, "eval_every_steps": eval_every_steps},
         "security": {"tls": "auto", "tokens": "auto"},
     }
