@@ -47,7 +47,7 @@ def worker(
         if spec.security.mutual_tls and "worker" in pki.clients:
             env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients["worker"].cert,
                                                                             pki.clients["worker"].key))
-    os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
+    os.execve(sys.executable, [sys.executable, spec.site_entrypoint(site), *spec.args], env)
 
 
 def register(app: typer.Typer) -> None:

@@ -133,8 +133,8 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
 def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:
     """One process per worker of every site; global ranks follow the order of ``sites``."""
     procs, rank = [], 0
-    entry = str(Path(spec.entrypoint))
     for site, s in spec.sites.items():
+        entry = str(Path(spec.site_entrypoint(site)))
         hub = f"127.0.0.1:{free_port()}" if s.aggregate and s.workers > 1 else None
         for site_rank in range(s.workers):
             prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
@@ -149,7 +149,7 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
 
 def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:
     """Each site training alone on its own data (no servers), for comparison."""
-    return [ProcessSpec(name=f"baseline-{site}", argv=[sys.executable, str(spec.entrypoint), *spec.args],
+    return [ProcessSpec(name=f"baseline-{site}", argv=[sys.executable, str(spec.site_entrypoint(site)), *spec.args],
                         env=worker_env(spec, job_path, layout, site, 0, 0, with_servers=False), role="baseline")
             for site in spec.sites]
 
@@ -260,8 +260,9 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
     job_path = Path(job_path).resolve()
-    if not Path(spec.entrypoint).is_file():
-        raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})")
+    for entry in dict.fromkeys(spec.site_entrypoint(site) for site in spec.sites):
+        if not Path(entry).is_file():
+            raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})")
     run_dir = new_run_dir(spec, run_root)
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")

@@ -19,6 +19,9 @@ class SiteSpec(_Strict):
     aggregate: bool = Field(False, description="reduce gradients inside the site first; one leader pushes")
     netns: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
                               description="run this site's workers in this network namespace (`hfleet run` only)")
+    framework: Literal["torch", "paddle"] | None = Field(
+        None, description="this site's own framework (default: the job's); parameters travel in the job's layout")
+    entrypoint: str | None = Field(None, description="this site's own training script (default: the job's)")
 
 
 class OptimizerSpec(_Strict):
@@ -201,9 +204,20 @@ class JobSpec(_Strict):
         for site in self.sites:
             if not site.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"sites.{site}: site names use letters, digits, - and _ only")
+        from hybridfleet.spec.rules import check_site_frameworks
+
+        check_site_frameworks(self)
         if self.environment.cuda and self.environment.device != "gpu":
             raise ValueError("environment.cuda: set environment.device: gpu too (or drop cuda)")
         return self
+
+    def site_framework(self, site: str) -> str:
+        """The framework the workers of ``site`` train with."""
+        return self.sites[site].framework or self.framework
+
+    def site_entrypoint(self, site: str) -> str:
+        """The training script the workers of ``site`` run."""
+        return self.sites[site].entrypoint or self.entrypoint
 
     @property
     def num_workers(self) -> int:

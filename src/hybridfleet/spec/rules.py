@@ -46,3 +46,16 @@ ROUND_SYNC_MODES = ("bsp", "local")
 def outer_rounds(ps: Any, inner_steps: int) -> int:
     """How many shard versions ``inner_steps`` training steps make: one per step, or per `local_steps` in local mode."""
     return -(-inner_steps // ps.local_steps) if ps.sync == "local" else inner_steps
+
+
+def check_site_frameworks(job: Any) -> None:
+    """A site with its own framework needs its own script; mixing frameworks needs the PS mode."""
+    for name, site in job.sites.items():
+        if site.framework and site.framework != job.framework:
+            if job.mode != "ps":
+                raise ValueError(f"sites.{name}.framework: mixing frameworks ({site.framework} at {name}, "
+                                 f"{job.framework} for the job) needs mode: ps")
+            if not site.entrypoint:
+                raise ValueError(f"sites.{name}.entrypoint: site {name} trains with {site.framework}, the job's "
+                                 f"entrypoint is for {job.framework}; name the {site.framework} script, "
+                                 f"e.g. entrypoint: examples/digits/train_{site.framework}.py")

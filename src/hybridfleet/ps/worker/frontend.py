@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.canonical import CanonicalLayout
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
 log = get_logger("ps.worker")
@@ -41,9 +43,17 @@ class ParameterServerHandle(ABC):
         if self.config.job.ps.sync == "local" and optimizer is None:
             raise ValueError("ps.sync: local trains with the script's own optimizer as the inner optimizer: "
                              "pass it, ps = hf.connect(model, optimizer)")
+        job, site = self.config.job, self.config.site
+        declared = job.sites[site].framework
+        if declared and declared != self.framework:
+            raise SpecError(f"sites.{site}.framework: the site declares {declared}, this script trains with "
+                            f"{self.framework}; fix the job file or run the site's {declared} script")
         params = self._named_parameters()
-        self.session = PSSession({k: tuple(p.shape) for k, p in params.items()}, self.config, self.framework)
-        self._assign(self.session.start({k: self._to_numpy(p) for k, p in params.items()}))
+        # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
+        self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
+        shapes = {k: tuple(p.shape) for k, p in params.items()}
+        self.session = PSSession(self.layout.shapes(shapes) if self.layout else shapes, self.config, self.framework)
+        self._load(self.session.start(self._canonical({k: self._to_numpy(p) for k, p in params.items()})))
         if self.config.job.ps.sync != "local" and optimizer is not None:
             log.info("optimizer_not_stepped", sync=self.config.job.ps.sync,
                      reason="the shards apply ps.optimizer; the script's optimizer is the inner one of sync: local")
@@ -77,15 +87,22 @@ class ParameterServerHandle(ABC):
         if self.rounds is not None:
             self.optimizer.step()
             new = self.rounds.after_inner_step(
-                lambda: {n: self._to_numpy(p) for n, p in self._named_parameters().items()})
+                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}))
             if new is not None:
-                self._assign(new)
+                self._load(new)
             return
         grads = {}
         for name, p in self._named_parameters().items():
             g = self._grad(p)
             grads[name] = np.zeros(tuple(p.shape), dtype=np.float32) if g is None else g
-        self._assign(self.session.step(grads))
+        self._load(self.session.step(self._canonical(grads)))
+
+    def _canonical(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.layout.to_canonical(arrays) if self.layout else arrays
+
+    def _load(self, canonical: dict[str, np.ndarray]) -> None:
+        """Assign the job's parameters (canonical names and layouts) to the model."""
+        self._assign(self.layout.to_native(canonical) if self.layout else canonical)
 
     @property
     def job(self):
