@@ -71,7 +71,8 @@ class PSSpec(_Strict):
         "bsp", description="bsp/ssp/asp: the shards apply `optimizer` to every step's gradients; local: local SGD "
                            "(DiLoCo), workers take `local_steps` steps with the script's own optimizer, then the "
                            "shards apply the averaged pseudo-gradient with `optimizer` as the outer optimizer")
-    local_steps: int = Field(50, ge=1, description="sync local: inner steps between outer rounds (H)")
+    local_steps: int | None = Field(None, ge=1, description="sync local: inner steps between outer rounds (H; "
+                                                            "default 50)")
     staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
     optimizer: OptimizerSpec = OptimizerSpec()
     compression: CompressionSpec = CompressionSpec()
@@ -90,10 +91,12 @@ class PSSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _outer_optimizer_default(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("sync") == "local" and "optimizer" not in data:
-            from hybridfleet.spec.rules import OUTER_OPTIMIZER_DEFAULT
+        if isinstance(data, dict) and data.get("sync") == "local":
+            from hybridfleet.spec.rules import LOCAL_STEPS_DEFAULT, OUTER_OPTIMIZER_DEFAULT
 
-            data = {**data, "optimizer": dict(OUTER_OPTIMIZER_DEFAULT)}
+            data = {"optimizer": dict(OUTER_OPTIMIZER_DEFAULT), **data}
+            if data.get("local_steps") is None:
+                data["local_steps"] = LOCAL_STEPS_DEFAULT
         return data
 
     @model_validator(mode="after")

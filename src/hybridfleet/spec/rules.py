@@ -9,6 +9,7 @@ from typing import Any
 
 # DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov SGD on the averaged pseudo-gradient.
 OUTER_OPTIMIZER_DEFAULT = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+LOCAL_STEPS_DEFAULT = 50
 
 # Codecs whose compressed downlink cannot follow a server-side Adam: Adam moves every
 # coordinate every step, so sparse (or sign-only) parameter deltas lag further behind the
@@ -20,7 +21,7 @@ ADAPTIVE_OPTIMIZERS = ("adam", "adamw")
 
 def check_sync_optimizer(ps: Any) -> None:
     """Raise ValueError (``field: problem; fix``) when ``ps``'s sync mode, optimizer and codec do not go together."""
-    if "local_steps" in ps.model_fields_set and ps.sync != "local":
+    if ps.local_steps is not None and ps.sync != "local":
         raise ValueError(f"local_steps: only applies to sync: local (sync is {ps.sync!r}); "
                          "remove it or set sync: local")
     name, codec = ps.optimizer.name, ps.compression.codec
