@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from hybridfleet.ps.worker.local import LocalRounds
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 from hybridfleet.security import load_pki
 from hybridfleet.spec import load_spec, parse_spec
-from tests.ps_helpers import initial_values, start_cluster
+from tests.ps_helpers import initial_values, kill_when_round, start_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {k: v.shape for k, v in initial_values().items()}
@@ -176,25 +175,6 @@ def _local_job(tmp_path: Path, framework: str) -> Path:
     return path
 
 
-def _kill_at_round(reached: int, victim: str, killed: dict):
-    from hybridfleet.ps.worker.status import ShardStatusProbe
-
-    def hook(sup, layout):
-        def watch():
-            probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and probe.version() < reached:
-                time.sleep(0.02)
-            killed["at_round"] = probe.version()
-            killed["pid"] = sup.pid(victim)
-            sup.kill(victim)
-            probe.close()
-
-        threading.Thread(target=watch, daemon=True).start()
-
-    return hook
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
 def test_local_mode_job_reaches_095_and_a_sigkilled_worker_resumes_its_inner_state(tmp_path, framework):
@@ -207,7 +187,7 @@ def test_local_mode_job_reaches_095_and_a_sigkilled_worker_resumes_its_inner_sta
     killed: dict = {}
     # Execute: SIGKILL a cloud worker once 5 outer rounds are applied
     summary = run_ps_job(spec, job, echo=False, show_progress=False, run_root=tmp_path / "runs",
-                         on_started=_kill_at_round(5, "worker-cloud-1", killed))
+                         on_started=kill_when_round(5, "worker-cloud-1", killed))
     # Assert
     assert killed["pid"] is not None and 5 <= killed["at_round"] < 20
     assert summary["status"] == "completed", summary
