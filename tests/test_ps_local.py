@@ -167,6 +167,8 @@ def _local_job(tmp_path: Path, framework: str) -> Path:
     if framework == "paddle":
         data["framework"], data["entrypoint"] = "paddle", "examples/digits/train_paddle.py"
     data["entrypoint"] = str(REPO / data["entrypoint"])
+    for site in data["sites"].values():  # packed site datasets ship in the repository
+        site["data"] = str(REPO / site["data"])
     data["train"]["site_baselines"] = False
     data["sites"]["cloud"]["aggregate"] = False  # cloud's workers push on their own, the hospital's leader for both
     data["max_restarts"] = 1

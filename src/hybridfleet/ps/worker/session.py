@@ -13,6 +13,7 @@ only in where the update is computed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -337,6 +338,11 @@ class PSSession:
         record (``final=True``) also carries the parameters' digest. ``step`` defaults to the pushes made."""
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
+            data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset
+            if data is not None and data.opened_digests():
+                metrics.setdefault("datasets", data.opened_digests())
+                if data.cache_stats():
+                    metrics.setdefault("data_cache", data.cache_stats())
         c = self.config
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank,
                  step=self.step_count if step is None else step,
