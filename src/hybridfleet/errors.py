@@ -101,6 +101,12 @@ class DataError(HfleetError, ValueError):
     kind = "data"
 
 
+class ReportError(HfleetError, ValueError):
+    """A run directory is missing or is not a run (`hfleet report`, `hfleet ui`)."""
+
+    kind = "report"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -117,6 +123,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
     "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
+    "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }
 

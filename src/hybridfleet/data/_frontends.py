@@ -28,3 +28,18 @@ def iter_batches(dataset: PackedDataset, order: GlobalOrder, batch_size: int, wo
             batch = dataset.take(idx)
             batch["_row"] = idx
             yield batch
+
+
+class OrderSamplerBase:
+    """The rank's rows of the global order from its current position (see `GlobalOrder`);
+    mixed into each framework's ``Sampler``."""
+
+    def __init__(self, order: GlobalOrder):
+        super().__init__()
+        self.order = order
+
+    def __iter__(self):
+        return iter(self.order.remaining().tolist())
+
+    def __len__(self) -> int:
+        return len(self.order.remaining())

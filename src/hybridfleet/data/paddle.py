@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from paddle.io import Dataset, IterableDataset, Sampler, get_worker_info
 
-from hybridfleet.data._frontends import iter_batches, row_arrays
+from hybridfleet.data._frontends import OrderSamplerBase, iter_batches, row_arrays
 from hybridfleet.data.dataset import PackedDataset
 from hybridfleet.data.order import GlobalOrder
 
@@ -28,18 +28,8 @@ class MapDataset(Dataset):
         return row_arrays(self.dataset, i)
 
 
-class OrderSampler(Sampler):
+class OrderSampler(OrderSamplerBase, Sampler):
     """The rank's rows of the global order from its current position (see `GlobalOrder`)."""
-
-    def __init__(self, order: GlobalOrder):
-        super().__init__()
-        self.order = order
-
-    def __iter__(self):
-        return iter(self.order.remaining().tolist())
-
-    def __len__(self) -> int:
-        return len(self.order.remaining())
 
 
 class BatchIterable(IterableDataset):
