@@ -1,4 +1,4 @@
-"""Time to accuracy over a rate-capped WAN link: dense vs top-k 1% + EF with site aggregation.
+"""Time to accuracy over a rate-capped WAN link: dense BSP, top-k BSP, and local SGD / DiLoCo (dense, int8).
 
     sudo python bench/wan.py                          # torch, 20 Mbit/s, target 0.93
     sudo python bench/wan.py --framework paddle
@@ -11,16 +11,36 @@ joined to the host by a veth pair whose egress is capped both ways with
 (10.231.0.1), which the cloud site's 2 workers reach without the cap. The cap
 is checked first with a raw TCP transfer each way across the link.
 
-Both runs train the digits job of ``compression.py`` (2048,512 MLP, 1.19M
-parameters, server-side SGD lr 0.3, same seeds). Dense: ``codec: none``, every worker
-pushes and pulls on its own. Compressed: ``codec: topk``, ratio 0.01, error
-feedback, compressed downlink, and ``aggregate: true`` on both sites, so one
-leader per site talks to the shards.
+Every run trains the digits job of ``compression.py`` (2048,512 MLP, 1.19M
+parameters, same seeds, same number of training steps per worker):
 
-Time to target = the ``elapsed_s`` of the first metrics record (any worker)
-whose ``test_accuracy`` reaches the target; ``elapsed_s`` counts from the
-worker's session start (after imports, before joining the shards). A run is
-stopped once the target is reached. speedup = dense_s / compressed_s.
+* dense BSP: ``codec: none``, server-side SGD lr 0.3, every worker pushes and pulls on its own;
+* top-k BSP: ``codec: topk`` 1% + error feedback, compressed downlink, ``aggregate: true`` on both
+  sites (one leader per site talks to the shards), server-side SGD lr 0.3;
+* local dense / local + int8: ``sync: local`` (DiLoCo): each worker takes ``--local-steps`` steps with
+  the script's own Adam (lr ``--inner-lr``), then the sites' averaged pseudo-gradients (plain, or int8
+  with error feedback) go to the shards, which apply Nesterov SGD (lr 0.7, momentum 0.9); site
+  aggregation on both sites.
+
+Time to target = the ``elapsed_s`` of the first metrics record (any worker) whose
+``test_accuracy`` reaches the target; ``elapsed_s`` counts from the worker's session
+start (after imports, before joining the shards). Local runs evaluate every outer
+round, right after the new global parameters arrived, so only the global model is
+scored, never a worker's half-way inner state. WAN bytes to target = every worker's
+bytes to and from the shards (both sites; a site's internal averaging is LAN traffic
+and not counted) in the metrics records of the step that reached the target.
+
+BSP runs are stopped once the target is reached (dense BSP takes minutes at 20
+Mbit/s); their final accuracy comes from the same job run again without the cap
+(a BSP run's result does not depend on the link: same seeds, same rounds). With
+``--quick`` nothing is stopped early and every final accuracy is from the capped run.
+Local runs always run all steps over the capped link.
+
+speedup = dense BSP time / top-k BSP time; local_speedup = dense BSP / local + int8;
+local_vs_topk = top-k BSP / local + int8; local_bytes_reduction = 1 - local + int8 WAN bytes
+to target / dense BSP's; local_acc_drop = dense BSP final accuracy - local + int8's;
+adam_acc_drop = local dense final - local + int8 final (both train with Adam as the inner
+optimizer: dense Adam against compressed Adam).
 
 Needs root; without it (or when ``ip netns`` fails) it prints
 ``{"bench": "wan", "skipped": reason}`` and exits 0. The last line is JSON.
@@ -43,24 +63,45 @@ import _wan_net  # noqa: E402
 from compression import ENTRYPOINTS, digits_job, fail, num_parameters, quiet_parent_logs, run_job  # noqa: E402
 
 CAP_TOLERANCE = (0.5, 1.2)  # measured / set rate outside this range means the cap does not hold
-DENSE = {"codec": "none"}
-COMPRESSED = {"codec": "topk", "ratio": 0.01, "error_feedback": True}
+INNER_LR = 0.002
+LOCAL_STEPS = 25
+# name -> (label, compression, site aggregation, local mode)
+VARIANTS = {
+    "dense": ("dense BSP (none), per-worker push", {"codec": "none"}, False, False),
+    "compressed": ("top-k BSP 1% + EF + site aggr.", {"codec": "topk", "ratio": 0.01, "error_feedback": True}, True,
+                   False),
+    "local": ("local (DiLoCo) dense + site aggr.", {"codec": "none"}, True, True),
+    "local_int8": ("local (DiLoCo) int8 + EF + site aggr.", {"codec": "int8", "error_feedback": True}, True, True),
+}
+
+
+def records(metrics_path: Path) -> list[dict]:
+    """The metrics records written so far (a line being written right now is skipped)."""
+    if not metrics_path.exists():
+        return []
+    out = []
+    for line in metrics_path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def first_reaching(metrics_path: Path, target: float) -> dict | None:
     """The first metrics record (by ``elapsed_s``) whose test_accuracy is >= target, or None."""
-    if not metrics_path.exists():
-        return None
-    hits = []
-    for line in metrics_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written right now
-        acc = rec.get("test_accuracy")
-        if acc is not None and acc >= target and "elapsed_s" in rec:
-            hits.append(rec)
+    hits = [r for r in records(metrics_path)
+            if r.get("test_accuracy") is not None and r["test_accuracy"] >= target and "elapsed_s" in r]
     return min(hits, key=lambda r: r["elapsed_s"]) if hits else None
+
+
+def wan_bytes_at(metrics_path: Path, step: int) -> int:
+    """Bytes every worker sent to and received from the shards, as of its metrics record of ``step``."""
+    per_process: dict[str, int] = {}
+    for r in records(metrics_path):
+        if r.get("step") == step and "sent" in r and str(r.get("process", "")).startswith("worker-"):
+            per_process.setdefault(r["process"], r["sent"] + r["received"])
+    return sum(per_process.values())
 
 
 class StopAtTarget:
@@ -81,6 +122,8 @@ class StopAtTarget:
     def _watch(self, supervisor, metrics_path: Path) -> None:
         while not self._done.wait(self.poll_s):
             if first_reaching(metrics_path, self.target) is not None:
+                # let the other workers' records of the same evaluation land (bytes to target)
+                time.sleep(self.poll_s)
                 self.stopped_early = True
                 supervisor.stop(grace_s=2.0)
                 return
@@ -91,26 +134,47 @@ class StopAtTarget:
             self._thread.join()
 
 
-def run_variant(name: str, args, steps: int, compression: dict, aggregate: bool, workdir: Path) -> dict:
-    """One job over the link; its time to target, wall time and run dir."""
-    job = digits_job(f"wan-{name}", args.framework, steps, compression, eval_every_steps=args.eval_every,
-                     host=_wan_net.HOST_ADDR, aggregate=aggregate, hospital_netns=_wan_net.NAMESPACE)
-    hook = StopAtTarget(args.target)
+def variant_job(name: str, args, steps: int, capped: bool = True) -> dict:
+    _, compression, aggregate, local = VARIANTS[name]
+    local_steps = min(args.local_steps, steps) if local else None
+    return digits_job(f"wan-{name.replace('_', '-')}{'' if capped else '-uncapped'}", args.framework, steps,
+                      compression, eval_every_steps=local_steps or args.eval_every, host=_wan_net.HOST_ADDR,
+                      aggregate=aggregate, hospital_netns=_wan_net.NAMESPACE if capped else None,
+                      local_steps=local_steps, inner_lr=args.inner_lr if local else None)
+
+
+def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool) -> dict:
+    """One job over the link; its time and WAN bytes to target, final accuracy, wall time and run dir."""
+    hook = StopAtTarget(args.target) if stop_early else None
     started = time.monotonic()
     try:
-        summary = run_job(job, workdir, on_started=hook)
+        summary = run_job(variant_job(name, args, steps), workdir, on_started=hook)
     except Exception:
         print(f"{name} run raised; kept: {workdir}", file=sys.stderr)
         raise
     finally:
-        hook.close()
+        if hook is not None:
+            hook.close()
     wall_s = time.monotonic() - started
-    hit = first_reaching(Path(summary["run_dir"]) / "metrics.jsonl", args.target)
+    metrics_path = Path(summary["run_dir"]) / "metrics.jsonl"
+    hit = first_reaching(metrics_path, args.target)
+    stopped = hook is not None and hook.stopped_early
     if hit is None and summary["status"] != "completed":
         fail(f"{name} run ended {summary['status']} before reaching {args.target}", [summary["run_dir"]], workdir)
+    if not stopped and summary["status"] != "completed":
+        fail(f"{name} run ended {summary['status']}", [summary["run_dir"]], workdir)
     return {"time_s": None if hit is None else hit["elapsed_s"], "step": None if hit is None else hit["step"],
-            "final_acc": summary["test_accuracy"], "wall_s": wall_s, "stopped_early": hook.stopped_early,
+            "bytes": None if hit is None else wan_bytes_at(metrics_path, hit["step"]),
+            "final_acc": None if stopped else summary["test_accuracy"], "wall_s": wall_s, "stopped_early": stopped,
             "run_dir": summary["run_dir"]}
+
+
+def final_acc_uncapped(name: str, args, steps: int, workdir: Path) -> float:
+    """The final accuracy of the same BSP job run without the cap (its result does not depend on the link)."""
+    summary = run_job(variant_job(name, args, steps, capped=False), workdir)
+    if summary["status"] != "completed":
+        fail(f"{name} (uncapped) run ended {summary['status']}", [summary["run_dir"]], workdir)
+    return summary["test_accuracy"]
 
 
 def skip(reason: str) -> None:
@@ -119,14 +183,21 @@ def skip(reason: str) -> None:
     sys.exit(0)
 
 
+def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
+    return None if a is None or not b else round(a / b, digits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--framework", choices=sorted(ENTRYPOINTS), default="torch")
-    ap.add_argument("--quick", action="store_true", help="100 Mbit/s, target 0.85, at most 60 steps")
+    ap.add_argument("--quick", action="store_true", help="100 Mbit/s, target 0.85, at most 60 steps, nothing stopped")
     ap.add_argument("--rate-mbit", type=float, default=None, help="tbf rate each way (default 20; quick 100)")
     ap.add_argument("--target", type=float, default=None, help="test accuracy to reach (default 0.93; quick 0.85)")
-    ap.add_argument("--steps", type=int, default=None, help="most steps per run (default 150; quick 60)")
-    ap.add_argument("--eval-every", type=int, default=5, help="steps between accuracy evaluations")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per worker and run (default 150; quick 60)")
+    ap.add_argument("--eval-every", type=int, default=5, help="BSP: steps between accuracy evaluations")
+    ap.add_argument("--local-steps", type=int, default=None,
+                    help=f"local mode: inner steps per outer round (default {LOCAL_STEPS}; quick 10)")
+    ap.add_argument("--inner-lr", type=float, default=INNER_LR, help="local mode: the inner Adam's learning rate")
     args = ap.parse_args()
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:
@@ -135,6 +206,11 @@ def main() -> None:
         ap.error(f"--steps: must be >= 1 (got {args.steps})")
     if args.eval_every < 1:
         ap.error(f"--eval-every: must be >= 1 (got {args.eval_every})")
+    args.local_steps = args.local_steps if args.local_steps is not None else (10 if args.quick else LOCAL_STEPS)
+    if args.local_steps < 1:
+        ap.error(f"--local-steps: must be >= 1 (got {args.local_steps})")
+    if args.inner_lr <= 0:
+        ap.error(f"--inner-lr: must be > 0 (got {args.inner_lr})")
     args.target = args.target if args.target is not None else (0.85 if args.quick else 0.93)
     steps = args.steps or (60 if args.quick else 150)
 
@@ -148,6 +224,7 @@ def main() -> None:
         skip(str(err))
     quiet_parent_logs("error")  # stopping a run at its target makes the supervisor warn about every exit
     workdir = Path(tempfile.mkdtemp(prefix="hf-bench-wan-"))
+    results: dict[str, dict] = {}
     try:
         probe_s = 1.5 if args.quick else 3.0
         up_mbit, down_mbit = link.measure_mbit("up", probe_s), link.measure_mbit("down", probe_s)
@@ -157,32 +234,49 @@ def main() -> None:
         if not (low <= up_mbit <= high and low <= down_mbit <= high):
             fail(f"the cap does not hold: measured {up_mbit:.2f} / {down_mbit:.2f} Mbit/s, "
                  f"expected {low:g}..{high:g}", [], workdir)
-        dense = run_variant("dense", args, steps, DENSE, False, workdir)
-        print(f"  dense: done in {dense['wall_s']:.1f} s", file=sys.stderr)
-        compressed = run_variant("compressed", args, steps, COMPRESSED, True, workdir)
-        print(f"  compressed: done in {compressed['wall_s']:.1f} s", file=sys.stderr)
+        for name, (_, _, _, local) in VARIANTS.items():
+            results[name] = run_variant(name, args, steps, workdir, stop_early=not local and not args.quick)
+            print(f"  {name}: done in {results[name]['wall_s']:.1f} s", file=sys.stderr)
+        for name, r in results.items():
+            if r["final_acc"] is None:
+                r["final_acc"] = final_acc_uncapped(name, args, steps, workdir)
+                r["final_uncapped"] = True
     finally:
         link.teardown()
 
     print(f"\ndigits hybrid job, {args.framework}, {num_parameters():,} parameters; hospital (2 workers) behind "
-          f"{args.rate_mbit:g} Mbit/s, cloud (2 workers) local; target test accuracy {args.target}")
-    print(f"{'variant':<34}{'time to target s':>17}{'at step':>9}{'final acc':>11}{'wall s':>9}")
-    labels = {"dense": "dense (none), per-worker push", "compressed": "top-k 1% + EF + site aggregation"}
-    for name, r in (("dense", dense), ("compressed", compressed)):
+          f"{args.rate_mbit:g} Mbit/s, cloud (2 workers) local; target test accuracy {args.target}; {steps} steps; "
+          f"local: H={min(args.local_steps, steps)}, inner Adam lr {args.inner_lr:g}, outer Nesterov SGD lr 0.7")
+    print(f"{'variant':<40}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'final acc':>11}"
+          f"{'wall s':>9}")
+    for name, r in results.items():
         t = "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}"
         step = "-" if r["step"] is None else str(r["step"])
-        acc = "-" if r["final_acc"] is None or r["stopped_early"] else f"{r['final_acc']:.4f}"
-        print(f"{labels[name]:<34}{t:>17}{step:>9}{acc:>11}{r['wall_s']:>9.1f}")
-    print("(runs stop once the target is reached; final acc is shown only for runs that ran all steps)")
-    if dense["time_s"] is None or compressed["time_s"] is None:
-        missing = [n for n, r in (("dense", dense), ("compressed", compressed)) if r["time_s"] is None]
+        mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}"
+        acc = f"{r['final_acc']:.4f}{'*' if r.get('final_uncapped') else ''}"
+        print(f"{VARIANTS[name][0]:<40}{t:>17}{step:>9}{mb:>18}{acc:>11}{r['wall_s']:>9.1f}")
+    print("(* final accuracy of the same BSP job run to the end without the cap; its capped run stopped at the target)")
+    missing = [n for n, r in results.items() if r["time_s"] is None]
+    if missing:
         fail(f"target {args.target} not reached within {steps} steps by: {', '.join(missing)}",
-             [dense["run_dir"], compressed["run_dir"]], workdir)
+             [r["run_dir"] for r in results.values()], workdir)
     shutil.rmtree(workdir, ignore_errors=True)
+    dense, topk, local, local_int8 = (results[n] for n in VARIANTS)
     print(json.dumps({
         "bench": "wan", "framework": args.framework, "rate_mbit": args.rate_mbit,
-        "dense_s": dense["time_s"], "compressed_s": compressed["time_s"],
-        "speedup": round(dense["time_s"] / compressed["time_s"], 3),
+        "dense_s": dense["time_s"], "compressed_s": topk["time_s"],
+        "speedup": ratio(dense["time_s"], topk["time_s"]),
+        "local_dense_s": local["time_s"], "local_int8_s": local_int8["time_s"],
+        "local_speedup": ratio(dense["time_s"], local_int8["time_s"]),
+        "local_vs_topk": ratio(topk["time_s"], local_int8["time_s"]),
+        "dense_bytes": dense["bytes"], "compressed_bytes": topk["bytes"], "local_dense_bytes": local["bytes"],
+        "local_int8_bytes": local_int8["bytes"],
+        "local_bytes_reduction": round(1 - local_int8["bytes"] / dense["bytes"], 5),
+        "dense_acc": dense["final_acc"], "compressed_acc": topk["final_acc"], "local_dense_acc": local["final_acc"],
+        "local_int8_acc": local_int8["final_acc"],
+        "local_acc_drop": round(dense["final_acc"] - local_int8["final_acc"], 5),
+        "adam_acc_drop": round(local["final_acc"] - local_int8["final_acc"], 5),
+        "local_steps": min(args.local_steps, steps), "inner_lr": args.inner_lr, "steps": steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),
     }))
 

@@ -94,3 +94,26 @@ def join_and_init(cluster: Cluster, client: PSClient, init: bool = True) -> None
             blocks.update(client.plan.split(name, arr.reshape(-1)))
         client.push(raw(blocks), codec="none", kind="INIT")
     client.pull(full=True)
+
+
+def kill_when_round(reached: int, victim: str, killed: dict):
+    """An on_started hook: SIGKILL ``victim`` once shard 0 has applied ``reached`` rounds."""
+    import threading
+    import time
+
+    from hybridfleet.ps.worker.status import ShardStatusProbe
+
+    def hook(sup, layout):
+        def watch():
+            probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and probe.version() < reached:
+                time.sleep(0.05)
+            killed["at_round"] = probe.version()
+            killed["pid"] = sup.pid(victim)
+            sup.kill(victim)
+            probe.close()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    return hook

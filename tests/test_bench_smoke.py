@@ -52,7 +52,7 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     args = ["--quick", "--steps", "10", "--eval-every", "1", "--target", "0.3"]
 
     # Execute
-    proc = run_bench("wan.py", *args)
+    proc = run_bench("wan.py", *args, timeout_s=300)  # four jobs: dense, top-k, local, local + int8
 
     # Assert
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -70,6 +70,16 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     assert result["rate_mbit"] == 100.0
     assert result["dense_s"] > 0 and result["compressed_s"] > 0
     assert result["speedup"] == pytest.approx(result["dense_s"] / result["compressed_s"], rel=1e-2)
+    assert result["local_speedup"] == pytest.approx(result["dense_s"] / result["local_int8_s"], rel=1e-2)
+    assert result["local_vs_topk"] == pytest.approx(result["compressed_s"] / result["local_int8_s"], rel=1e-2)
+    # int8 pseudo-gradients, once per outer round: fewer bytes than dense BSP, whatever the exact figure
+    assert 0.0 < result["local_bytes_reduction"] < 1.0
+    assert result["local_int8_bytes"] < result["local_dense_bytes"]
+    for key in ("dense_acc", "compressed_acc", "local_dense_acc", "local_int8_acc"):
+        assert 0.0 <= result[key] <= 1.0
+    assert result["local_acc_drop"] == pytest.approx(result["dense_acc"] - result["local_int8_acc"], abs=1e-4)
+    assert result["adam_acc_drop"] == pytest.approx(result["local_dense_acc"] - result["local_int8_acc"], abs=1e-4)
+    assert "local (DiLoCo) int8" in proc.stdout
     assert "raw TCP measured" in proc.stdout
     assert not Path("/var/run/netns/hf-hosp").exists(), "the namespace must be torn down"
 
@@ -79,6 +89,8 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     ("compression.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
     ("wan.py", ["--rate-mbit", "-5"], "--rate-mbit: must be > 0 (got -5.0)"),
     ("wan.py", ["--eval-every", "0"], "--eval-every: must be >= 1 (got 0)"),
+    ("wan.py", ["--local-steps", "0"], "--local-steps: must be >= 1 (got 0)"),
+    ("wan.py", ["--inner-lr", "0"], "--inner-lr: must be > 0 (got 0.0)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute

@@ -4,8 +4,6 @@ TLS and tokens on, and a worker killed with SIGKILL mid-run."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from hybridfleet.data import read_manifest
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
 from hybridfleet.store import open_store
+from tests.ps_helpers import kill_when_round
 
 pytestmark = pytest.mark.slow
 
@@ -65,33 +64,13 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
     assert len(set(summary["test_accuracy_by_worker"].values())) == 1
 
 
-def _kill_when_round(reached: int, victim: str, killed: dict):
-    """An on_started hook: SIGKILL ``victim`` once shard 0 has applied ``reached`` rounds."""
-    from hybridfleet.ps.worker.status import ShardStatusProbe
-
-    def hook(sup, layout):
-        def watch():
-            probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and probe.version() < reached:
-                time.sleep(0.05)
-            killed["at_round"] = probe.version()
-            killed["pid"] = sup.pid(victim)
-            sup.kill(victim)
-            probe.close()
-
-        threading.Thread(target=watch, daemon=True).start()
-
-    return hook
-
-
 @pytest.mark.torch  # trains or probes torch
 def test_bsp_run_completes_when_a_worker_is_sigkilled_for_good(tmp_path):
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=0, train__steps=200, train__site_baselines=False)
     spec = load_spec(job)
     killed: dict = {}
     summary = run_ps_job(spec, job, echo=False, show_progress=False, run_root=tmp_path / "runs",
-                         on_started=_kill_when_round(40, "worker-cloud-1", killed))
+                         on_started=kill_when_round(40, "worker-cloud-1", killed))
     assert killed["pid"] is not None and 40 <= killed["at_round"] < 200
     codes = summary["exit_codes"]
     assert codes["worker-cloud-1"] == -9
@@ -107,7 +86,7 @@ def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_pat
     spec = load_spec(job)
     killed: dict = {}
     summary = run_ps_job(spec, job, echo=False, show_progress=False, run_root=tmp_path / "runs",
-                         on_started=_kill_when_round(40, "worker-hospital-1", killed))
+                         on_started=kill_when_round(40, "worker-hospital-1", killed))
     assert killed["pid"] is not None
     assert summary["status"] == "completed", summary
     assert summary["restarts"] == 1

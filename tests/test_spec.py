@@ -31,7 +31,7 @@ def test_wrong_type_names_path_value_and_fix():
         parse_spec({**MINIMAL, "sites": {"cloud": {"workers": 0}}, "ps": {"sync": "sometimes"}})
     text = str(err.value)
     assert "sites.cloud.workers: input should be greater than or equal to 1 (got 0)" in text
-    assert "ps.sync: input should be 'bsp', 'ssp' or 'asp' (got 'sometimes')" in text
+    assert "ps.sync: input should be 'bsp', 'ssp', 'asp' or 'local' (got 'sometimes')" in text
 
 
 def test_missing_field_is_reported():

@@ -30,6 +30,9 @@ class PaddleParameterServer(ParameterServerHandle):
             p.clear_gradient()
 
 
-def connect(model: "paddle.nn.Layer", config: WorkerConfig | None = None) -> PaddleParameterServer:
-    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``."""
-    return PaddleParameterServer(model, config)
+def connect(model: "paddle.nn.Layer", optimizer: Any = None, config: WorkerConfig | None = None) -> PaddleParameterServer:
+    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``.
+
+    ``optimizer`` is the inner optimizer of ``ps.sync: local`` (required there); the shards' optimizer
+    applies the updates in the other modes."""
+    return PaddleParameterServer(model, config, optimizer)

@@ -31,6 +31,9 @@ class TorchParameterServer(ParameterServerHandle):
         self.model.zero_grad(set_to_none=True)
 
 
-def connect(model: "torch.nn.Module", config: WorkerConfig | None = None) -> TorchParameterServer:
-    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``."""
-    return TorchParameterServer(model, config)
+def connect(model: "torch.nn.Module", optimizer: Any = None, config: WorkerConfig | None = None) -> TorchParameterServer:
+    """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``.
+
+    ``optimizer`` is the inner optimizer of ``ps.sync: local`` (required there); the shards' optimizer
+    applies the updates in the other modes."""
+    return TorchParameterServer(model, config, optimizer)

@@ -41,7 +41,7 @@ def worker(
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:
         env.update(_client_tls_files(certs, site, spec.security.mutual_tls))
-    os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
+    os.execve(sys.executable, [sys.executable, spec.site_entrypoint(site), *spec.args], env)
 
 
 def _client_tls_files(certs: Path, site: str, mutual_tls: bool) -> dict[str, str]:

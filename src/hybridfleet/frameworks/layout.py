@@ -55,6 +55,38 @@ def _table(src: str, dst: str) -> dict[str, dict[str, tuple[str, bool] | None]]:
     raise ValueError(f"cannot convert from {src!r} to {dst!r}; frameworks are {FRAMEWORK_NAMES}")
 
 
+def _target(name: str, kind: str | None, table: dict, src: str, dst: str) -> tuple[str, bool] | None:
+    """(name in ``dst``, transpose 2-D?) of ``src``'s tensor ``name``; None when ``dst`` has no counterpart."""
+    prefix, local = _split(name)
+    if kind not in table or local not in table[kind]:
+        raise CheckpointError(
+            f"tensor {name!r} has an unknown layout for {src} -> {dst} conversion "
+            f"(layer kind {kind or 'unrecorded'}); known kinds: {sorted(table)}"
+        )
+    target = table[kind][local]
+    if target is None:
+        return None
+    new_local, transpose = target
+    return (f"{prefix}.{new_local}" if prefix else new_local), transpose
+
+
+def param_layout(names: list[str], kinds: dict[str, str], src: str, dst: str) -> dict[str, tuple[str, bool]]:
+    """How each trainable tensor of a ``src`` model is named and laid out in ``dst``: name -> (name, transpose).
+
+    Raises CheckpointError naming the first tensor whose layer kind has no known mapping (or no
+    counterpart in ``dst``)."""
+    if src == dst:
+        return {n: (n, False) for n in names}
+    table = _table(src, dst)
+    out = {}
+    for name in sorted(names):
+        target = _target(name, kinds.get(name), table, src, dst)
+        if target is None:
+            raise CheckpointError(f"tensor {name!r} has no {dst} counterpart")
+        out[name] = target
+    return out
+
+
 def convert_state(
     tensors: dict[str, np.ndarray], kinds: dict[str, str], src: str, dst: str
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -71,22 +103,16 @@ def convert_state(
     batchnorm_prefixes = set()
     for name in sorted(tensors):
         kind = kinds.get(name)
-        prefix, local = _split(name)
-        if kind not in table or local not in table[kind]:
-            raise CheckpointError(
-                f"tensor {name!r} has an unknown layout for {src} -> {dst} conversion "
-                f"(layer kind {kind or 'unrecorded'}); known kinds: {sorted(table)}"
-            )
-        target = table[kind][local]
+        prefix, _ = _split(name)
+        target = _target(name, kind, table, src, dst)
         if target is None:
             continue
-        new_local, transpose = target
+        new_name, transpose = target
         arr = tensors[name]
         if transpose:
             if arr.ndim != 2:
                 raise CheckpointError(f"tensor {name!r}: a {kind} weight must be 2-D (got shape {list(arr.shape)})")
             arr = np.ascontiguousarray(arr.T)
-        new_name = f"{prefix}.{new_local}" if prefix else new_local
         out[new_name] = arr
         out_kinds[new_name] = kind
         if kind == "batchnorm":

@@ -145,8 +145,8 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
 def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:
     """One process per worker of every site; global ranks follow the order of ``sites``."""
     procs, rank = [], 0
-    entry = str(Path(spec.entrypoint))
     for site, s in spec.sites.items():
+        entry = str(Path(spec.site_entrypoint(site)))
         hub = f"127.0.0.1:{free_port()}" if s.aggregate and s.workers > 1 else None
         for site_rank in range(s.workers):
             prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
@@ -161,7 +161,7 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
 
 def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:
     """Each site training alone on its own data (no servers), for comparison."""
-    return [ProcessSpec(name=f"baseline-{site}", argv=[sys.executable, str(spec.entrypoint), *spec.args],
+    return [ProcessSpec(name=f"baseline-{site}", argv=[sys.executable, str(spec.site_entrypoint(site)), *spec.args],
                         env=worker_env(spec, job_path, layout, site, 0, 0, with_servers=False), role="baseline")
             for site in spec.sites]
 
@@ -332,8 +332,9 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
     job_path = Path(job_path).resolve()
-    if not Path(spec.entrypoint).is_file():
-        raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})")
+    for entry in dict.fromkeys(spec.site_entrypoint(site) for site in spec.sites):
+        if not Path(entry).is_file():
+            raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})")
     run_dir = new_run_dir(spec, run_root)
     write_run_info(spec, run_dir)
     if log_to_file:
@@ -408,10 +409,12 @@ def _wait_with_view(spec: JobSpec, layout: RunLayout, sup: Supervisor, names: li
     """Wait for ``names`` while the live view (a panel on a terminal, plain lines elsewhere) shows progress."""
     from hybridfleet.obs.live import LiveDisplay, RunView
     from hybridfleet.ps.worker.status import ShardStatusProbe
+    from hybridfleet.spec.rules import ROUND_SYNC_MODES, outer_rounds
 
     probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
                              insecure=spec.security.tls == "off")
-    total = float(spec.train.steps * (1 if spec.ps.sync == "bsp" else spec.num_workers))
+    total = float(outer_rounds(spec.ps, spec.train.steps) * (1 if spec.ps.sync in ROUND_SYNC_MODES
+                                                                else spec.num_workers))
     view = RunView(spec.name, targets, lambda: (float(min(probe.version(), total)), total),
                    lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"))
     try:

@@ -19,6 +19,9 @@ class SiteSpec(_Strict):
     aggregate: bool = Field(False, description="reduce gradients inside the site first; one leader pushes")
     netns: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
                               description="run this site's workers in this network namespace (`hfleet run` only)")
+    framework: Literal["torch", "paddle"] | None = Field(
+        None, description="this site's own framework (default: the job's); parameters travel in the job's layout")
+    entrypoint: str | None = Field(None, description="this site's own training script (default: the job's)")
 
 
 class OptimizerSpec(_Strict):
@@ -92,7 +95,12 @@ class PSSpec(_Strict):
     """Parameter-server settings."""
 
     shards: int = Field(1, ge=1)
-    sync: Literal["bsp", "ssp", "asp"] = "bsp"
+    sync: Literal["bsp", "ssp", "asp", "local"] = Field(
+        "bsp", description="bsp/ssp/asp: the shards apply `optimizer` to every step's gradients; local: local SGD "
+                           "(DiLoCo), workers take `local_steps` steps with the script's own optimizer, then the "
+                           "shards apply the averaged pseudo-gradient with `optimizer` as the outer optimizer")
+    local_steps: int | None = Field(None, ge=1, description="sync local: inner steps between outer rounds (H; "
+                                                            "default 50)")
     staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
     optimizer: OptimizerSpec = OptimizerSpec()
     compression: CompressionSpec = CompressionSpec()
@@ -109,6 +117,24 @@ class PSSpec(_Strict):
                             "grpc: everything on gRPC (one port per shard, e.g. behind a gRPC proxy)")
     snapshot_every_s: float | None = Field(None, gt=0)
     snapshot_every_steps: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_optimizer_default(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("sync") == "local":
+            from hybridfleet.spec.rules import LOCAL_STEPS_DEFAULT, OUTER_OPTIMIZER_DEFAULT
+
+            data = {"optimizer": dict(OUTER_OPTIMIZER_DEFAULT), **data}
+            if data.get("local_steps") is None:
+                data["local_steps"] = LOCAL_STEPS_DEFAULT
+        return data
+
+    @model_validator(mode="after")
+    def _sync_and_optimizer_agree(self) -> "PSSpec":
+        from hybridfleet.spec.rules import check_sync_optimizer
+
+        check_sync_optimizer(self)
+        return self
 
     @model_validator(mode="after")
     def _timeout_after_interval(self) -> "PSSpec":
@@ -222,9 +248,16 @@ class JobSpec(_Strict):
         for site in self.sites:
             if not site.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"sites.{site}: site names use letters, digits, - and _ only")
+        from hybridfleet.spec.rules import check_site_frameworks
+
+        check_site_frameworks(self)
         if self.environment.cuda and self.environment.device != "gpu":
             raise ValueError("environment.cuda: set environment.device: gpu too (or drop cuda)")
         return self
+
+    def site_entrypoint(self, site: str) -> str:
+        """The training script the workers of ``site`` run."""
+        return self.sites[site].entrypoint or self.entrypoint
 
     @property
     def num_workers(self) -> int:

@@ -21,6 +21,7 @@ from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.spec.models import PSSpec
+from hybridfleet.spec.rules import ROUND_SYNC_MODES
 
 log = get_logger("ps.shard")
 
@@ -50,6 +51,7 @@ class ShardState:
         self.shard = shard
         self.spec = spec
         self.sync = spec.sync
+        self.in_rounds = spec.sync in ROUND_SYNC_MODES  # local: one round per outer step, like bsp
         self.codec_name = codec or spec.compression.codec
         self.expected_workers = expected_workers
         self.optimizer = make_optimizer(spec.optimizer, flavour)
@@ -204,11 +206,11 @@ class ShardState:
                              f"(last applied step {member.clock}); nothing changed")
             if codec != self.codec_name:
                 raise Reject("INVALID_ARGUMENT", f"push codec {codec!r} differs from the agreed {self.codec_name!r}")
-            if self.sync == "bsp" and base_version != self.version:
+            if self.in_rounds and base_version != self.version:
                 self.rejected_pushes += 1
                 raise Reject("FAILED_PRECONDITION",
                              f"stale push: computed on version {base_version}, round {self.version} is open; pull and retry")
-            rnd = self.rounds.get(self.version) if self.sync == "bsp" else None
+            rnd = self.rounds.get(self.version) if self.in_rounds else None
             if rnd is not None and worker_id in rnd.contributors:
                 self.rejected_pushes += 1
                 raise Reject("ALREADY_EXISTS", f"worker {worker_id} already pushed round {self.version}; "
@@ -220,7 +222,7 @@ class ShardState:
             member.last_seen = self._now()
             member.alive = True
             weight = max(1, contributors)
-            if self.sync == "bsp":
+            if self.in_rounds:
                 rnd = self.rounds.setdefault(self.version, make_round(self.spec.aggregate))
                 rnd.add(worker_id, grads, weight)
                 applied = self._maybe_finish_rounds()

@@ -6,6 +6,12 @@ A training script adds three lines::
     ps = hf.connect(model)                # joins the job, loads the job's current parameters
     ...; loss.backward(); ps.step()       # replaces optimizer.step(): push gradients, pull parameters
 
+With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
+``ps = hf.connect(model, optimizer)``; ``ps.step()`` then steps it and, every
+``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
+(see `hybridfleet.ps.worker.local`). In the other modes the shards apply
+``ps.optimizer`` and an optimizer given here is not stepped.
+
 Subclasses only say how to list parameters, read gradients and assign values.
 """
 
@@ -16,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from hybridfleet.errors import SpecError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.canonical import CanonicalLayout
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
+
+log = get_logger("ps.worker")
 
 
 class ParameterServerHandle(ABC):
@@ -24,12 +35,33 @@ class ParameterServerHandle(ABC):
 
     framework: str = ""
 
-    def __init__(self, model: Any, config: WorkerConfig | None = None):
+    def __init__(self, model: Any, config: WorkerConfig | None = None, optimizer: Any = None):
         self.model = model
+        self.optimizer = optimizer
         self.config = config or WorkerConfig.from_env()
+        self.rounds = None  # LocalRounds in ps.sync: local
+        if self.config.job.ps.sync == "local" and optimizer is None:
+            raise ValueError("ps.sync: local trains with the script's own optimizer as the inner optimizer: "
+                             "pass it, ps = hf.connect(model, optimizer)")
+        job, site = self.config.job, self.config.site
+        declared = job.sites[site].framework
+        if declared and declared != self.framework:
+            raise SpecError(f"sites.{site}.framework: the site declares {declared}, this script trains with "
+                            f"{self.framework}; fix the job file or run the site's {declared} script")
         params = self._named_parameters()
-        self.session = PSSession({k: tuple(p.shape) for k, p in params.items()}, self.config, self.framework)
-        self._assign(self.session.start({k: self._to_numpy(p) for k, p in params.items()}))
+        # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
+        self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
+        shapes = {k: tuple(p.shape) for k, p in params.items()}
+        self.session = PSSession(self.layout.shapes(shapes) if self.layout else shapes, self.config, self.framework)
+        self._load(self.session.start(self._canonical({k: self._to_numpy(p) for k, p in params.items()})))
+        if self.config.job.ps.sync != "local" and optimizer is not None:
+            log.info("optimizer_not_stepped", sync=self.config.job.ps.sync,
+                     reason="the shards apply ps.optimizer; the script's optimizer is the inner one of sync: local")
+        if self.config.job.ps.sync == "local":
+            from hybridfleet.ps.worker.local import InnerState, LocalRounds
+
+            self.rounds = LocalRounds(self.session, optimizer,
+                                      InnerState.from_env(self.framework))
         # The job's model is saved by global rank 0 from the parameters it pulled, which in
         # BSP are bit-identical on every worker (see summary.json's params_sha256).
         self._model_ckpt = None
@@ -57,14 +89,31 @@ class ParameterServerHandle(ABC):
 
     # the API ----------------------------------------------------------------
     def step(self) -> None:
-        """Push this step's gradients (zeros for parameters without one) and load the new parameters."""
+        """Push this step's gradients (zeros for parameters without one) and load the new parameters;
+        in local mode, step the inner optimizer and sync at the end of each outer round."""
+        if self.rounds is not None:
+            self.optimizer.step()
+            new = self.rounds.after_inner_step(
+                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}))
+            if new is not None:
+                self._load(new)
+                if self._model_ckpt is not None:  # the job's model exists between rounds, not between inner steps
+                    self._model_ckpt.after_step(self.step_count, self.model)
+            return
         grads = {}
         for name, p in self._named_parameters().items():
             g = self._grad(p)
             grads[name] = np.zeros(tuple(p.shape), dtype=np.float32) if g is None else g
-        self._assign(self.session.step(grads))
+        self._load(self.session.step(self._canonical(grads)))
         if self._model_ckpt is not None:
-            self._model_ckpt.after_step(self.session.step_count, self.model)
+            self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _canonical(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.layout.to_canonical(arrays) if self.layout else arrays
+
+    def _load(self, canonical: dict[str, np.ndarray]) -> None:
+        """Assign the job's parameters (canonical names and layouts) to the model."""
+        self._assign(self.layout.to_native(canonical) if self.layout else canonical)
 
     @property
     def job(self):
@@ -89,7 +138,8 @@ class ParameterServerHandle(ABC):
 
     @property
     def step_count(self) -> int:
-        return self.session.step_count
+        """Training steps taken by this job so far (inner steps in local mode)."""
+        return self.session.step_count if self.rounds is None else self.rounds.inner_steps
 
     def report(self, **metrics: Any) -> None:
         """Record metrics (loss, accuracy, ...) with the worker's byte counters.
@@ -97,18 +147,18 @@ class ParameterServerHandle(ABC):
         On the worker that saves the job's model, a new best of ``checkpoint.keep_best``
         is checkpointed, and ``final=True`` saves the final model with these metrics.
         """
-        self.session.report(**metrics)
+        self.session.report(step=self.step_count, **metrics)
         if self._model_ckpt is not None:
             if metrics.get("final"):
-                self._model_ckpt.final(self.session.step_count, self.model, metrics)
+                self._model_ckpt.final(self.step_count, self.model, metrics)
             else:
-                self._model_ckpt.on_metrics(self.session.step_count, self.model, metrics)
+                self._model_ckpt.on_metrics(self.step_count, self.model, metrics)
 
     def close(self) -> None:
         """Leave the job (so synchronous rounds stop waiting for this worker); saves the final
         model first when no ``report(final=True)`` did."""
         if self._model_ckpt is not None and not self._model_ckpt.final_saved:
-            self._model_ckpt.final(self.session.step_count, self.model)
+            self._model_ckpt.final(self.step_count, self.model)
         self.session.close()
 
     def __enter__(self) -> "ParameterServerHandle":

@@ -27,6 +27,7 @@ from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
+from hybridfleet.spec.rules import ROUND_SYNC_MODES
 
 log = get_logger("ps.worker")
 
@@ -153,7 +154,7 @@ class PSSession:
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
-        if self.client.sync == "bsp":
+        if self.client.sync in ROUND_SYNC_MODES:
             # a (re)joining worker takes up the open round, not the steps it missed while away
             self.client.clock = max(self.client.clock, max(info["versions"]))
         self.step_count = self.client.clock
@@ -255,7 +256,7 @@ class PSSession:
         payloads = self._encode(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
-        wait_round = self.client.sync == "bsp"
+        wait_round = self.client.sync in ROUND_SYNC_MODES
         try:
             try:
                 self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
@@ -370,9 +371,10 @@ class PSSession:
             h.update(self._flat[k].tobytes())
         return h.hexdigest()
 
-    def report(self, **metrics) -> None:
+    def report(self, step: int | None = None, **metrics) -> None:
         """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
-        record (``final=True``) also carries the parameters' digest."""
+        record (``final=True``) also carries the parameters' digest. ``step`` defaults to the pushes made."""
+        step = self.step_count if step is None else step
         if self.dp is not None:
             from hybridfleet.privacy import epsilon_spent
 
@@ -387,8 +389,8 @@ class PSSession:
                 if data.cache_stats():
                     metrics.setdefault("data_cache", data.cache_stats())
         c = self.config
-        record_report(self.step_count, metrics, self.framework)
-        log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
+        record_report(step, metrics, self.framework)
+        log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=step,
                  elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved(),
                  phase_s=self.timer.phase_totals())
 
