@@ -38,20 +38,24 @@ class Cluster:
         return [s.address for s in self.servers]
 
     def token(self, site: str = "a", role: str = "worker", ttl_s: float = 600, job: str | None = None,
-              issued_ago_s: float = 0.0) -> str:
+              issued_ago_s: float = 0.0, worker: str | None = None) -> str:
+        """A token; a worker token is bound to ``worker`` (default: the site's first worker)."""
         issuer = self.issuer
         if issued_ago_s:
             import time
 
             issuer = TokenIssuer((self.certs / SIGNING_KEY).read_bytes(), clock=lambda: time.time() - issued_ago_s)
-        return issuer.issue(job or self.spec.name, site, role, ttl_s)
+        if role == "worker" and worker is None:
+            worker = f"{site}-0"
+        return issuer.issue(job or self.spec.name, site, role, ttl_s, worker=worker)
 
     def client(self, site: str = "a", rank: int = 0, token: str | None = None, worker_id: str | None = None,
                retry_timeout_s: float = 2.0, transport: str | None = None) -> PSClient:
         """A TLS client; ``transport`` defaults to the cluster's (bulk data plane or gRPC for Push/Pull)."""
+        worker_id = worker_id or f"{site}-{rank}"
         sec = ClientSecurity.from_files(str(load_pki(self.certs).ca_cert),
-                                        token=token if token is not None else self.token(site))
-        return PSClient(self.addresses, sec, worker_id or f"{site}-{rank}", site, rank, retry_timeout_s=retry_timeout_s,
+                                        token=token if token is not None else self.token(site, worker=worker_id))
+        return PSClient(self.addresses, sec, worker_id, site, rank, retry_timeout_s=retry_timeout_s,
                         transport=transport or self.transport)
 
     def params(self) -> dict[str, np.ndarray]:
