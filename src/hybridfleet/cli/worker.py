@@ -44,9 +44,9 @@ def worker(
 
         pki = load_pki(certs)
         env["HFLEET_CA_CERT"] = str(pki.ca_cert)
-        if spec.security.mutual_tls and "worker" in pki.clients:
-            env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients["worker"].cert,
-                                                                            pki.clients["worker"].key))
+        if spec.security.mutual_tls and site in pki.clients:  # each site shows its own certificate (CN = site)
+            env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients[site].cert,
+                                                                            pki.clients[site].key))
     os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
 
 

@@ -3,8 +3,9 @@
 The run directory ``<run_dir>/<name>/<timestamp>/`` receives ``logs/`` (one file
 per process), ``events.jsonl`` (starts, exits, restarts), ``metrics.jsonl``
 (every ``metrics`` record the workers log), ``certs/`` (the job's dev CA, server
-and client certificates and token-signing key, when security is on) and
-``summary.json``.
+certificate, one client certificate per site and the token-signing key, when
+security is on), ``credentials/`` (one token file per worker, renewed at half the
+token lifetime while the job runs) and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ class RunLayout:
 
     run_dir: Path
     certs_dir: Path | None
-    tokens: dict[str, str] = field(default_factory=dict)   # site (or "admin") -> token
+    tokens: dict[str, str] = field(default_factory=dict)   # worker id (or "admin") -> token
     shard_addresses: list[str] = field(default_factory=list)
+
+    def token_file(self, worker_id: str) -> Path:
+        """Where worker ``worker_id``'s current token is kept (renewed in place)."""
+        return self.run_dir / "credentials" / f"{worker_id}.token"
 
 
 def new_run_dir(spec: JobSpec, root: str | os.PathLike[str] | None = None) -> Path:
@@ -52,28 +57,65 @@ def new_run_dir(spec: JobSpec, root: str | os.PathLike[str] | None = None) -> Pa
 
 
 def prepare_security(spec: JobSpec, run_dir: Path) -> RunLayout:
-    """Make the job's dev CA, certificates and signing key, and one token per site (plus an admin token)."""
+    """Make the job's dev CA, certificates (one client certificate per site) and signing key, and
+    one token per worker (see `hybridfleet.security.credentials`) plus an admin token for Status."""
     layout = RunLayout(run_dir=run_dir, certs_dir=None)
     if spec.security.tls == "off" and spec.security.tokens == "off":
         return layout
-    from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
+    from hybridfleet.security import generate_signing_key, make_dev_pki
     from hybridfleet.security.tokens import SIGNING_KEY
 
     certs = run_dir / "certs"
     if spec.security.tls not in ("auto", "off"):
         certs = Path(spec.security.tls)
     else:
-        make_dev_pki(certs, hosts=sorted({spec.ps.host, "127.0.0.1", "localhost"}), clients=["worker"])
+        make_dev_pki(certs, hosts=sorted({spec.ps.host, "127.0.0.1", "localhost"}), clients=list(spec.sites))
     layout.certs_dir = certs
     if spec.security.tokens == "auto":
         if not (certs / SIGNING_KEY).exists():
             generate_signing_key(certs)
-        issuer = TokenIssuer.from_dir(certs)
-        ttl = spec.security.token_ttl_s
-        for site in spec.sites:
-            layout.tokens[site] = issuer.issue(spec.name, site, "worker", ttl, subject=f"site:{site}")
-        layout.tokens["admin"] = issuer.issue(spec.name, "-", "admin", ttl, subject="hfleet-run")
+        issue_tokens(spec, layout)
     return layout
+
+
+def issue_tokens(spec: JobSpec, layout: RunLayout) -> None:
+    """(Re-)issue every worker's token and the admin token; each worker's token file is replaced
+    atomically, so a running worker picks up the new token on its next call."""
+    from hybridfleet.security import TokenIssuer
+    from hybridfleet.security.certs import KEY_FILE_MODE, write_file_atomic
+    from hybridfleet.security.credentials import issue_admin_token, issue_site_credentials
+
+    issuer = TokenIssuer.from_dir(layout.certs_dir)
+    (layout.run_dir / "credentials").mkdir(mode=0o700, exist_ok=True)
+    for site in spec.sites:
+        for wid, cred in issue_site_credentials(spec, site, issuer).workers.items():
+            layout.tokens[wid] = cred.token
+            write_file_atomic(layout.token_file(wid), cred.token.encode(), KEY_FILE_MODE)
+    layout.tokens["admin"] = issue_admin_token(spec, issuer)
+
+
+class TokenRenewer:
+    """Re-issues the job's tokens every half lifetime while the job runs (long jobs outlive one token)."""
+
+    def __init__(self, spec: JobSpec, layout: RunLayout):
+        self.spec, self.layout = spec, layout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="token-renewer", daemon=True)
+
+    def start(self) -> "TokenRenewer":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.spec.security.token_ttl_s / 2):
+            try:
+                issue_tokens(self.spec, self.layout)
+                log.info("tokens_renewed", workers=len(self.layout.tokens) - 1)
+            except OSError as err:
+                log.error("token_renewal_failed", error=str(err))
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def ps_clients(spec: JobSpec) -> int:
@@ -123,10 +165,14 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
             pki = load_pki(layout.certs_dir)
             env["HFLEET_CA_CERT"] = str(pki.ca_cert)
             if spec.security.mutual_tls:
-                env["HFLEET_CLIENT_CERT"] = str(pki.clients["worker"].cert)
-                env["HFLEET_CLIENT_KEY"] = str(pki.clients["worker"].key)
-        if site in layout.tokens:
-            env["HFLEET_TOKEN"] = layout.tokens[site]
+                if site not in pki.clients:
+                    raise LaunchError(f"mutual TLS: {layout.certs_dir} has no client certificate for site {site!r} "
+                                      f"(create it with `hfleet certs init DIR --client {site}`)")
+                env["HFLEET_CLIENT_CERT"] = str(pki.clients[site].cert)
+                env["HFLEET_CLIENT_KEY"] = str(pki.clients[site].key)
+        wid = f"{site}-{site_rank}"
+        if wid in layout.tokens:
+            env["HFLEET_TOKEN_FILE"] = str(layout.token_file(wid))
     return env
 
 
@@ -264,6 +310,7 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     run_dir = new_run_dir(spec, run_root)
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
+    renewer = TokenRenewer(spec, layout).start() if layout.tokens else None
     started = time.monotonic()
     with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup:
         def body() -> dict:
@@ -288,7 +335,11 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
             codes.update(sup.stop(grace_s=5.0))
             return codes
 
-        codes = run_supervised(sup, body)
+        try:
+            codes = run_supervised(sup, body)
+        finally:
+            if renewer is not None:
+                renewer.stop()
     collector.close()
     summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

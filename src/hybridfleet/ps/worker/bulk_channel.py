@@ -36,12 +36,17 @@ class BulkChannel:
     """
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, server_hostname: str | None,
-                 token: str | None, count: Callable[[str, str, int], None] | None = None):
-        """``count(direction, category, nbytes)`` hears of the frame bytes this channel adds
-        ("framing" sent, "control" received); payload bytes are the caller's to count."""
+                 token: str | Callable[[], str | None] | None,
+                 count: Callable[[str, str, int], None] | None = None):
+        """``token``: the bearer token, or a function returning the current one (a renewed token
+        makes the next call say HELLO again). ``count(direction, category, nbytes)`` hears of the
+        frame bytes this channel adds ("framing" sent, "control" received); payload bytes are the
+        caller's to count."""
         self._count = count or (lambda direction, category, n: None)
         self.host, self.port = host, port
-        self.ssl_context, self.server_hostname, self.token = ssl_context, server_hostname or host, token
+        self.ssl_context, self.server_hostname = ssl_context, server_hostname or host
+        self._token = token if callable(token) else (lambda: token)
+        self.token: str | None = None  # the token of the current connection's HELLO
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -55,6 +60,7 @@ class BulkChannel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname)
+            self.token = self._token()
             hello = json.dumps({"magic": MAGIC, "wire_version": WIRE_VERSION, "token": self.token or ""}).encode()
             sock.sendall(_frame(bytes([OP_HELLO]), hello))
             status, body = _read_response(sock)
@@ -69,6 +75,8 @@ class BulkChannel:
     def _call(self, op: int, header: bytes, payloads: list, timeout_s: float, read_body) -> Any:
         with self._lock:
             try:
+                if self._sock is not None and self._token() != self.token:
+                    self._drop()  # the token was renewed: say HELLO with the new one
                 if self._sock is None:
                     self._sock = self._connect()
                 sock = self._sock

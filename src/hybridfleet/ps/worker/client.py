@@ -45,10 +45,29 @@ class ClientSecurity:
     insecure: bool = False
     target_name_override: str | None = None
     ssl_context: ssl.SSLContext | None = None  # the same trust for the bulk data plane; None: gRPC only
+    # a file holding the token, re-read when it changes (renewal for long jobs); overrides ``token``
+    token_file: str | None = None
+    _file_token: tuple = field(default=(None, None), repr=False)
+
+    def current_token(self) -> str | None:
+        """The token to send now: ``token_file``'s content when set (re-read when it changed), else ``token``."""
+        if self.token_file is None:
+            return self.token
+        from pathlib import Path
+
+        path = Path(self.token_file)
+        try:
+            st = path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._file_token[0]:
+                self._file_token = (stamp, path.read_text().strip() or None)
+        except OSError:
+            pass  # keep the last token read; the shard will say if it expired
+        return self._file_token[1] if self._file_token[0] is not None else self.token
 
     @classmethod
     def from_files(cls, ca: str, cert: str | None = None, key: str | None = None, token: str | None = None,
-                   target_name_override: str | None = None) -> "ClientSecurity":
+                   target_name_override: str | None = None, token_file: str | None = None) -> "ClientSecurity":
         """TLS trusting ``ca`` (showing ``cert``/``key`` for mutual TLS) for gRPC and the bulk plane."""
         from pathlib import Path
 
@@ -59,6 +78,7 @@ class ClientSecurity:
             private_key=Path(key).read_bytes() if key else None,
             certificate_chain=Path(cert).read_bytes() if cert else None)
         return cls(channel_credentials=creds, token=token, target_name_override=target_name_override,
+                   token_file=token_file,
                    ssl_context=client_ssl_context(str(ca), str(cert) if cert else None, str(key) if key else None))
 
 
@@ -117,7 +137,6 @@ class PSClient:
         self.worker_id, self.site, self.rank = worker_id, site, rank
         self.retry_timeout_s = retry_timeout_s
         self.bytes = ByteCounter()
-        self._metadata = (("authorization", f"Bearer {security.token}"),) if security.token else ()
         options = list(GRPC_OPTIONS)
         if security.target_name_override:
             options.append(("grpc.ssl_target_name_override", security.target_name_override))
@@ -233,8 +252,14 @@ class PSClient:
 
             host = self.servers[shard].rsplit(":", 1)[0].strip("[]")
             self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,
-                                            self.security.target_name_override, self.security.token,
+                                            self.security.target_name_override, self.security.current_token,
                                             count=self.bytes.add)
+
+    @property
+    def _metadata(self) -> tuple:
+        """The call metadata carrying the current token (renewed tokens take effect on the next call)."""
+        token = self.security.current_token()
+        return (("authorization", f"Bearer {token}"),) if token else ()
 
     @property
     def transport(self) -> list[str]:

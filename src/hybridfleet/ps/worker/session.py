@@ -71,15 +71,17 @@ class WorkerConfig:
 
 
 def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
-    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``;
+    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``
+    (or ``HFLEET_TOKEN_FILE``, re-read when it changes);
     plaintext only with ``HFLEET_INSECURE=1``."""
+    token, token_file = env.get("HFLEET_TOKEN") or None, env.get("HFLEET_TOKEN_FILE") or None
     if env.get("HFLEET_INSECURE") == "1":
-        return ClientSecurity(insecure=True, token=env.get("HFLEET_TOKEN") or None)
+        return ClientSecurity(insecure=True, token=token, token_file=token_file)
     ca = env.get("HFLEET_CA_CERT")
     if not ca:
-        return ClientSecurity(insecure=False, token=env.get("HFLEET_TOKEN") or None)
+        return ClientSecurity(insecure=False, token=token, token_file=token_file)
     cert, key = env.get("HFLEET_CLIENT_CERT"), env.get("HFLEET_CLIENT_KEY")
-    return ClientSecurity.from_files(ca, cert or None, key or None, token=env.get("HFLEET_TOKEN") or None)
+    return ClientSecurity.from_files(ca, cert or None, key or None, token=token, token_file=token_file)
 
 
 class PSSession:

@@ -15,7 +15,14 @@ class ShardStatusProbe:
     """Asks one shard for its status; failures read as "unknown" (version 0), never raise."""
 
     def __init__(self, address: str, certs_dir: Path | None, token: str | None, insecure: bool = False):
-        if insecure or certs_dir is None:
+        """TLS trusting ``certs_dir``'s CA; plaintext only with ``insecure`` (an `AuthError` otherwise,
+        so a bearer token never travels unencrypted by accident)."""
+        if certs_dir is None and not insecure:
+            from hybridfleet.errors import AuthError
+
+            raise AuthError(f"no CA to reach {address} over TLS: pass --certs DIR (from `hfleet certs init`); "
+                            "plaintext, which sends the token unencrypted, needs --insecure")
+        if insecure:
             self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         else:
             from hybridfleet.security import load_pki
