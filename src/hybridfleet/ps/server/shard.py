@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
+from hybridfleet.codec.frame import read_header
 from hybridfleet.ps.aggregate import MeanRound, RoundAggregator
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -341,11 +342,17 @@ class ShardState:
         codec = self.codec()
         out = {}
         for key, payload in payloads.items():
+            expected = self.params[key].size
             try:
-                arr = codec.decode(payload)
+                # the frame's header is checked against the key before anything is allocated
+                header, _ = read_header(payload, self.codec_name)
+                if header.dtype != DTYPE or header.shape != (expected,):
+                    raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "
+                                                     f"{header.shape}, expected {expected} elements of float32 "
+                                                     f"in shape ({expected},)")
+                arr = codec.decode(payload, expected_numel=expected)
             except ValueError as err:  # ProtocolError subclasses ValueError
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: {err}") from None
-            expected = self.params[key].size
             if arr.dtype != DTYPE:
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: dtype {arr.dtype}, expected float32")
             if arr.size != expected:
