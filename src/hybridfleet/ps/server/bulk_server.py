@@ -185,6 +185,7 @@ class BulkServer:
                 conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
                 identity = None
                 return
+            conn.sendall(_response("OK"))
             while not self._stopped.is_set():
                 conn.settimeout(None)  # a worker may stay idle between steps
                 first = conn.recv(1)
@@ -216,8 +217,8 @@ class BulkServer:
             conn.close()
 
     def _hello(self, conn: socket.socket, who: str) -> tuple[str, str] | None:
-        """``(token, identity)`` once HELLO is accepted (identity: the token's worker, or the peer
-        address with auth off); None after answering a refusal."""
+        """``(token, identity)`` of a valid HELLO, not answered yet (identity: the token's worker, or
+        the peer address with auth off); None after answering a refusal."""
         op = int(recv_exact(conn, 1)[0])
         size = _U32.unpack(recv_exact(conn, 4))[0]
         if op != OP_HELLO or size > 1 << 16:
@@ -249,7 +250,6 @@ class BulkServer:
             log.warning("bulk_rejected", peer=who, code=rej.code, reason=rej.message)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return None
-        conn.sendall(_response("OK"))
         return token, (claims.worker or claims.site) if claims is not None else who
 
     def _claims(self, token: str, method: str):
