@@ -24,6 +24,9 @@ ACCEPTED, REFUSED = "accepted", "refused"
 PLAN_NUMEL = 64
 
 
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S as _PULL_WAIT_CEILING_S  # noqa: E402
+
+
 class FuzzFailure(AssertionError):
     """The parser crashed, hung or broke an invariant on this input."""
 
@@ -131,7 +134,8 @@ class _BulkHarness:
         from hybridfleet.ps.wire.sharding import ParamSpec
         from hybridfleet.spec.models import PSSpec
 
-        shard_mod.PULL_WAIT_CEILING_S = 0.0  # a fuzzed pull never waits for a round
+        self._ceiling = (shard_mod, _PULL_WAIT_CEILING_S)
+        shard_mod.PULL_WAIT_CEILING_S = 0.0  # a fuzzed pull never waits for a round (restored by close)
         spec = PSSpec(heartbeat_timeout_s=1e9, heartbeat_interval_s=1.0)
         self.state = ShardState(0, spec, sites={"a": 2})
         params = [ParamSpec("w", (4, 3)), ParamSpec("b", (4,))]
@@ -171,6 +175,8 @@ class _BulkHarness:
 
     def close(self) -> None:
         self.server.stop()
+        module, ceiling = self._ceiling
+        module.PULL_WAIT_CEILING_S = ceiling
 
 
 def _check_responses(stream: bytes, bulk_server) -> str:
@@ -222,5 +228,11 @@ def bulk_target() -> Target:
     return Target("bulk_hello_and_frames", lambda d: _guard(harness.run, d), bulk_seeds(), harness.close)
 
 
+FACTORIES: dict[str, Callable[[], Target]] = {
+    "fastwire_push": fastwire_push_target, "fastwire_pull": fastwire_pull_target,
+    "codec_frames": codec_frames_target, "tokens": token_target, "bulk_hello_and_frames": bulk_target,
+}
+
+
 def all_targets() -> list[Target]:
-    return [fastwire_push_target(), fastwire_pull_target(), codec_frames_target(), token_target(), bulk_target()]
+    return [make() for make in FACTORIES.values()]
