@@ -47,7 +47,8 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
     alone = summary["site_alone_accuracy"]
     assert set(alone) == {"hospital", "cloud"}
     assert all(summary["test_accuracy"] > a for a in alone.values())
-    assert summary["raw_data_bytes_sent"] == 0
+    for site, kinds in summary["bytes_sent_by_kind"].items():  # every sent byte has a kind
+        assert sum(kinds.values()) == summary["bytes_sent_by_site"][site] and kinds["gradients"] > 0
     assert all(n > 0 for n in summary["bytes_sent_by_site"].values())
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -268,12 +268,23 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     baselines = {n[len("baseline-"):]: r for n, r in collector.final.items() if n.startswith("baseline-")}
     by_site_sent: dict[str, int] = {s: 0 for s in spec.sites}
     by_site_received: dict[str, int] = {s: 0 for s in spec.sites}
-    raw_data = 0
+    by_kind: dict[str, dict[str, int]] = {s: {} for s in spec.sites}
+    egress: dict[str, dict] = {}
     for rec in collector.last.values():
         if rec.get("process", "").startswith("worker-"):
-            by_site_sent[rec["site"]] += int(rec.get("sent", 0))
-            by_site_received[rec["site"]] += int(rec.get("received", 0))
-            raw_data += int(rec.get("raw_data_sent", 0))
+            site = rec["site"]
+            by_site_sent[site] += int(rec.get("sent", 0))
+            by_site_received[site] += int(rec.get("received", 0))
+            for key, n in rec.items():
+                if key.startswith("sent_"):
+                    by_kind[site][key[5:]] = by_kind[site].get(key[5:], 0) + int(n)
+    for rec in collector.final.values():
+        if rec.get("process", "").startswith("worker-") and isinstance(rec.get("egress"), dict):
+            mine = egress.setdefault(rec["site"], {"workers_scanned": 0, "bytes_scanned": 0, "rows_scanned": 0,
+                                                  "rows_found": 0})
+            mine["workers_scanned"] += 1
+            for key in ("bytes_scanned", "rows_scanned", "rows_found"):
+                mine[key] += int(rec["egress"].get(key, 0))
     accs = [r["test_accuracy"] for r in workers.values() if "test_accuracy" in r]
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
@@ -291,15 +302,19 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
-        "raw_data_bytes_sent": raw_data, "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
+        "bytes_sent_by_kind": by_kind, **({"egress_scan": egress} if egress else {}), "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
         "run_dir": str(layout.run_dir),
     }
 
 
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
-               on_started=None) -> dict:
+               on_started=None, egress_scan: bool = False) -> dict:
     """Run a whole PS job here; returns the summary (also written to ``summary.json``).
+
+    ``egress_scan``: every worker keeps what it sends under ``run_dir/egress/`` and searches it
+    for its own training rows at the end (`hybridfleet.ps.worker.egress`); summary.json then
+    has ``egress_scan`` per site.
 
     ``on_started(supervisor, layout)`` is called once every process runs (fault tests use it
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
@@ -318,6 +333,11 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
                 sup.start(shard_process(spec, job_path, layout, i))
             layout.shard_addresses = _wait_for_ports(layout, spec.ps.shards, sup)
             procs = worker_processes(spec, job_path, layout)
+            if egress_scan:
+                from hybridfleet.ps.worker.egress import CAPTURE_ENV
+
+                for p in procs:
+                    p.env[CAPTURE_ENV] = str(run_dir / "egress" / f"{p.name}.bin")
             if spec.train.site_baselines if baselines is None else baselines:
                 procs += baseline_processes(spec, job_path, layout)
             for p in procs:

@@ -86,6 +86,11 @@ class ParameterServerHandle(ABC):
         """Record metrics (loss, accuracy, ...) with the worker's byte counters."""
         self.session.report(**metrics)
 
+    def scan_egress(self, rows: Any) -> dict | None:
+        """Egress test mode (`hfleet run --egress-scan`): search everything this worker sent for each
+        of ``rows`` (its training data); reported in the final metrics. None when the mode is off."""
+        return self.session.scan_egress(self._to_numpy(rows) if not isinstance(rows, np.ndarray) else rows)
+
     def close(self) -> None:
         """Leave the job (so synchronous rounds stop waiting for this worker)."""
         self.session.close()

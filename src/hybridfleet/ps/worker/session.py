@@ -21,6 +21,7 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
@@ -41,6 +42,7 @@ class WorkerConfig:
     servers: list[str] = field(default_factory=list)
     security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
     site_hub: str | None = None   # host:port of the site leader when the site aggregates
+    egress_capture: str | None = None  # test mode: keep every sent byte here (see hybridfleet.ps.worker.egress)
 
     @property
     def aggregates(self) -> bool:
@@ -67,7 +69,8 @@ class WorkerConfig:
             raise ValueError(f"HFLEET_SITE={site!r} is not a site of job {job.name!r} ({', '.join(job.sites)})")
         return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
                    site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
-                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None)
+                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None,
+                   egress_capture=env.get(CAPTURE_ENV) or None)
 
 
 def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
@@ -105,6 +108,7 @@ class PSSession:
         self._local_opt = None
         self._block_index: tuple | None = None  # (plan, key -> block)
         self._started = time.monotonic()
+        self._egress: dict | None = None
 
     @property
     def local(self) -> bool:
@@ -128,6 +132,8 @@ class PSSession:
             return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
                                transport=cfg.job.ps.transport)
+        if cfg.egress_capture:
+            self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
@@ -314,14 +320,28 @@ class PSSession:
 
     # --------------------------------------------------------------- metrics
     def bytes_moved(self) -> dict[str, int]:
+        """Bytes this worker's client sent and received, in total and by kind of message."""
         lan = {"site_lan_bytes": (self.hub or self.link).lan_bytes} if (self.hub or self.link) else {}
         if self.client is None:
-            return {"sent": 0, "received": 0, "raw_data_sent": 0, **lan}
+            return {"sent": 0, "received": 0, **lan}
         sent, received = dict(self.client.bytes.sent), dict(self.client.bytes.received)
         return {"sent": sum(sent.values()), "received": sum(received.values()),
-                # the protocol has no message that carries samples: only parameter blocks, gradients and control
-                "raw_data_sent": sent.get("data", 0), **{f"sent_{k}": v for k, v in sent.items()},
+                **{f"sent_{k}": v for k, v in sent.items()},
                 **{f"received_{k}": v for k, v in received.items()}, **lan}
+
+    def scan_egress(self, rows) -> dict | None:
+        """In the egress test mode, search everything this worker sent so far for each of ``rows``
+        (its training data, one row per first-axis entry); the result also goes into the final
+        metrics record. None when the mode is off (or this worker sent nothing to the shards)."""
+        if self.client is None:
+            return None
+        capture, counted = self.client.bytes.stop_capture()
+        if capture is None:
+            return None
+        from hybridfleet.ps.worker.egress import scan_rows
+
+        self._egress = {**scan_rows(capture.path.read_bytes(), np.asarray(rows)), "bytes_counted": counted}
+        return self._egress
 
     def params_digest(self) -> str:
         """sha256 over the parameters (sorted by name): equal digests mean bit-identical models."""
@@ -338,6 +358,8 @@ class PSSession:
         record (``final=True``) also carries the parameters' digest."""
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
+            if self._egress is not None:
+                metrics.setdefault("egress", self._egress)
         c = self.config
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
                  elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())
