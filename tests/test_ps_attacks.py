@@ -326,20 +326,33 @@ def test_pulls_cannot_pin_the_shard_and_their_wait_is_capped(tmp_path, monkeypat
                 except grpc.RpcError as err:
                     results.append((err.code().name, err.details(), time.monotonic() - started))
 
+            gate = cluster.servers[0].servicer.gate
+            most = [0]
+            sampling = threading.Event()
+
+            def sample():  # the most calls c-0 ever had running on the shard
+                while not sampling.wait(0.005):
+                    with gate._lock:
+                        most[0] = max(most[0], gate._active.get("c-0", 0))
+
             threads = [threading.Thread(target=greedy_pull) for _ in range(32)]
+            sampler = threading.Thread(target=sample)
+            sampler.start()
             for t in threads:
                 t.start()
             job.train(15)  # the legit job trains while the 32 pulls are outstanding
             for t in threads:
-                t.join(30)
-            codes = sorted(r[0] for r in results)
+                t.join(60)
+            sampling.set()
+            sampler.join()
             assert len(results) == 32
-            assert codes.count("DEADLINE_EXCEEDED") <= 4
+            # refused by the per-worker gate, by HTTP/2's stream cap (REFUSED_STREAM), or waited out the cap
+            assert all(r[0] in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED") or "RST_STREAM" in r[1] for r in results)
+            assert most[0] == 4  # never more than its share of the shard's threads
             refused = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
-            assert len(refused) >= 28
             assert all("worker c-0 already has 4 calls running on this shard" in r[1] for r in refused)
             waited = [r[2] for r in results if r[0] == "DEADLINE_EXCEEDED"]
-            assert waited and max(waited) < 10  # capped at 2 s, not the 1e9 s asked for
+            assert max(waited) < 10  # each capped at 2 s on the shard, not the 1e9 s asked for
             channel.close()
             _finish(job, watch)
     finally:

@@ -20,7 +20,10 @@ def worker(
                                                   "default: the workers of earlier sites + --site-rank"),
     servers: str = typer.Option(..., help="shard addresses host:port,... in shard order"),
     certs: Optional[Path] = typer.Option(None, help="directory holding the CA (and client) certificates"),
-    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token for this site"),
+    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token of this worker"),
+    token_file: Optional[Path] = typer.Option(None, envvar="HFLEET_TOKEN_FILE",
+                                              help="file holding this worker's token, re-read when it changes "
+                                                   "(renewal); wins over --token"),
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
 ) -> None:
     """Run the job's entrypoint as one worker; it reaches the shards at SERVERS."""
@@ -37,6 +40,8 @@ def worker(
                HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers)
     if token:
         env["HFLEET_TOKEN"] = token
+    if token_file is not None:
+        env["HFLEET_TOKEN_FILE"] = str(token_file.resolve())
     if insecure_plaintext:
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:

@@ -31,6 +31,10 @@ from hybridfleet.security.grpc_auth import current_claims
 
 log = get_logger("ps.server")
 
+# A TLS handshake must finish within 10 s (gRPC's default is 120 s); one connection carries
+# at most 16 concurrent streams (a worker needs 3: push, pull, heartbeat).
+SERVER_OPTIONS = [("grpc.server_handshake_timeout_ms", 10_000), ("grpc.max_concurrent_streams", 16)]
+
 
 def _claims_site(default: str, claims=None) -> str:
     """The site of the caller's verified token (``claims``, else the RPC's), or ``default`` when auth is off."""
@@ -238,7 +242,7 @@ class ShardServer:
         threads = max_workers or server_threads(num_workers)
         # RPCs beyond the thread count are refused (RESOURCE_EXHAUSTED), not queued behind a stalled one
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
-                                  interceptors=list(security.interceptors), options=GRPC_OPTIONS,
+                                  interceptors=list(security.interceptors), options=GRPC_OPTIONS + SERVER_OPTIONS,
                                   maximum_concurrent_rpcs=threads)
         self.servicer = ShardServicer(state, max_push_bytes)
         self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
