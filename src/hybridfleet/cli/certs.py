@@ -64,10 +64,16 @@ def token(
 @group.command("revoke")
 def revoke(
     directory: Path = typer.Argument(..., help="PKI directory the shards verify tokens from"),
-    token_id: list[str] = typer.Argument(..., help="the jti of each token to revoke"),
+    token_id: list[str] = typer.Argument(..., help="the jti of each token to revoke, or the token itself"),
 ) -> None:
     """Add token ids to DIRECTORY's revocation list; shards refuse them within a second."""
-    typer.echo(str(tokens.revoke(directory, token_id)))
+    ids = []
+    for item in token_id:
+        jti = tokens.unverified_claims(item).get("jti") if item.count(".") == 2 else item
+        if not isinstance(jti, str) or not jti:
+            raise AuthError("that token carries no 'jti' claim; it cannot be revoked (issue a new one)")
+        ids.append(jti)
+    typer.echo(str(tokens.revoke(directory, ids)))
 
 
 @group.command("show")
