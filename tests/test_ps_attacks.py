@@ -425,7 +425,7 @@ def test_one_push_in_flight_per_worker_and_a_shard_memory_budget():
     from hybridfleet.ps.server.limits import ByteBudget
     from hybridfleet.ps.wire.reject import Reject
 
-    budget = ByteBudget(1000)
+    budget = ByteBudget(1000, wait_s=0.2)
     with budget.hold("a-0", 600):
         with pytest.raises(Reject) as err:
             with budget.hold("a-0", 10):
@@ -434,7 +434,25 @@ def test_one_push_in_flight_per_worker_and_a_shard_memory_budget():
         with pytest.raises(Reject) as err:
             with budget.hold("b-0", 500):
                 pass
-        assert "would exceed the shard's memory budget (600 of 1000 bytes in flight)" in err.value.message
+        assert "would exceed the shard's memory budget (600 of 1000 bytes in flight for 0.2 s)" in err.value.message
         with budget.hold("b-0", 400):
             assert budget.in_flight() == 1000
     assert budget.in_flight() == 0
+    with pytest.raises(Reject, match="exceeds the shard's memory budget of 1000 bytes"):
+        with budget.hold("c-0", 1001):
+            pass
+    # a push that fits once another finishes waits for it instead of failing
+    done = []
+
+    def second_push():
+        with budget.hold("b-0", 500):
+            done.append(budget.in_flight())
+
+    with budget.hold("a-0", 900):
+        t = threading.Thread(target=second_push)
+        budget.wait_s = 5.0
+        t.start()
+        time.sleep(0.1)
+        assert done == []
+    t.join(5)
+    assert done == [500]

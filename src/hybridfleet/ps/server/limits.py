@@ -70,31 +70,42 @@ class CallGate:
 
 
 class ByteBudget:
-    """Push bytes a shard holds in flight: ``total`` for everyone, one push at a time per identity."""
+    """Push bytes a shard holds in flight: ``total`` for everyone, one push at a time per identity.
 
-    def __init__(self, total: int):
+    A push that fits the budget but not what is left of it waits (up to ``wait_s``) for other
+    pushes to finish, so legitimate workers queue instead of failing; each identity holds at
+    most one push, so no peer can take more than its own push's share.
+    """
+
+    def __init__(self, total: int, wait_s: float = 30.0):
         self.total = total
+        self.wait_s = wait_s
         self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
     @contextmanager
     def hold(self, identity: str, nbytes: int) -> Iterator[None]:
         """Reserve ``nbytes`` for ``identity``'s push while the block runs; Reject when it cannot."""
-        with self._lock:
+        with self._cond:
             if identity in self._held:
                 raise Reject("RESOURCE_EXHAUSTED", f"worker {identity} already has a push in flight on this shard; "
                                                    "one at a time")
-            used = sum(self._held.values())
-            if used + nbytes > self.total:
+            if nbytes > self.total:
+                raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes exceeds the shard's memory budget of "
+                                                   f"{self.total} bytes (ps.memory_budget_bytes)")
+            if not self._cond.wait_for(lambda: sum(self._held.values()) + nbytes <= self.total, self.wait_s):
+                used = sum(self._held.values())
                 raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes would exceed the shard's memory budget "
-                                                   f"({used} of {self.total} bytes in flight); retry")
+                                                   f"({used} of {self.total} bytes in flight for {self.wait_s:g} s); "
+                                                   "retry")
             self._held[identity] = nbytes
         try:
             yield
         finally:
-            with self._lock:
+            with self._cond:
                 self._held.pop(identity, None)
+                self._cond.notify_all()
 
     def in_flight(self) -> int:
-        with self._lock:
+        with self._cond:
             return sum(self._held.values())
