@@ -217,6 +217,7 @@ def test_join_cannot_reshape_the_model_and_the_plan_comes_from_the_job(tmp_path)
              "join declares 5000 tensors; this job allows at most 100 (ps.max_tensors)"),
             (_join_request("a-0", "a", PARAMS, shards=4, spec=spec), "FAILED_PRECONDITION",
              "join names 4 shard(s); this job has 1"),
+            (_deep_join(spec), "INVALID_ARGUMENT", "tensor 'w' has 100000 dimensions; at most 32 are allowed"),
         ]
         with RssWatch() as watch:
             tracemalloc.start()
@@ -237,6 +238,12 @@ def test_join_cannot_reshape_the_model_and_the_plan_comes_from_the_job(tmp_path)
             _finish(job, watch)
     finally:
         cluster.stop()
+
+
+def _deep_join(spec) -> ps_pb2.JoinRequest:
+    request = _join_request("a-0", "a", PARAMS, spec=spec)
+    request.params.append(ps_pb2.TensorSpec(name="w", shape=[2**62] * 100_000, dtype="float32"))
+    return request
 
 
 def test_topk_frame_claiming_2e8_elements_is_refused_before_any_allocation(tmp_path, transport):
@@ -385,27 +392,26 @@ def test_bulk_plane_caps_connections_and_cuts_slow_handshakes_and_frames(tmp_pat
                 except (ConnectionResetError, TimeoutError) as err:  # noqa: PERF203
                     assert not isinstance(err, TimeoutError), "a silent connection outlived the handshake deadline"
                 s.close()
-            # 2. slowloris inside a frame: HELLO accepted, then one header byte every 0.3 s
+            # 2. slowloris in the TLS handshake: one byte of a ClientHello every 0.3 s
+            started, expired = time.monotonic(), server.deadlines.expired
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                assert _trickle(s, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64)), \
+                    "a trickling handshake outlived its deadline"
+            assert time.monotonic() - started < 6 and server.deadlines.expired > expired
+            # 3. slowloris inside a frame: HELLO accepted, a valid push frame start, then one header
+            #    byte every 0.3 s (each recv is quick: only the whole-frame deadline can stop it)
             from hybridfleet.ps.worker.bulk_channel import BulkChannel
 
             token = cluster.token("c", worker="c-0")
             chan = BulkChannel("127.0.0.1", port, cluster.client("c").security.ssl_context, None, token)
             sock = chan._connect()
+            expired = server.deadlines.expired
             started = time.monotonic()
-            cut_after = None
-            try:
-                for _ in range(40):
-                    sock.sendall(b"\x02")
-                    time.sleep(0.3)
-            except OSError:
-                cut_after = time.monotonic() - started
-            else:
-                sock.settimeout(5)
-                if sock.recv(1) == b"":
-                    cut_after = time.monotonic() - started
-            assert cut_after is not None and cut_after < 8, "a trickling frame outlived its deadline"
+            sock.sendall(b"\x02" + struct.pack("<I", 100))
+            assert _trickle(sock, bytes(100)), "a trickling frame outlived its deadline"
+            assert time.monotonic() - started < 6 and server.deadlines.expired > expired
             sock.close()
-            # 3. per identity: a third bulk connection of c-0 is refused
+            # 4. per identity: a third bulk connection of c-0 is refused
             open_ = [BulkChannel("127.0.0.1", port, chan.ssl_context, None, token)._connect() for _ in range(2)]
             from hybridfleet.ps.wire.bulk import BulkError
 
@@ -419,6 +425,21 @@ def test_bulk_plane_caps_connections_and_cuts_slow_handshakes_and_frames(tmp_pat
             _finish(job, watch)
     finally:
         cluster.stop()
+
+
+def _trickle(sock, data: bytes, every_s: float = 0.3) -> bool:
+    """Send ``data`` one byte every ``every_s``; True once the shard has cut the connection."""
+    try:
+        for i in range(len(data)):
+            sock.sendall(data[i:i + 1])
+            time.sleep(every_s)
+    except OSError:
+        return True
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except OSError:
+        return True
 
 
 def test_one_push_in_flight_per_worker_and_a_shard_memory_budget():

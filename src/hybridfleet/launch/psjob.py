@@ -249,7 +249,7 @@ def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
     """Progress from shard 0's version (one per applied round in BSP, one per push otherwise)."""
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
-    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
+    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, lambda: layout.tokens.get("admin"),
                              insecure=spec.security.tls == "off")
     total = spec.train.steps * (1 if spec.ps.sync == "bsp" else spec.num_workers)
 

@@ -49,10 +49,14 @@ def frame_deadline(nbytes: int) -> float:
 
 
 class Deadlines:
-    """Shuts a socket down when its deadline passes; the thread blocked reading it then gets EOF."""
+    """Shuts a socket down when its deadline passes; the thread blocked reading it then gets EOF.
+
+    Sockets are known by file descriptor, which stays the same when TLS wraps the socket; the
+    shutdown happens under the lock, so once `disarm` returns the descriptor is never touched.
+    """
 
     def __init__(self, tick_s: float = 0.25):
-        self._due: dict[socket.socket, float] = {}
+        self._due: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._tick_s = tick_s
@@ -65,27 +69,33 @@ class Deadlines:
     def stop(self) -> None:
         self._stop.set()
 
-    def arm(self, conn: socket.socket, seconds: float) -> None:
+    def arm(self, fd: int, seconds: float) -> None:
         with self._lock:
-            self._due[conn] = time.monotonic() + seconds
+            self._due[fd] = time.monotonic() + seconds
 
-    def disarm(self, conn: socket.socket) -> None:
+    def disarm(self, fd: int) -> None:
         with self._lock:
-            self._due.pop(conn, None)
+            self._due.pop(fd, None)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             now = time.monotonic()
             with self._lock:
-                late = [c for c, due in self._due.items() if due <= now]
-                for c in late:
-                    del self._due[c]
-                self.expired += len(late)
-            for c in late:
-                try:
-                    socket.socket.shutdown(c, socket.SHUT_RDWR)  # the plain socket's, also under TLS
-                except OSError:
-                    pass
+                for fd in [fd for fd, due in self._due.items() if due <= now]:
+                    del self._due[fd]
+                    self.expired += 1
+                    _shutdown(fd)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut down the TCP connection on ``fd`` (also under TLS) without closing the descriptor."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 class BulkServer:
@@ -159,17 +169,17 @@ class BulkServer:
 
     def _serve(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
-        raw, pending, identity = conn, True, None
+        fd, pending, identity = conn.fileno(), True, None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            self.deadlines.arm(raw, HANDSHAKE_TIMEOUT_S)  # TLS handshake and HELLO together
+            self.deadlines.arm(fd, HANDSHAKE_TIMEOUT_S)  # TLS handshake and HELLO together
             if self.ssl_context is not None:
                 conn = self.ssl_context.wrap_socket(conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
             hello = self._hello(conn, who)
-            self.deadlines.disarm(raw)
+            self.deadlines.disarm(fd)
             if hello is None:
                 return
             token, identity = hello
@@ -192,17 +202,17 @@ class BulkServer:
                 if not first:
                     return
                 conn.settimeout(FRAME_TIMEOUT_S)
-                self.deadlines.arm(raw, frame_deadline(0))  # until the header is in
+                self.deadlines.arm(fd, frame_deadline(0))  # until the header is in
                 try:
-                    if not self._request(conn, raw, first[0], token, who):
+                    if not self._request(conn, fd, first[0], token, who):
                         return
                 finally:
-                    self.deadlines.disarm(raw)
+                    self.deadlines.disarm(fd)
         except (OSError, EOFError, ssl.SSLError, ValueError) as err:
             if not self._stopped.is_set():
                 log.info("bulk_connection_closed", peer=who, reason=str(err) or type(err).__name__)
         finally:
-            self.deadlines.disarm(raw)
+            self.deadlines.disarm(fd)
             with self._lock:
                 self._conns.discard(conn)
                 self._open -= 1
@@ -263,9 +273,9 @@ class BulkServer:
         except TokenRejectedError as err:
             raise _reject("PERMISSION_DENIED" if err.reason == "role" else "UNAUTHENTICATED", str(err)) from None
 
-    def _request(self, conn: socket.socket, raw: socket.socket, op: int, token: str, who: str) -> bool:
-        """Serve one request; False when the connection must close. ``raw``: the plain socket
-        under ``conn``, whose deadline covers the frame."""
+    def _request(self, conn: socket.socket, fd: int, op: int, token: str, who: str) -> bool:
+        """Serve one request; False when the connection must close. ``fd``: ``conn``'s descriptor,
+        whose deadline covers the frame."""
         size = _U32.unpack(recv_exact(conn, 4))[0]
         try:
             if op not in (OP_PUSH, OP_PULL):
@@ -274,9 +284,9 @@ class BulkServer:
                 raise _reject("INVALID_ARGUMENT", f"header of {size} bytes exceeds {MAX_HEADER_BYTES}", close=True)
             header = bytes(recv_exact(conn, size))
             if op == OP_PUSH:
-                self._serve_push(conn, raw, header, token)
+                self._serve_push(conn, fd, header, token)
             else:
-                self.deadlines.disarm(raw)  # the shard, not the peer, may now take its time
+                self.deadlines.disarm(fd)  # the shard, not the peer, may now take its time
                 self._serve_pull(conn, header, token)
             return True
         except Reject as rej:
@@ -291,13 +301,13 @@ class BulkServer:
             conn.sendall(_response("INTERNAL", f"shard failed to serve the request: {type(err).__name__}".encode()))
             return False
 
-    def _serve_push(self, conn: socket.socket, raw: socket.socket, header_bytes: bytes, token: str) -> None:
+    def _serve_push(self, conn: socket.socket, fd: int, header_bytes: bytes, token: str) -> None:
         try:
             header = ps_pb2.PushHeader.FromString(header_bytes)
         except Exception:  # protobuf raises DecodeError (and others) on garbage
             raise _reject("INVALID_ARGUMENT", "malformed push header", close=True) from None
         declared = sum(k.nbytes for k in header.keys)
-        self.deadlines.arm(raw, frame_deadline(declared))
+        self.deadlines.arm(fd, frame_deadline(declared))
         try:
             claims = self._claims(token, "Push")
             admission = self._admit(header, claims, tls_peer_site(conn))
@@ -312,7 +322,7 @@ class BulkServer:
             payloads: dict[str, np.ndarray] = {}
             for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
                 payloads[k.key] = recv_exact(conn, k.nbytes)
-            self.deadlines.disarm(raw)
+            self.deadlines.disarm(fd)
             reply = self._push(header, payloads, claims)
         finally:
             admission.__exit__(None, None, None)

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from hybridfleet.obs.log import get_logger
+from hybridfleet.codec.frame import MAX_NDIM
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.server.identity import bind_worker, grpc_peer_site
@@ -72,6 +73,10 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             if len(request.params) > self.state.spec.max_tensors:
                 raise Reject("RESOURCE_EXHAUSTED", f"join declares {len(request.params)} tensors; this job allows "
                                                    f"at most {self.state.spec.max_tensors} (ps.max_tensors)")
+            deep = next((p for p in request.params if len(p.shape) > MAX_NDIM), None)
+            if deep is not None:
+                raise Reject("INVALID_ARGUMENT", f"tensor {deep.name!r} has {len(deep.shape)} dimensions; at most "
+                                                 f"{MAX_NDIM} are allowed")
             with self.gate.enter(identity, "join"):
                 params = [ParamSpec(p.name, tuple(p.shape), p.dtype or "float32") for p in request.params]
                 res = self.state.join(request.worker_id, request.site, params, request.num_shards,
