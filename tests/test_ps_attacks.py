@@ -393,11 +393,12 @@ def test_bulk_plane_caps_connections_and_cuts_slow_handshakes_and_frames(tmp_pat
                     assert not isinstance(err, TimeoutError), "a silent connection outlived the handshake deadline"
                 s.close()
             # 2. slowloris in the TLS handshake: one byte of a ClientHello every 0.3 s
-            started, expired = time.monotonic(), server.deadlines.expired
+            started = time.monotonic()
             with socket.create_connection(("127.0.0.1", port)) as s:
                 assert _trickle(s, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64)), \
                     "a trickling handshake outlived its deadline"
-            assert time.monotonic() - started < 6 and server.deadlines.expired > expired
+            # cut within the deadline, by the watchdog or by CPython's own whole-handshake timeout
+            assert time.monotonic() - started < 6
             # 3. slowloris inside a frame: HELLO accepted, a valid push frame start, then one header
             #    byte every 0.3 s (each recv is quick: only the whole-frame deadline can stop it)
             from hybridfleet.ps.worker.bulk_channel import BulkChannel
@@ -462,7 +463,7 @@ def test_one_push_in_flight_per_worker_and_a_shard_memory_budget():
     with pytest.raises(Reject, match="exceeds the shard's memory budget of 1000 bytes"):
         with budget.hold("c-0", 1001):
             pass
-    # a push that fits once another finishes waits for it instead of failing
+    # a push that fits once another finishes (or its worker's previous one ends) waits instead of failing
     done = []
 
     def second_push():

@@ -72,9 +72,9 @@ class CallGate:
 class ByteBudget:
     """Push bytes a shard holds in flight: ``total`` for everyone, one push at a time per identity.
 
-    A push that fits the budget but not what is left of it waits (up to ``wait_s``) for other
-    pushes to finish, so legitimate workers queue instead of failing; each identity holds at
-    most one push, so no peer can take more than its own push's share.
+    A push waits (up to ``wait_s``) for its worker's previous push and for room in the budget,
+    so legitimate workers queue instead of failing; each identity holds at most one push, so
+    no peer can take more than its own push's share.
     """
 
     def __init__(self, total: int, wait_s: float = 30.0):
@@ -87,12 +87,13 @@ class ByteBudget:
     def hold(self, identity: str, nbytes: int) -> Iterator[None]:
         """Reserve ``nbytes`` for ``identity``'s push while the block runs; Reject when it cannot."""
         with self._cond:
-            if identity in self._held:
-                raise Reject("RESOURCE_EXHAUSTED", f"worker {identity} already has a push in flight on this shard; "
-                                                   "one at a time")
             if nbytes > self.total:
                 raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes exceeds the shard's memory budget of "
                                                    f"{self.total} bytes (ps.memory_budget_bytes)")
+            # a worker's previous push may still be ending (e.g. on a connection it just dropped)
+            if not self._cond.wait_for(lambda: identity not in self._held, self.wait_s):
+                raise Reject("RESOURCE_EXHAUSTED", f"worker {identity} already has a push in flight on this shard; "
+                                                   "one at a time")
             if not self._cond.wait_for(lambda: sum(self._held.values()) + nbytes <= self.total, self.wait_s):
                 used = sum(self._held.values())
                 raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes would exceed the shard's memory budget "
