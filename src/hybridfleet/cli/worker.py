@@ -49,7 +49,11 @@ def worker(
 
         pki = load_pki(certs)
         env["HFLEET_CA_CERT"] = str(pki.ca_cert)
-        if spec.security.mutual_tls and site in pki.clients:  # each site shows its own certificate (CN = site)
+        if spec.security.mutual_tls:  # each site shows its own certificate (CN = site)
+            if site not in pki.clients:
+                raise typer.BadParameter(f"mutual TLS: {certs} has no client certificate for site {site!r} "
+                                         f"(create it with `hfleet certs init DIR --client {site}`)",
+                                         param_hint="--certs")
             env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients[site].cert,
                                                                             pki.clients[site].key))
     os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
