@@ -1,5 +1,5 @@
-"""A real `hfleet run` job (digits-hybrid: shards and workers as subprocesses, TLS and per-worker
-tokens) attacked while it trains, from outside (no or forged credentials) and from inside (a
+"""A real `hfleet run` job (digits-hybrid, torch and paddle: shards and workers as subprocesses,
+TLS and per-worker tokens) attacked while it trains, from outside (no or forged credentials) and from inside (a
 hospital worker's own token), on gRPC and on the bulk port. Every attack is refused, the job
 completes with accuracy >= 0.95, no worker id beyond the job's joins, and each shard's peak
 resident memory stays below 2 GiB."""
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _job(tmp_path: Path) -> Path:
-    data = yaml.safe_load((REPO / "examples" / "digits-hybrid.yaml").read_text())
+def _job(tmp_path: Path, example: str) -> Path:
+    data = yaml.safe_load((REPO / "examples" / example).read_text())
     data["entrypoint"] = str(REPO / data["entrypoint"])
     data["train"]["site_baselines"] = False
     path = tmp_path / "job.yaml"
@@ -117,8 +117,9 @@ def _attack(layout, report: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_live_job_attacked_from_outside_and_inside_completes(tmp_path):
-    job = _job(tmp_path)
+@pytest.mark.parametrize("example", ["digits-hybrid.yaml", "digits-hybrid-paddle.yaml"])
+def test_live_job_attacked_from_outside_and_inside_completes(tmp_path, example):
+    job = _job(tmp_path, example)
     spec = load_spec(job)
     report: dict = {}
     watchers: list[threading.Thread] = []
