@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hybridfleet.data import read_manifest
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
+from hybridfleet.store import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _job(tmp_path: Path, example: str, **overrides) -> Path:
     data = yaml.safe_load((REPO / "examples" / example).read_text())
     data["entrypoint"] = str(REPO / data["entrypoint"])
+    for site in data["sites"].values():  # packed site datasets ship in the repository
+        if (REPO / str(site.get("data"))).exists():
+            site["data"] = str(REPO / site["data"])
     for key, value in overrides.items():
         section, _, field = key.partition("__")
         if field:
@@ -50,6 +55,8 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
     for site, kinds in summary["bytes_sent_by_kind"].items():  # every sent byte has a kind
         assert sum(kinds.values()) == summary["bytes_sent_by_site"][site] and kinds["gradients"] > 0
     assert all(n > 0 for n in summary["bytes_sent_by_site"].values())
+    for site, conf in spec.sites.items():  # each site trained on its packed dataset, named by its manifest digest
+        assert summary["datasets_by_site"][site] == {conf.data: read_manifest(open_store(conf.data)).digest}
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(m.get("final") and m["process"] == "worker-hospital-0" for m in metrics)
@@ -79,6 +86,7 @@ def _kill_when_round(reached: int, victim: str, killed: dict):
     return hook
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_bsp_run_completes_when_a_worker_is_sigkilled_for_good(tmp_path):
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=0, train__steps=200, train__site_baselines=False)
     spec = load_spec(job)
@@ -94,6 +102,7 @@ def test_bsp_run_completes_when_a_worker_is_sigkilled_for_good(tmp_path):
     assert summary["test_accuracy"] >= 0.9
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_path):
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__steps=200, train__site_baselines=False)
     spec = load_spec(job)

@@ -95,6 +95,18 @@ class StoreError(HfleetError, OSError):
     kind = "store"
 
 
+class DataError(HfleetError, ValueError):
+    """A packed dataset is missing, corrupt, or does not fit its cache; or a worker asked for another site's data."""
+
+    kind = "data"
+
+
+class ReportError(HfleetError, ValueError):
+    """A run directory is missing or is not a run (`hfleet report`, `hfleet ui`)."""
+
+    kind = "report"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -110,6 +122,8 @@ EXIT_CODES: dict[str, ExitCode] = {
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
+    "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
+    "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }
 

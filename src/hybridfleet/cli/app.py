@@ -13,7 +13,7 @@ import typer
 from hybridfleet.errors import HfleetError, exit_code_for
 
 # command name -> the module under hybridfleet.cli that registers it
-COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt"]
+COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt", "data", "report", "ui"]
 
 
 def build_app(only: str | None = None) -> typer.Typer:

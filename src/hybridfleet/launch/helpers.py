@@ -3,7 +3,8 @@
 They read what the launchers put in the environment, so they work the same whichever
 framework the script imported, and outside a launcher they describe a single process.
 Checkpoints are `hybridfleet.ckpt` checkpoints in ``HFLEET_CKPT_DIR`` (safetensors +
-a manifest written last, so a checkpoint without a valid manifest does not exist).
+a manifest written last, so a checkpoint without a valid manifest does not exist); it is a
+directory or a store URL such as ``s3://bucket/prefix`` (a pod's own disk dies with it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def log_rank0(event: str, **fields: Any) -> None:
         print(json.dumps({"event": event, **fields}, default=float), flush=True)
 
 
+def report(step: int, **values: Any) -> None:
+    """Publish this rank's metrics (loss, accuracy, ...) at ``step``.
+
+    Every rank sets ``hybridfleet_reported_value{metric=NAME}`` on its metrics endpoint
+    (served from the first call when ``HFLEET_METRICS_PORT_BASE`` is set: port base +
+    local rank, so ranks of one machine never collide) and writes TensorBoard / VisualDL
+    scalars per ``HFLEET_SCALARS`` (see `hybridfleet.obs.scalars`); rank 0 also prints
+    the JSON line of `log_rank0` (event ``metrics``).
+    """
+    from hybridfleet.obs.metrics import ENV_PORT, serve_from_env
+    from hybridfleet.obs.scalars import record_report
+
+    base = os.environ.get("HFLEET_METRICS_PORT_BASE", "").strip()
+    if base and not os.environ.get(ENV_PORT):
+        try:
+            os.environ[ENV_PORT] = str(int(base) + dist_info()[2])
+        except ValueError:
+            raise ValueError(f"HFLEET_METRICS_PORT_BASE must be a port number (got {base!r})") from None
+    serve_from_env()
+    record_report(step, values, detect_framework())
+    log_rank0("metrics", step=step, **values)
+
+
 def restart_count() -> int:
     """How many times the launcher restarted the group before this attempt (``HFLEET_RESTART_COUNT``)."""
     return int(os.environ.get("HFLEET_RESTART_COUNT", "0"))
@@ -90,13 +114,25 @@ class Checkpoint:
 
     step: int
     state: dict[str, np.ndarray]
-    path: Path
+    path: Path | str  # a directory, or a URL for a remote store
+
+
+def _remote(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
 
 
 def ckpt_dir() -> Path | None:
-    """``HFLEET_CKPT_DIR`` as a path, or None when unset."""
+    """``HFLEET_CKPT_DIR`` as a path, or None when unset or a remote URL (see `ckpt_location`)."""
     value = os.environ.get("HFLEET_CKPT_DIR")
-    return Path(value) if value else None
+    return Path(value) if value and not _remote(value) else None
+
+
+def ckpt_location() -> str | None:
+    """``HFLEET_CKPT_DIR`` as a store URL (a local directory becomes its absolute path), or None when unset."""
+    value = os.environ.get("HFLEET_CKPT_DIR")
+    if not value:
+        return None
+    return value if _remote(value) else str(Path(value).resolve())
 
 
 def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | None:
@@ -109,22 +145,29 @@ def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | Non
     for name, value in state_dict_numpy.items():
         if not isinstance(value, np.ndarray):
             raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
-    directory = ckpt_dir()
-    if directory is None or not is_rank0():
+    location = ckpt_location()
+    if location is None or not is_rank0():
         return None
-    return _write_checkpoint(directory, state_dict_numpy, step)
+    import time
+
+    from hybridfleet.obs.metrics import observe_checkpoint
+
+    started = time.perf_counter()
+    written = _write_checkpoint(location, state_dict_numpy, step)
+    observe_checkpoint(time.perf_counter() - started, sum(v.nbytes for v in state_dict_numpy.values()))
+    return written
 
 
-def _write_checkpoint(directory: Path, state: dict[str, np.ndarray], step: int) -> Path:
+def _write_checkpoint(location: str, state: dict[str, np.ndarray], step: int) -> Path | str:
     """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) of ``state`` at ``step``."""
     from hybridfleet.ckpt import gc, save_tensors_checkpoint
     from hybridfleet.ckpt.manifest import step_dir
 
-    directory.mkdir(parents=True, exist_ok=True)
-    url = str(directory.resolve())
-    save_tensors_checkpoint(url, step, {k: np.ascontiguousarray(v) for k, v in state.items()})
-    gc(url, keep_last=KEEP_LAST)
-    return directory / step_dir(step)
+    if not _remote(location):
+        Path(location).mkdir(parents=True, exist_ok=True)
+    save_tensors_checkpoint(location, step, {k: np.ascontiguousarray(v) for k, v in state.items()})
+    gc(location, keep_last=KEEP_LAST)
+    return f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
 
 
 def latest_checkpoint() -> Checkpoint | None:
@@ -133,11 +176,12 @@ def latest_checkpoint() -> Checkpoint | None:
     from hybridfleet.ckpt.manifest import step_dir
     from hybridfleet.errors import CheckpointError
 
-    directory = ckpt_dir()
-    if directory is None or not directory.is_dir():
+    location = ckpt_location()
+    if location is None or (not _remote(location) and not Path(location).is_dir()):
         return None
     try:
-        step, tensors, _ = load_tensors_checkpoint(str(directory.resolve()))
+        step, tensors, _ = load_tensors_checkpoint(location)
     except CheckpointError:
         return None
-    return Checkpoint(step=step, state=tensors, path=directory / step_dir(step))
+    path = f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
+    return Checkpoint(step=step, state=tensors, path=path)

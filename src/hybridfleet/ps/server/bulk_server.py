@@ -28,8 +28,10 @@ from hybridfleet.ps.wire.bulk import (
     _discard, _reject, _response, recv_exact,
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
+from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.server.identity import tls_peer_site
 from hybridfleet.ps.wire.reject import Reject
+from hybridfleet.ps.wire.tls import remember_files, wrap
 
 log = get_logger("ps.bulk")
 
@@ -175,7 +177,7 @@ class BulkServer:
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
             self.deadlines.arm(fd, HANDSHAKE_TIMEOUT_S)  # TLS handshake and HELLO together
             if self.ssl_context is not None:
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+                conn = wrap(self.ssl_context, conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
             hello = self._hello(conn, who)
@@ -292,6 +294,8 @@ class BulkServer:
         except Reject as rej:
             log.warning("push_rejected" if op == OP_PUSH else "bulk_rejected", peer=who, code=rej.code,
                         reason=rej.message)
+            if op == OP_PUSH:
+                count_rejected_push(rej.code)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return not getattr(rej, "close", False)
         except (OSError, EOFError, ssl.SSLError):
@@ -350,4 +354,4 @@ def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLCon
     if ca is not None:
         ctx.load_verify_locations(cafile=ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    return remember_files(ctx, certfile=cert, keyfile=key, cafile=ca)

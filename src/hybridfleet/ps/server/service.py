@@ -25,6 +25,7 @@ from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.server.identity import bind_worker, grpc_peer_site
 from hybridfleet.ps.server.limits import ByteBudget, CallGate, server_threads
 from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
 from hybridfleet.ps.wire.sharding import ParamSpec
 from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
@@ -156,6 +157,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 return self.push_payloads(header, self._read_chunks(header, messages))
         except Reject as rej:
             log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
+            count_rejected_push(rej.code)
             self._abort(context, rej)
 
     def _read_chunks(self, header: ps_pb2.PushHeader, messages) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.codec.frame import read_header
-from hybridfleet.ps.aggregate import MeanRound, RoundAggregator
+from hybridfleet.ps.aggregate import RoundAggregator, make_round
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
@@ -288,7 +288,7 @@ class ShardState:
             member.alive = True
             weight = contributors
             if self.sync == "bsp":
-                rnd = self.rounds.setdefault(self.version, MeanRound())
+                rnd = self.rounds.setdefault(self.version, make_round(self.spec.aggregate))
                 rnd.add(worker_id, grads, weight)
                 applied = self._maybe_finish_rounds()
             else:

@@ -13,6 +13,7 @@ only in where the update is computed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.metrics import StepTimer
+from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -108,6 +111,22 @@ class PSSession:
         self._local_opt = None
         self._block_index: tuple | None = None  # (plan, key -> block)
         self._started = time.monotonic()
+        self.timer = StepTimer()
+        self._raw_gradient_bytes: int | None = None
+        self.dp = None if self.local or self.ps.privacy is None else self._privacy()
+
+    def _privacy(self):
+        """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
+        from hybridfleet.privacy import GaussianMechanism, steps_within_budget
+
+        p, train = self.ps.privacy, self.config.job.train
+        if p.epsilon_budget is not None:
+            allowed = steps_within_budget(p.noise_multiplier, p.delta, p.epsilon_budget, train.steps)
+            if allowed < train.steps:
+                log.warning("privacy_budget_limits_steps", steps=train.steps, allowed=allowed,
+                            epsilon_budget=p.epsilon_budget, delta=p.delta)
+                train.steps = allowed  # the script's loop reads ps.job.train.steps
+        return GaussianMechanism(p.clip_norm, p.noise_multiplier)
         self._egress: dict | None = None
 
     @property
@@ -118,6 +137,11 @@ class PSSession:
     def start(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Join the shards; the first worker's values initialise them. Returns the job's current parameters."""
         self._check_names(params)
+        from hybridfleet.obs.metrics import serve_from_env
+        from hybridfleet.obs.psmetrics import watch_worker
+
+        serve_from_env()
+        watch_worker(self)
         if self.local:
             from hybridfleet.ps.server.optim import make_optimizer
 
@@ -200,6 +224,14 @@ class PSSession:
     # ------------------------------------------------------------------ step
     def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Send this step's gradients and return the parameters to train on next."""
+        self.timer.begin()
+        params = self._step(grads)
+        if self._raw_gradient_bytes is None:
+            self._raw_gradient_bytes = 0 if self.local or self.link is not None else self._numel() * DTYPE.itemsize
+        self.timer.end(self._raw_gradient_bytes)
+        return params
+
+    def _step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._check_names(grads)
         for k, g in grads.items():
             if not np.isfinite(g).all():
@@ -215,6 +247,7 @@ class PSSession:
 
             self.link.send(flatten(grads, self._names))
             self._receive_from_leader()
+            self.timer.mark("wait")
             return self.parameters()
         assert self.client is not None and self.plan is not None
         contributors = 1
@@ -224,7 +257,11 @@ class PSSession:
             self.hub.admit(flatten(self._flat, self._names), self.step_count)
             total, contributors = self.hub.gather(flatten(grads, self._names))
             grads = unflatten(total, self.shapes, self._names)
+            self.timer.mark("wait")
+        if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
+            grads = self.dp.apply(grads)
         payloads = self._encode(grads)
+        self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync == "bsp"
         try:
@@ -236,6 +273,7 @@ class PSSession:
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
                 wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            self.timer.mark("transfer")
             self.step_count = self.client.clock
             wait = None
             if wait_round:
@@ -247,6 +285,7 @@ class PSSession:
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
+        self.timer.mark("wait")
         if self.hub is not None:
             from hybridfleet.ps.worker.site import flatten
 
@@ -356,13 +395,26 @@ class PSSession:
     def report(self, **metrics) -> None:
         """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
         record (``final=True``) also carries the parameters' digest."""
+        if self.dp is not None:
+            from hybridfleet.privacy import epsilon_spent
+
+            p = self.ps.privacy
+            metrics.setdefault("dp_epsilon", round(epsilon_spent(p.noise_multiplier, self.step_count, p.delta), 6))
+            metrics.setdefault("dp_delta", p.delta)
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
+            data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset
+            if data is not None and data.opened_digests():
+                metrics.setdefault("datasets", data.opened_digests())
+                if data.cache_stats():
+                    metrics.setdefault("data_cache", data.cache_stats())
             if self._egress is not None:
                 metrics.setdefault("egress", self._egress)
         c = self.config
+        record_report(self.step_count, metrics, self.framework)
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
-                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())
+                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved(),
+                 phase_s=self.timer.phase_totals())
 
     def close(self) -> None:
         if self.client is not None:
