@@ -369,12 +369,14 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     write_run_info(spec, run_dir)
     if log_to_file:
         with (run_dir / "hfleet-run.log").open("a") as sink, redirect_log(sink):
-            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
-    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
+                        egress_scan)
+    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
+                egress_scan)
 
 
 def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress: bool, baselines: bool | None,
-         on_started, metrics: bool, report: bool, stream) -> dict:
+         on_started, metrics: bool, report: bool, stream, egress_scan: bool = False) -> dict:
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
     renewer = TokenRenewer(spec, layout).start() if layout.tokens else None

@@ -114,6 +114,7 @@ class PSSession:
         self.timer = StepTimer()
         self._raw_gradient_bytes: int | None = None
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
+        self._egress: dict | None = None  # the egress scan's result, in the egress test mode
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -127,7 +128,6 @@ class PSSession:
                             epsilon_budget=p.epsilon_budget, delta=p.delta)
                 train.steps = allowed  # the script's loop reads ps.job.train.steps
         return GaussianMechanism(p.clip_norm, p.noise_multiplier)
-        self._egress: dict | None = None
 
     @property
     def local(self) -> bool:
