@@ -17,11 +17,12 @@ from hybridfleet.spec import parse_spec
 PARAMS = [ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))]
 
 
-def job_spec(sites: dict | None = None, **ps):
+def job_spec(sites: dict | None = None, security: dict | None = None, **ps):
     ps_conf = {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.5},
                "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, **ps}
     return parse_spec({"name": "unit", "framework": "torch", "entrypoint": "train.py",
-                       "sites": sites or {"a": {"workers": 1}, "b": {"workers": 1}}, "ps": ps_conf})
+                       "sites": sites or {"a": {"workers": 1}, "b": {"workers": 1}}, "ps": ps_conf,
+                       **({"security": security} if security else {})})
 
 
 @dataclass
@@ -38,20 +39,24 @@ class Cluster:
         return [s.address for s in self.servers]
 
     def token(self, site: str = "a", role: str = "worker", ttl_s: float = 600, job: str | None = None,
-              issued_ago_s: float = 0.0) -> str:
+              issued_ago_s: float = 0.0, worker: str | None = None) -> str:
+        """A token; a worker token is bound to ``worker`` (default: the site's first worker)."""
         issuer = self.issuer
         if issued_ago_s:
             import time
 
             issuer = TokenIssuer((self.certs / SIGNING_KEY).read_bytes(), clock=lambda: time.time() - issued_ago_s)
-        return issuer.issue(job or self.spec.name, site, role, ttl_s)
+        if role == "worker" and worker is None:
+            worker = f"{site}-0"
+        return issuer.issue(job or self.spec.name, site, role, ttl_s, worker=worker)
 
     def client(self, site: str = "a", rank: int = 0, token: str | None = None, worker_id: str | None = None,
                retry_timeout_s: float = 2.0, transport: str | None = None) -> PSClient:
         """A TLS client; ``transport`` defaults to the cluster's (bulk data plane or gRPC for Push/Pull)."""
+        worker_id = worker_id or f"{site}-{rank}"
         sec = ClientSecurity.from_files(str(load_pki(self.certs).ca_cert),
-                                        token=token if token is not None else self.token(site))
-        return PSClient(self.addresses, sec, worker_id or f"{site}-{rank}", site, rank, retry_timeout_s=retry_timeout_s,
+                                        token=token if token is not None else self.token(site, worker=worker_id))
+        return PSClient(self.addresses, sec, worker_id, site, rank, retry_timeout_s=retry_timeout_s,
                         transport=transport or self.transport)
 
     def params(self) -> dict[str, np.ndarray]:
@@ -66,11 +71,12 @@ class Cluster:
 
 
 def start_cluster(tmp_path: Path, expected_workers: int = 0, transport: str = "auto", sites: dict | None = None,
-                  **ps) -> Cluster:
-    """Shards on 127.0.0.1 with TLS and tokens; clients use ``transport`` ("auto": the bulk data plane)."""
-    spec = job_spec(sites, **ps)
+                  security: dict | None = None, **ps) -> Cluster:
+    """Shards on 127.0.0.1 with TLS and tokens; clients use ``transport`` ("auto": the bulk data plane).
+    The PKI holds one client certificate per site (CN = site) besides the generic "worker" one."""
+    spec = job_spec(sites, security, **ps)
     certs = tmp_path / "certs"
-    make_dev_pki(certs)
+    make_dev_pki(certs, clients=["worker", *spec.sites])
     generate_signing_key(certs)
     security = server_security(spec, certs)
     servers = [start_shard(spec, i, "127.0.0.1", 0, security, expected_workers) for i in range(spec.ps.shards)]

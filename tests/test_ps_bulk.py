@@ -174,10 +174,10 @@ def test_mutual_tls_bulk_plane_wants_the_client_certificate(tmp_path):
     spec = parse_spec({"name": "unit", "framework": "torch", "entrypoint": "train.py",
                        "sites": {"a": {"workers": 1}}, "security": {"mutual_tls": True},
                        "ps": {"shards": 1, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}})
-    pki = make_dev_pki(tmp_path / "certs")
+    pki = make_dev_pki(tmp_path / "certs", clients=["a"])  # one client certificate per site, CN = site
     generate_signing_key(tmp_path / "certs")
     server = start_shard(spec, 0, "127.0.0.1", 0, server_security(spec, tmp_path / "certs"))
-    token = TokenIssuer.from_dir(tmp_path / "certs").issue("unit", "a", "worker", 600)
+    token = TokenIssuer.from_dir(tmp_path / "certs").issue("unit", "a", "worker", 600, worker="a-0")
     try:
         # Execute / Assert: without a client certificate the TLS handshake fails
         bare = BulkChannel("127.0.0.1", server.bulk.port, client_ssl_context(str(pki.ca_cert)), None, token)
@@ -185,7 +185,7 @@ def test_mutual_tls_bulk_plane_wants_the_client_certificate(tmp_path):
             bare.pull(ps_pb2.PullRequest(worker_id="a-0"), timeout_s=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # with one, a worker joins and pushes on the bulk plane
-        pair = pki.clients["worker"]
+        pair = pki.clients["a"]
         sec = ClientSecurity.from_files(str(pki.ca_cert), str(pair.cert), str(pair.key), token=token)
         client = PSClient([server.address], sec, "a-0", "a", 0, retry_timeout_s=2)
         client.join(PARAMS, spec.ps.block_size_bytes, "none", "torch")

@@ -51,7 +51,8 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
     alone = summary["site_alone_accuracy"]
     assert set(alone) == {"hospital", "cloud"}
     assert all(summary["test_accuracy"] > a for a in alone.values())
-    assert summary["raw_data_bytes_sent"] == 0
+    for site, kinds in summary["bytes_sent_by_kind"].items():  # every sent byte has a kind
+        assert sum(kinds.values()) == summary["bytes_sent_by_site"][site] and kinds["gradients"] > 0
     assert all(n > 0 for n in summary["bytes_sent_by_site"].values())
     for site, conf in spec.sites.items():  # each site trained on its packed dataset, named by its manifest digest
         assert summary["datasets_by_site"][site] == {conf.data: read_manifest(open_store(conf.data)).digest}

@@ -170,7 +170,7 @@ def test_token_without_role_claim_is_rejected_naming_the_claim(keys):
 def test_token_with_non_string_site_is_rejected(keys):
     # Prepare
     private_key = serialization.load_pem_private_key(keys[0].read_bytes(), password=None)
-    token = jwt.encode({"job": JOB, "site": 7, "role": "worker", "exp": int(NOW_S + 60)}, private_key, algorithm="EdDSA")
+    token = jwt.encode({"job": JOB, "site": 7, "role": "worker", "exp": int(NOW_S + 60), "jti": "t1"}, private_key, algorithm="EdDSA")
 
     # Execute
     err = _rejection(_verifier(keys), token)

@@ -58,5 +58,6 @@ for step in range(ps.step_count, train.steps):
     if train.eval_every_steps and (step + 1) % train.eval_every_steps == 0:
         ps.report(loss=round(loss.item(), 5), test_accuracy=round(accuracy(), 5))
 
+ps.scan_egress(x)  # only with `hfleet run --egress-scan`: were any of these rows sent?
 ps.report(final=True, test_accuracy=accuracy(), train_rows=len(x))
 ps.close()

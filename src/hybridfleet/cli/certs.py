@@ -51,14 +51,31 @@ def token(
     role: str = typer.Option(..., "--role", help="role of the caller (e.g. worker, shard, admin)"),
     ttl_s: float = typer.Option(24 * 3600, "--ttl-s", help="seconds until the token expires"),
     subject: str | None = typer.Option(None, "--subject", help="optional subject, e.g. hospital/worker-0"),
+    worker: str | None = typer.Option(None, "--worker", help="the worker id the token is bound to, SITE-RANK "
+                                                            "(shards refuse worker tokens without one)"),
 ) -> None:
     """Print a signed token for JOB/SITE/ROLE on stdout."""
     issuer = tokens.TokenIssuer.from_dir(directory)
     try:
-        signed = issuer.issue(job=job, site=site, role=role, ttl_s=ttl_s, subject=subject)
+        signed = issuer.issue(job=job, site=site, role=role, ttl_s=ttl_s, subject=subject, worker=worker)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     typer.echo(signed)
+
+
+@group.command("revoke")
+def revoke(
+    directory: Path = typer.Argument(..., help="PKI directory the shards verify tokens from"),
+    token_id: list[str] = typer.Argument(..., help="the jti of each token to revoke, or the token itself"),
+) -> None:
+    """Add token ids to DIRECTORY's revocation list; shards refuse them within a second."""
+    ids = []
+    for item in token_id:
+        jti = tokens.unverified_claims(item).get("jti") if item.count(".") == 2 else item
+        if not isinstance(jti, str) or not jti:
+            raise AuthError("that token carries no 'jti' claim; it cannot be revoked (issue a new one)")
+        ids.append(jti)
+    typer.echo(str(tokens.revoke(directory, ids)))
 
 
 @group.command("show")

@@ -65,9 +65,10 @@ def status(
     address: str = typer.Argument(..., help="host:port of a shard"),
     certs: Optional[Path] = typer.Option(None, help="directory holding the CA certificate"),
     token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token (role admin/monitor/worker)"),
-    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure", "--insecure-plaintext",
+                                            help="connect without TLS; the token then travels unencrypted"),
 ) -> None:
-    """Print one shard's status as JSON."""
+    """Print one shard's status as JSON (over TLS: --certs DIR; plaintext only with --insecure)."""
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
     probe = ShardStatusProbe(address, certs, token, insecure=insecure_plaintext)

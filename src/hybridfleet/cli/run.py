@@ -23,6 +23,8 @@ def run(
                                 "torch, VisualDL for paddle, if installed), tensorboard, visualdl or off"),
     no_baselines: bool = typer.Option(False, "--no-baselines", help="skip the single-site comparison runs"),
     run_root: str = typer.Option(None, help="where run directories go (default: the job's run_dir)"),
+    egress_scan: bool = typer.Option(False, "--egress-scan", help="keep every byte each worker sends and search "
+                                                                "it for the worker's own training rows"),
 ) -> None:
     """Run JOB here with everything on 127.0.0.1; writes runs/<name>/<timestamp>/summary.json."""
     spec = load_spec(job)
@@ -37,7 +39,7 @@ def run(
     os.environ[ENV_SCALARS] = scalars
     summary = run_ps_job(spec, job, echo=verbose, show_progress=not quiet, run_root=run_root,
                          baselines=False if no_baselines else None, metrics=metrics,
-                         log_to_file=not verbose)
+                         log_to_file=not verbose, egress_scan=egress_scan)
     _print_summary(summary)
     if not verbose and summary["status"] != "completed":
         _print_failed_logs(summary)
@@ -56,7 +58,9 @@ def _print_summary(summary: dict) -> None:
         table.add_row(f"{site} alone", "-" if acc is None else f"{acc:.4f}")
     for site, n in summary["bytes_sent_by_site"].items():
         table.add_row(f"bytes sent by {site}", f"{n:,}")
-    table.add_row("raw data bytes sent", f"{summary['raw_data_bytes_sent']}")
+    for site, scan in summary.get("egress_scan", {}).items():
+        table.add_row(f"training rows of {site} found in its egress",
+                      f"{scan['rows_found']} of {scan['rows_scanned']} ({scan['bytes_scanned']:,} bytes scanned)")
     table.add_row("restarts", f"{summary['restarts']}")
     table.add_row("wall time (s)", f"{summary['wall_s']}")
     console.print(table)

@@ -20,7 +20,10 @@ def worker(
                                                   "default: the workers of earlier sites + --site-rank"),
     servers: str = typer.Option(..., help="shard addresses host:port,... in shard order"),
     certs: Optional[Path] = typer.Option(None, help="directory holding the CA (and client) certificates"),
-    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token for this site"),
+    token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token of this worker"),
+    token_file: Optional[Path] = typer.Option(None, envvar="HFLEET_TOKEN_FILE",
+                                              help="file holding this worker's token, re-read when it changes "
+                                                   "(renewal); wins over --token"),
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
 ) -> None:
     """Run the job's entrypoint as one worker; it reaches the shards at SERVERS."""
@@ -37,6 +40,8 @@ def worker(
                HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers)
     if token:
         env["HFLEET_TOKEN"] = token
+    if token_file is not None:
+        env["HFLEET_TOKEN_FILE"] = str(token_file.resolve())
     if insecure_plaintext:
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:
@@ -47,8 +52,8 @@ def worker(
 def _client_tls_files(certs: Path, site: str, mutual_tls: bool) -> dict[str, str]:
     """``HFLEET_CA_CERT`` (and the site's client certificate under mutual TLS) from a certs directory.
 
-    A worker needs only ``ca.pem`` (plus ``client-<site>.pem``/``.key``, or the generic
-    ``client-worker`` pair, with mutual TLS): never the shards' server key.
+    A worker needs only ``ca.pem`` (plus ``client-<site>.pem``/``.key`` with mutual TLS, whose
+    common name the shards check against the token's site): never the shards' server key.
     """
     from hybridfleet.errors import AuthError
     from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX
@@ -59,7 +64,7 @@ def _client_tls_files(certs: Path, site: str, mutual_tls: bool) -> dict[str, str
     files = {"HFLEET_CA_CERT": str(ca)}
     if not mutual_tls:
         return files
-    for name in (site, "worker"):
+    for name in (site,):
         cert, key = certs / f"{CLIENT_PREFIX}{name}.pem", certs / f"{CLIENT_PREFIX}{name}.key"
         if cert.is_file() and key.is_file():
             return {**files, "HFLEET_CLIENT_CERT": str(cert), "HFLEET_CLIENT_KEY": str(key)}

@@ -65,21 +65,24 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r} computes in {flat.dtype}; the gradient holds values beyond its range")
         return pack_frame(self.name, array.dtype, shape, self._encode_fields(flat))
 
-    def decode(self, payload: bytes) -> np.ndarray:
+    def decode(self, payload: bytes, expected_numel: int | None = None) -> np.ndarray:
         """The dense tensor in `payload`, with its original shape and dtype (a new, writable array).
 
-        Raises ProtocolError if the payload is malformed or not this codec's.
+        Raises ProtocolError if the payload is malformed or not this codec's, or, with
+        `expected_numel`, when its shape holds another number of elements: checked before
+        any array is built, so a frame cannot make the decoder allocate beyond what the
+        caller expects.
         """
-        frame = unpack_frame(payload, self.name, self.num_fields)
+        frame = _expect(unpack_frame(payload, self.name, self.num_fields), expected_numel)
         flat = self._decode_fields(frame)
         return _finite(flat.astype(frame.header.dtype, copy=False), self.name).reshape(frame.header.shape)
 
-    def decode_sparse(self, payload: bytes) -> SparseTensor:
+    def decode_sparse(self, payload: bytes, expected_numel: int | None = None) -> SparseTensor:
         """The update in `payload` as (indices, values, shape), without densifying sparse codecs.
 
         Dense codecs return every index. Raises ProtocolError like `decode`.
         """
-        frame = unpack_frame(payload, self.name, self.num_fields)
+        frame = _expect(unpack_frame(payload, self.name, self.num_fields), expected_numel)
         indices, values = self._decode_sparse_fields(frame)
         values = _finite(values.astype(frame.header.dtype, copy=False), self.name)
         return SparseTensor(indices=indices, values=values, shape=frame.header.shape)
@@ -118,6 +121,13 @@ def check_gradient(x: Any, codec_name: str) -> np.ndarray:
     if not np.isfinite(x).all():
         raise ValueError(f"codec {codec_name!r} cannot encode a gradient holding NaN or Inf (shape {x.shape})")
     return x
+
+
+def _expect(frame: Frame, expected_numel: int | None) -> Frame:
+    if expected_numel is not None and frame.header.numel != expected_numel:
+        raise ProtocolError(f"{frame.codec_name} payload shape {frame.header.shape} has {frame.header.numel} "
+                            f"elements, expected {expected_numel}")
+    return frame
 
 
 def _finite(values: np.ndarray, codec_name: str) -> np.ndarray:

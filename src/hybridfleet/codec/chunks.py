@@ -53,9 +53,10 @@ def chunk_multiply(flat: np.ndarray, per_chunk: np.ndarray, chunk_size: int) -> 
     out = np.empty(flat.size, dtype=np.float32)
     head, tail = _split(flat, chunk_size)
     whole_chunks = head.shape[0]
-    np.multiply(head, per_chunk[:whole_chunks, None], out=out[: head.size].reshape(head.shape))
-    if tail.size:
-        np.multiply(tail, per_chunk[whole_chunks], out=out[head.size :])
+    with np.errstate(over="ignore"):  # a peer's huge scale overflows to Inf; decoders refuse non-finite results
+        np.multiply(head, per_chunk[:whole_chunks, None], out=out[: head.size].reshape(head.shape))
+        if tail.size:
+            np.multiply(tail, per_chunk[whole_chunks], out=out[head.size :])
     return out
 
 

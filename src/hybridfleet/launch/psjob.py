@@ -3,8 +3,9 @@
 The run directory ``<run_dir>/<name>/<timestamp>/`` receives ``logs/`` (one file
 per process), ``events.jsonl`` (starts, exits, restarts), ``metrics.jsonl``
 (every ``metrics`` record the workers log), ``certs/`` (the job's dev CA, server
-and client certificates and token-signing key, when security is on) and
-``summary.json``; ``run.json`` (job, pid, start time) is written first, so a run
+certificate, one client certificate per site and the token-signing key, when
+security is on), ``credentials/`` (one token file per worker, renewed at half the
+token lifetime while the job runs) and ``summary.json``; ``run.json`` (job, pid, start time) is written first, so a run
 without ``summary.json`` is live while that pid runs and crashed otherwise. With
 metrics on, every process serves ``/metrics`` on its own port and
 ``prometheus/targets.json`` lists them for Prometheus (file-based service discovery);
@@ -40,8 +41,12 @@ class RunLayout:
 
     run_dir: Path
     certs_dir: Path | None
-    tokens: dict[str, str] = field(default_factory=dict)   # site (or "admin") -> token
+    tokens: dict[str, str] = field(default_factory=dict)   # worker id (or "admin") -> token
     shard_addresses: list[str] = field(default_factory=list)
+
+    def token_file(self, worker_id: str) -> Path:
+        """Where worker ``worker_id``'s current token is kept (renewed in place)."""
+        return self.run_dir / "credentials" / f"{worker_id}.token"
 
 
 def new_run_dir(spec: JobSpec, root: str | os.PathLike[str] | None = None) -> Path:
@@ -58,28 +63,65 @@ def new_run_dir(spec: JobSpec, root: str | os.PathLike[str] | None = None) -> Pa
 
 
 def prepare_security(spec: JobSpec, run_dir: Path) -> RunLayout:
-    """Make the job's dev CA, certificates and signing key, and one token per site (plus an admin token)."""
+    """Make the job's dev CA, certificates (one client certificate per site) and signing key, and
+    one token per worker (see `hybridfleet.security.credentials`) plus an admin token for Status."""
     layout = RunLayout(run_dir=run_dir, certs_dir=None)
     if spec.security.tls == "off" and spec.security.tokens == "off":
         return layout
-    from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
+    from hybridfleet.security import generate_signing_key, make_dev_pki
     from hybridfleet.security.tokens import SIGNING_KEY
 
     certs = run_dir / "certs"
     if spec.security.tls not in ("auto", "off"):
         certs = Path(spec.security.tls)
     else:
-        make_dev_pki(certs, hosts=sorted({spec.ps.host, "127.0.0.1", "localhost"}), clients=["worker"])
+        make_dev_pki(certs, hosts=sorted({spec.ps.host, "127.0.0.1", "localhost"}), clients=list(spec.sites))
     layout.certs_dir = certs
     if spec.security.tokens == "auto":
         if not (certs / SIGNING_KEY).exists():
             generate_signing_key(certs)
-        issuer = TokenIssuer.from_dir(certs)
-        ttl = spec.security.token_ttl_s
-        for site in spec.sites:
-            layout.tokens[site] = issuer.issue(spec.name, site, "worker", ttl, subject=f"site:{site}")
-        layout.tokens["admin"] = issuer.issue(spec.name, "-", "admin", ttl, subject="hfleet-run")
+        issue_tokens(spec, layout)
     return layout
+
+
+def issue_tokens(spec: JobSpec, layout: RunLayout) -> None:
+    """(Re-)issue every worker's token and the admin token; each worker's token file is replaced
+    atomically, so a running worker picks up the new token on its next call."""
+    from hybridfleet.security import TokenIssuer
+    from hybridfleet.security.certs import KEY_FILE_MODE, write_file_atomic
+    from hybridfleet.security.credentials import issue_admin_token, issue_site_credentials
+
+    issuer = TokenIssuer.from_dir(layout.certs_dir)
+    (layout.run_dir / "credentials").mkdir(mode=0o700, exist_ok=True)
+    for site in spec.sites:
+        for wid, cred in issue_site_credentials(spec, site, issuer).workers.items():
+            layout.tokens[wid] = cred.token
+            write_file_atomic(layout.token_file(wid), cred.token.encode(), KEY_FILE_MODE)
+    layout.tokens["admin"] = issue_admin_token(spec, issuer)
+
+
+class TokenRenewer:
+    """Re-issues the job's tokens every half lifetime while the job runs (long jobs outlive one token)."""
+
+    def __init__(self, spec: JobSpec, layout: RunLayout):
+        self.spec, self.layout = spec, layout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="token-renewer", daemon=True)
+
+    def start(self) -> "TokenRenewer":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.spec.security.token_ttl_s / 2):
+            try:
+                issue_tokens(self.spec, self.layout)
+                log.info("tokens_renewed", workers=len(self.layout.tokens) - 1)
+            except OSError as err:
+                log.error("token_renewal_failed", error=str(err))
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def ps_clients(spec: JobSpec) -> int:
@@ -135,10 +177,14 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
             pki = load_pki(layout.certs_dir)
             env["HFLEET_CA_CERT"] = str(pki.ca_cert)
             if spec.security.mutual_tls:
-                env["HFLEET_CLIENT_CERT"] = str(pki.clients["worker"].cert)
-                env["HFLEET_CLIENT_KEY"] = str(pki.clients["worker"].key)
-        if site in layout.tokens:
-            env["HFLEET_TOKEN"] = layout.tokens[site]
+                if site not in pki.clients:
+                    raise LaunchError(f"mutual TLS: {layout.certs_dir} has no client certificate for site {site!r} "
+                                      f"(create it with `hfleet certs init DIR --client {site}`)")
+                env["HFLEET_CLIENT_CERT"] = str(pki.clients[site].cert)
+                env["HFLEET_CLIENT_KEY"] = str(pki.clients[site].key)
+        wid = f"{site}-{site_rank}"
+        if wid in layout.tokens:
+            env["HFLEET_TOKEN_FILE"] = str(layout.token_file(wid))
     return env
 
 
@@ -264,12 +310,23 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     baselines = {n[len("baseline-"):]: r for n, r in collector.final.items() if n.startswith("baseline-")}
     by_site_sent: dict[str, int] = {s: 0 for s in spec.sites}
     by_site_received: dict[str, int] = {s: 0 for s in spec.sites}
-    raw_data = 0
+    by_kind: dict[str, dict[str, int]] = {s: {} for s in spec.sites}
+    egress: dict[str, dict] = {}
     for rec in collector.last.values():
         if rec.get("process", "").startswith("worker-"):
-            by_site_sent[rec["site"]] += int(rec.get("sent", 0))
-            by_site_received[rec["site"]] += int(rec.get("received", 0))
-            raw_data += int(rec.get("raw_data_sent", 0))
+            site = rec["site"]
+            by_site_sent[site] += int(rec.get("sent", 0))
+            by_site_received[site] += int(rec.get("received", 0))
+            for key, n in rec.items():
+                if key.startswith("sent_"):
+                    by_kind[site][key[5:]] = by_kind[site].get(key[5:], 0) + int(n)
+    for rec in collector.final.values():
+        if rec.get("process", "").startswith("worker-") and isinstance(rec.get("egress"), dict):
+            mine = egress.setdefault(rec["site"], {"workers_scanned": 0, "bytes_scanned": 0, "rows_scanned": 0,
+                                                  "rows_found": 0})
+            mine["workers_scanned"] += 1
+            for key in ("bytes_scanned", "rows_scanned", "rows_found"):
+                mine[key] += int(rec["egress"].get(key, 0))
     accs = [r["test_accuracy"] for r in workers.values() if "test_accuracy" in r]
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
@@ -287,8 +344,8 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
-        "privacy_by_site": _privacy_by_site(spec, workers),
-        "raw_data_bytes_sent": raw_data, "datasets_by_site": _datasets_by_site(spec, workers),
+        "bytes_sent_by_kind": by_kind, **({"egress_scan": egress} if egress else {}),
+        "privacy_by_site": _privacy_by_site(spec, workers), "datasets_by_site": _datasets_by_site(spec, workers),
         "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
         "run_dir": str(layout.run_dir),
     }
@@ -319,7 +376,7 @@ def finish_model(spec: JobSpec, run_dir: Path, summary: dict) -> dict | None:
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
                on_started=None, metrics: bool = True, report: bool = True, stream=None,
-               log_to_file: bool = False) -> dict:
+               log_to_file: bool = False, egress_scan: bool = False) -> dict:
     """Run a whole PS job here; returns the summary (also written to ``summary.json``).
 
     ``echo`` copies every process's log lines to stderr (they always go to ``logs/``);
@@ -327,7 +384,9 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     (default stderr); ``metrics`` serves Prometheus metrics from every process;
     ``report`` writes ``report.html`` at the end (its path is ``summary["report"]``);
     ``log_to_file`` sends this process's JSON-lines log to ``RUN_DIR/hfleet-run.log``
-    instead of stderr while the job runs.
+    instead of stderr while the job runs; ``egress_scan``: every worker keeps what it
+    sends under ``run_dir/egress/`` and searches it for its own training rows at the end
+    (`hybridfleet.ps.worker.egress`); summary.json then has ``egress_scan`` per site.
     ``on_started(supervisor, layout)`` is called once every process runs (fault tests use it
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
@@ -339,14 +398,17 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     write_run_info(spec, run_dir)
     if log_to_file:
         with (run_dir / "hfleet-run.log").open("a") as sink, redirect_log(sink):
-            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
-    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
+                        egress_scan)
+    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
+                egress_scan)
 
 
 def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress: bool, baselines: bool | None,
-         on_started, metrics: bool, report: bool, stream) -> dict:
+         on_started, metrics: bool, report: bool, stream, egress_scan: bool = False) -> dict:
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
+    renewer = TokenRenewer(spec, layout).start() if layout.tokens else None
     started = time.monotonic()
     exporter = None
     targets: list[Target] = []
@@ -370,6 +432,11 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
             start_all([shard_process(spec, job_path, layout, i) for i in range(spec.ps.shards)])
             layout.shard_addresses = _wait_for_ports(layout, spec.ps.shards, sup)
             procs = worker_processes(spec, job_path, layout)
+            if egress_scan:
+                from hybridfleet.ps.worker.egress import CAPTURE_ENV
+
+                for p in procs:
+                    p.env[CAPTURE_ENV] = str(run_dir / "egress" / f"{p.name}.bin")
             if spec.train.site_baselines if baselines is None else baselines:
                 procs += baseline_processes(spec, job_path, layout)
             start_all(procs)
@@ -388,6 +455,8 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         try:
             codes = run_supervised(sup, body)
         finally:
+            if renewer is not None:
+                renewer.stop()
             if metrics:
                 retire_targets(run_dir)
             if exporter is not None:
@@ -411,7 +480,7 @@ def _wait_with_view(spec: JobSpec, layout: RunLayout, sup: Supervisor, names: li
     from hybridfleet.ps.worker.status import ShardStatusProbe
     from hybridfleet.spec.rules import ROUND_SYNC_MODES, outer_rounds
 
-    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
+    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, lambda: layout.tokens.get("admin"),
                              insecure=spec.security.tls == "off")
     total = float(outer_rounds(spec.ps, spec.train.steps) * (1 if spec.ps.sync in ROUND_SYNC_MODES
                                                                 else spec.num_workers))

@@ -7,6 +7,9 @@ without being able to mint tokens. Claims::
     job   the job the token is valid for (a server rejects other jobs' tokens)
     site  the site of the caller (e.g. "hospital", "cloud")
     role  what the caller is (e.g. "worker", "shard", "admin"); servers map RPCs to roles
+    wid   the worker the token belongs to, e.g. "hospital-0"; a shard refuses a worker token
+          without it, and any request of this token that names another worker
+    jti   the token's unique id (a revocation list names tokens by it)
     sub   optional subject, e.g. "hospital/worker-0"
     iat, exp  issue and expiry time, unix seconds
 
@@ -14,6 +17,7 @@ The verifier allows a clock leeway (`DEFAULT_LEEWAY_S`, 5 s) on expiry and
 issue time, so peers whose clocks differ by a few seconds still agree.
 Every rejection is a `TokenRejectedError` (an `AuthError`) whose message says
 exactly why; its ``reason`` lets the gRPC layer choose a status code.
+A verifier given a `RevocationList` also refuses every revoked ``jti``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -36,13 +41,15 @@ ALGORITHM = "EdDSA"
 SIGNING_KEY = "token-signing.key"
 VERIFY_KEY = "token-signing.pub"
 DEFAULT_LEEWAY_S = 5.0
-_REQUIRED_CLAIMS = ("job", "site", "role", "exp")
+_REQUIRED_CLAIMS = ("job", "site", "role", "exp", "jti")
+# The role of tokens that act as a worker (a shard requires their ``wid``).
+WORKER_ROLE = "worker"
 
 
 class TokenRejectedError(AuthError):
     """A token was refused; ``reason`` is one of `REASONS`."""
 
-    REASONS = ("missing", "malformed", "forged", "expired", "not_yet_valid", "wrong_job", "role")
+    REASONS = ("missing", "malformed", "forged", "expired", "not_yet_valid", "wrong_job", "role", "revoked")
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -59,6 +66,8 @@ class Claims:
     subject: str | None
     issued_at: dt.datetime | None
     expires_at: dt.datetime
+    worker: str | None = None   # the ``wid`` claim: the only worker id this token may act as
+    token_id: str = ""          # the ``jti`` claim
 
 
 def generate_signing_key(directory: str | os.PathLike[str], overwrite: bool = False) -> tuple[Path, Path]:
@@ -125,13 +134,19 @@ class TokenIssuer:
         """The issuer of the signing key made by `generate_signing_key` in ``directory``."""
         return cls(_read_key_file(directory, SIGNING_KEY))
 
-    def issue(self, job: str, site: str, role: str, ttl_s: float, subject: str | None = None) -> str:
-        """A token for ``job``/``site``/``role`` that expires ``ttl_s`` seconds from now."""
+    def issue(self, job: str, site: str, role: str, ttl_s: float, subject: str | None = None,
+              worker: str | None = None) -> str:
+        """A token for ``job``/``site``/``role`` that expires ``ttl_s`` seconds from now, with a fresh
+        ``jti``; ``worker`` binds it to one worker id (a shard refuses worker tokens without one, see
+        `hybridfleet.security.credentials`)."""
         claims: dict[str, object] = {
             "job": _check_text("job", job),
             "site": _check_text("site", site),
             "role": _check_text("role", role),
+            "jti": uuid.uuid4().hex,
         }
+        if worker is not None:
+            claims["wid"] = _check_text("worker", worker)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0:
             raise ValueError(f"ttl_s: must be a number of seconds > 0 (got {ttl_s!r})")
         if subject is not None:
@@ -151,6 +166,7 @@ class TokenVerifier:
         job: str,
         leeway_s: float = DEFAULT_LEEWAY_S,
         clock: Callable[[], float] = time.time,
+        revoked: "RevocationList | None" = None,
     ):
         try:
             key = serialization.load_pem_public_key(_as_bytes(public_key_pem))
@@ -164,11 +180,14 @@ class TokenVerifier:
         self.job = _check_text("job", job)
         self.leeway_s = leeway_s
         self._clock = clock
+        self.revoked = revoked
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str], job: str, leeway_s: float = DEFAULT_LEEWAY_S) -> "TokenVerifier":
-        """The verifier of the public key made by `generate_signing_key` in ``directory``."""
-        return cls(_read_key_file(directory, VERIFY_KEY), job, leeway_s=leeway_s)
+        """The verifier of the public key made by `generate_signing_key` in ``directory``; it honours
+        the revocation list ``directory/revoked-tokens`` (re-read when it changes)."""
+        return cls(_read_key_file(directory, VERIFY_KEY), job, leeway_s=leeway_s,
+                   revoked=RevocationList(Path(directory) / REVOKED_FILE))
 
     def verify(self, token: str | None, roles: Iterable[str] | None = None) -> Claims:
         """The claims of ``token`` if it is signed by the issuer, unexpired, for this job and,
@@ -192,6 +211,8 @@ class TokenVerifier:
             raise TokenRejectedError(
                 "wrong_job", f"token is for job {payload['job']!r}, this server serves job {self.job!r}"
             )
+        if self.revoked is not None and payload["jti"] in self.revoked:
+            raise TokenRejectedError("revoked", f"token {payload['jti']} has been revoked")
         if roles is not None:
             allowed = sorted(set(roles))
             if payload["role"] not in allowed:
@@ -207,6 +228,8 @@ class TokenVerifier:
             subject=payload.get("sub"),
             issued_at=_utc(iat) if iat is not None else None,
             expires_at=_utc(exp),
+            worker=payload.get("wid"),
+            token_id=payload["jti"],
         )
 
     def _decode(self, token: str) -> dict:
@@ -232,7 +255,7 @@ class TokenVerifier:
             raise TokenRejectedError("malformed", f"malformed token: it lacks the {err.claim!r} claim") from None
         except jwt.InvalidTokenError as err:
             raise TokenRejectedError("malformed", f"malformed token: {err}") from None
-        for name in ("job", "site", "role", "sub"):
+        for name in ("job", "site", "role", "sub", "wid", "jti"):
             if name in payload and (not isinstance(payload[name], str) or not payload[name]):
                 raise TokenRejectedError("malformed", f"malformed token: claim {name!r} must be a non-empty string")
         for name in ("exp", "iat"):
@@ -241,8 +264,79 @@ class TokenVerifier:
         return payload
 
 
+def unverified_claims(token: str) -> dict:
+    """The claims of ``token`` WITHOUT checking its signature: for the issuer's own bookkeeping
+    (its ``jti`` and expiry) and for display, never for a decision."""
+    try:
+        return jwt.decode(token, options={"verify_signature": False})
+    except jwt.InvalidTokenError as err:
+        raise TokenRejectedError("malformed", f"malformed token: {err}") from None
+
+
 def _unverified_alg(token: str) -> str:
     try:
         return str(jwt.get_unverified_header(token).get("alg"))
     except jwt.InvalidTokenError:
         return "unknown"
+
+
+REVOKED_FILE = "revoked-tokens"
+REVOCATION_RECHECK_S = 1.0
+
+
+class RevocationList:
+    """The ``jti`` values a shard refuses, read from a text file (one id per line, ``#`` comments).
+
+    The file is re-read when its size or modification time changes (looked at no more than
+    once per `REVOCATION_RECHECK_S`), so revoking a token needs no restart. A missing file
+    revokes nothing; a file that exists but cannot be read revokes everything (fail closed).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], clock: Callable[[], float] = time.monotonic):
+        self.path = Path(path)
+        self._clock = clock
+        self._ids: frozenset[str] = frozenset()
+        self._stamp: tuple | None = None
+        self._checked = float("-inf")
+        self._unreadable: str | None = None
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._checked < REVOCATION_RECHECK_S:
+            return
+        self._checked = now
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            self._ids, self._stamp, self._unreadable = frozenset(), None, None
+            return
+        except OSError as err:
+            self._unreadable = str(err)
+            return
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if stamp == self._stamp:
+            return
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            self._unreadable = str(err)
+            return
+        self._ids = frozenset(line.split("#", 1)[0].strip() for line in text.splitlines()) - {""}
+        self._stamp, self._unreadable = stamp, None
+
+    def __contains__(self, token_id: object) -> bool:
+        self._refresh()
+        if self._unreadable is not None:
+            return True
+        return token_id in self._ids
+
+
+def revoke(directory: str | os.PathLike[str], token_ids: Iterable[str]) -> Path:
+    """Add ``token_ids`` to the revocation list of the PKI in ``directory``; returns its path."""
+    path = Path(directory) / REVOKED_FILE
+    old = path.read_text(encoding="utf-8") if path.is_file() else ""
+    have = {line.split("#", 1)[0].strip() for line in old.splitlines()}
+    new = [_check_text("token id", t).strip() for t in token_ids if t.strip() not in have]
+    text = old + ("" if not old or old.endswith("\n") else "\n") + "".join(f"{t}\n" for t in new)
+    write_file_atomic(path, text.encode(), CERT_FILE_MODE)
+    return path

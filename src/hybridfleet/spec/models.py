@@ -117,6 +117,10 @@ class PSSpec(_Strict):
                             "grpc: everything on gRPC (one port per shard, e.g. behind a gRPC proxy)")
     snapshot_every_s: float | None = Field(None, gt=0)
     snapshot_every_steps: int | None = Field(None, ge=1)
+    max_tensors: int = Field(10_000, ge=1, description="a Join declaring more tensors is refused")
+    max_model_bytes: int = Field(2 << 30, ge=1024, description="a Join declaring a larger model is refused")
+    memory_budget_bytes: int = Field(
+        2 << 30, ge=1 << 20, description="push bytes a shard holds in flight at once, all peers together")
 
     @model_validator(mode="before")
     @classmethod
@@ -187,7 +191,7 @@ class SecuritySpec(_Strict):
     tls: Literal["auto", "off"] | str = Field("auto", description="auto: per-job dev CA; off: plaintext; or a cert dir")
     mutual_tls: bool = False
     tokens: Literal["auto", "off"] = "auto"
-    token_ttl_s: float = Field(24 * 3600, gt=0)
+    token_ttl_s: float = Field(3600, gt=0, description="token lifetime; `hfleet run` renews at half of it")
 
 
 class RegistrySpec(_Strict):

@@ -1,4 +1,13 @@
-"""The shard side of the bulk data plane (framing in `hybridfleet.ps.wire.bulk`)."""
+"""The shard side of the bulk data plane (framing in `hybridfleet.ps.wire.bulk`).
+
+Every peer's share is bounded: at most ``max_connections`` connections in all, at
+most `MAX_PENDING_HANDSHAKES` of them before their HELLO is accepted and
+`CONNECTIONS_PER_IDENTITY` per worker after it; the TLS handshake and HELLO together
+must finish within `HANDSHAKE_TIMEOUT_S`, and each request frame within a deadline
+set by its size (`frame_deadline`), however the bytes trickle in. A `Deadlines`
+watchdog enforces both by shutting the socket down, so the reads stay plain blocking
+calls through `recv_exact`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,8 @@ import json
 import socket
 import ssl
 import threading
+import time
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import numpy as np
@@ -18,10 +29,75 @@ from hybridfleet.ps.wire.bulk import (
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
-from hybridfleet.ps.wire.reject import Reject, check_push_header
+from hybridfleet.ps.server.identity import tls_peer_site
+from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.ps.wire.tls import remember_files, wrap
 
 log = get_logger("ps.bulk")
+
+MAX_PENDING_HANDSHAKES = 32
+CONNECTIONS_PER_IDENTITY = 2
+# A request frame may take FRAME_DEADLINE_S plus one second per MIN_FRAME_RATE bytes it carries.
+FRAME_DEADLINE_S = 30.0
+MIN_FRAME_RATE = 256 << 10
+# A refused push up to this size is read and dropped so the connection stays in step; a
+# larger one closes the connection.
+DISCARD_LIMIT = 64 << 20
+
+
+def frame_deadline(nbytes: int) -> float:
+    """Seconds a peer has to deliver a frame of ``nbytes`` payload bytes."""
+    return FRAME_DEADLINE_S + nbytes / MIN_FRAME_RATE
+
+
+class Deadlines:
+    """Shuts a socket down when its deadline passes; the thread blocked reading it then gets EOF.
+
+    Sockets are known by file descriptor, which stays the same when TLS wraps the socket; the
+    shutdown happens under the lock, so once `disarm` returns the descriptor is never touched.
+    """
+
+    def __init__(self, tick_s: float = 0.25):
+        self._due: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._tick_s = tick_s
+        self._thread = threading.Thread(target=self._loop, name="ps-bulk-deadlines", daemon=True)
+        self.expired = 0  # sockets cut so far
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def arm(self, fd: int, seconds: float) -> None:
+        with self._lock:
+            self._due[fd] = time.monotonic() + seconds
+
+    def disarm(self, fd: int) -> None:
+        with self._lock:
+            self._due.pop(fd, None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            now = time.monotonic()
+            with self._lock:
+                for fd in [fd for fd, due in self._due.items() if due <= now]:
+                    del self._due[fd]
+                    self.expired += 1
+                    _shutdown(fd)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut down the TCP connection on ``fd`` (also under TLS) without closing the descriptor."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 class BulkServer:
@@ -34,23 +110,33 @@ class BulkServer:
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
                  verify: Callable[[str | None, set[str]], Any] | None, max_push_bytes: int,
-                 push: Callable, pull: Callable):
+                 push: Callable, pull: Callable, admit: Callable | None = None, max_connections: int = 64):
+        """``admit(header, claims, peer_site)``: a context manager that checks a push header before
+        its payload is read and holds the push's share of the shard (None: no check)."""
         self.ssl_context, self.verify, self.max_push_bytes = ssl_context, verify, max_push_bytes
         self._push, self._pull = push, pull
+        self._admit = admit or (lambda header, claims, peer_site: nullcontext())
+        self.max_connections = max_connections
         self._listener = socket.create_server((host, port), backlog=64)
         self.port = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        self._open = 0        # connections with a serving thread
+        self._pending = 0     # of which not past HELLO yet
+        self._by_identity: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self.deadlines = Deadlines()
         self._thread = threading.Thread(target=self._accept_loop, name="ps-bulk-accept", daemon=True)
 
     def start(self) -> "BulkServer":
+        self.deadlines.start()
         self._thread.start()
         log.info("bulk_serving", port=self.port, tls=self.ssl_context is not None)
         return self
 
     def stop(self) -> None:
         self._stopped.set()
+        self.deadlines.stop()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -71,37 +157,80 @@ class BulkServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                refused = self._open >= self.max_connections or self._pending >= MAX_PENDING_HANDSHAKES
+                if not refused:
+                    self._open += 1
+                    self._pending += 1
+            if refused:
+                log.warning("bulk_connection_refused", peer=f"{peer[0]}:{peer[1]}", open=self._open,
+                            pending=self._pending, reason="connection cap")
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, peer), name="ps-bulk-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
+        fd, pending, identity = conn.fileno(), True, None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            self.deadlines.arm(fd, HANDSHAKE_TIMEOUT_S)  # TLS handshake and HELLO together
             if self.ssl_context is not None:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 conn = wrap(self.ssl_context, conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
-            token = self._hello(conn, who)
-            if token is None:
+            hello = self._hello(conn, who)
+            self.deadlines.disarm(fd)
+            if hello is None:
                 return
+            token, identity = hello
+            with self._lock:
+                self._pending -= 1
+                pending = False
+                n = self._by_identity.get(identity, 0)
+                if n < CONNECTIONS_PER_IDENTITY:
+                    self._by_identity[identity] = n + 1
+            if n >= CONNECTIONS_PER_IDENTITY:
+                msg = f"worker {identity} already has {n} bulk connections to this shard (at most {CONNECTIONS_PER_IDENTITY})"
+                log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
+                conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
+                identity = None
+                return
+            conn.sendall(_response("OK"))
             while not self._stopped.is_set():
                 conn.settimeout(None)  # a worker may stay idle between steps
                 first = conn.recv(1)
                 if not first:
                     return
                 conn.settimeout(FRAME_TIMEOUT_S)
-                if not self._request(conn, first[0], token, who):
-                    return
-        except (OSError, EOFError, ssl.SSLError) as err:
+                self.deadlines.arm(fd, frame_deadline(0))  # until the header is in
+                try:
+                    if not self._request(conn, fd, first[0], token, who):
+                        return
+                finally:
+                    self.deadlines.disarm(fd)
+        except (OSError, EOFError, ssl.SSLError, ValueError) as err:
             if not self._stopped.is_set():
                 log.info("bulk_connection_closed", peer=who, reason=str(err) or type(err).__name__)
         finally:
+            self.deadlines.disarm(fd)
             with self._lock:
                 self._conns.discard(conn)
+                self._open -= 1
+                if pending:
+                    self._pending -= 1
+                if identity is not None:
+                    left = self._by_identity.get(identity, 1) - 1
+                    if left > 0:
+                        self._by_identity[identity] = left
+                    else:
+                        self._by_identity.pop(identity, None)
             conn.close()
 
-    def _hello(self, conn: socket.socket, who: str) -> str | None:
+    def _hello(self, conn: socket.socket, who: str) -> tuple[str, str] | None:
+        """``(token, identity)`` of a valid HELLO, not answered yet (identity: the token's worker, or
+        the peer address with auth off); None after answering a refusal."""
         op = int(recv_exact(conn, 1)[0])
         size = _U32.unpack(recv_exact(conn, 4))[0]
         if op != OP_HELLO or size > 1 << 16:
@@ -120,14 +249,20 @@ class BulkServer:
             conn.sendall(_response("FAILED_PRECONDITION", msg.encode()))
             return None
         token = hello.get("token") or ""
+        if not isinstance(token, str):
+            conn.sendall(_response("INVALID_ARGUMENT", b"malformed HELLO frame: token must be a string"))
+            return None
         try:
-            self._claims(token, "Hello")
+            claims = self._claims(token, "Hello")
+            peer_site = tls_peer_site(conn)
+            if claims is not None and peer_site is not None and peer_site != claims.site:
+                raise _reject("PERMISSION_DENIED", f"client certificate is for site {peer_site!r}, the token for "
+                                                   f"site {claims.site!r}")
         except Reject as rej:
             log.warning("bulk_rejected", peer=who, code=rej.code, reason=rej.message)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return None
-        conn.sendall(_response("OK"))
-        return token
+        return token, (claims.worker or claims.site) if claims is not None else who
 
     def _claims(self, token: str, method: str):
         if self.verify is None:
@@ -140,8 +275,9 @@ class BulkServer:
         except TokenRejectedError as err:
             raise _reject("PERMISSION_DENIED" if err.reason == "role" else "UNAUTHENTICATED", str(err)) from None
 
-    def _request(self, conn: socket.socket, op: int, token: str, who: str) -> bool:
-        """Serve one request; False when the connection must close."""
+    def _request(self, conn: socket.socket, fd: int, op: int, token: str, who: str) -> bool:
+        """Serve one request; False when the connection must close. ``fd``: ``conn``'s descriptor,
+        whose deadline covers the frame."""
         size = _U32.unpack(recv_exact(conn, 4))[0]
         try:
             if op not in (OP_PUSH, OP_PULL):
@@ -150,8 +286,9 @@ class BulkServer:
                 raise _reject("INVALID_ARGUMENT", f"header of {size} bytes exceeds {MAX_HEADER_BYTES}", close=True)
             header = bytes(recv_exact(conn, size))
             if op == OP_PUSH:
-                self._serve_push(conn, header, token)
+                self._serve_push(conn, fd, header, token)
             else:
+                self.deadlines.disarm(fd)  # the shard, not the peer, may now take its time
                 self._serve_pull(conn, header, token)
             return True
         except Reject as rej:
@@ -168,22 +305,31 @@ class BulkServer:
             conn.sendall(_response("INTERNAL", f"shard failed to serve the request: {type(err).__name__}".encode()))
             return False
 
-    def _serve_push(self, conn: socket.socket, header_bytes: bytes, token: str) -> None:
+    def _serve_push(self, conn: socket.socket, fd: int, header_bytes: bytes, token: str) -> None:
         try:
             header = ps_pb2.PushHeader.FromString(header_bytes)
         except Exception:  # protobuf raises DecodeError (and others) on garbage
             raise _reject("INVALID_ARGUMENT", "malformed push header", close=True) from None
         declared = sum(k.nbytes for k in header.keys)
+        self.deadlines.arm(fd, frame_deadline(declared))
         try:
             claims = self._claims(token, "Push")
-            check_push_header(header, self.max_push_bytes)
-        except Reject:
-            _discard(conn, declared)  # the sender is already streaming them: keep the connection in step
+            admission = self._admit(header, claims, tls_peer_site(conn))
+            admission.__enter__()
+        except Reject as rej:
+            if declared > DISCARD_LIMIT:
+                rej.close = True  # not worth reading: drop the connection instead
+            else:
+                _discard(conn, declared)  # the sender is already streaming them: keep the connection in step
             raise
-        payloads: dict[str, np.ndarray] = {}
-        for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
-            payloads[k.key] = recv_exact(conn, k.nbytes)
-        reply = self._push(header, payloads, claims)
+        try:
+            payloads: dict[str, np.ndarray] = {}
+            for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
+                payloads[k.key] = recv_exact(conn, k.nbytes)
+            self.deadlines.disarm(fd)
+            reply = self._push(header, payloads, claims)
+        finally:
+            admission.__exit__(None, None, None)
         conn.sendall(_response("OK", reply.SerializeToString()))
 
     def _serve_pull(self, conn: socket.socket, header_bytes: bytes, token: str) -> None:
@@ -191,8 +337,8 @@ class BulkServer:
             request = ps_pb2.PullRequest.FromString(header_bytes)
         except Exception:
             raise _reject("INVALID_ARGUMENT", "malformed pull request", close=True) from None
-        self._claims(token, "Pull")  # the token may have expired since HELLO
-        version, items = self._pull(request)
+        claims = self._claims(token, "Pull")  # the token may have expired since HELLO
+        version, items = self._pull(request, claims, tls_peer_site(conn))
         body = json.dumps({"version": version, "items": [[k, dv, total] for k, _, total, dv in items]}).encode()
         conn.sendall(_response("OK", body))
         for _, pieces, _, _ in items:

@@ -43,7 +43,8 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
     ``.snapshotter`` the snapshotter or None). ``bulk_port`` 0 takes any free port."""
     if not 0 <= shard < job.ps.shards:
         raise ValueError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})")
-    state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers)
+    state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers,
+                       sites={name: site.workers for name, site in job.sites.items()})
     snapshotter = None
     if job.ps.snapshot_every_steps or job.ps.snapshot_every_s:
         from hybridfleet.ps.server.snapshot import Snapshotter, snapshot_url
@@ -53,6 +54,7 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
                                   job.checkpoint.keep_last)
         snapshotter.restore_newest()
     bulk = None if job.ps.transport == "grpc" else bulk_port
-    server = ShardServer(state, host, port, security, job.ps.max_push_bytes, bulk_port=bulk).start()
+    server = ShardServer(state, host, port, security, job.ps.max_push_bytes, bulk_port=bulk,
+                         num_workers=job.num_workers).start()
     server.snapshotter = snapshotter.start() if snapshotter else None
     return server

@@ -1,8 +1,9 @@
 """The gRPC shard server: moves bytes between the wire and `ShardState`.
 
 Every RPC is authenticated by the interceptor from `hybridfleet.security` unless
-the server was started with ``insecure=True`` (an explicit flag); the verified
-token's site is what a push is attributed to.
+the server was started with ``insecure=True`` (an explicit flag); every request
+naming a worker is then bound to the token's worker and site (`identity`), and
+held to that worker's share of the shard (`limits`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import json
 import ssl
 import threading
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from hybridfleet.obs.log import get_logger
+from hybridfleet.codec.frame import MAX_NDIM
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.server.identity import bind_worker, grpc_peer_site
+from hybridfleet.ps.server.limits import ByteBudget, CallGate, server_threads
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
@@ -27,6 +32,10 @@ from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WI
 from hybridfleet.security.grpc_auth import current_claims
 
 log = get_logger("ps.server")
+
+# A TLS handshake must finish within 10 s (gRPC's default is 120 s); one connection carries
+# at most 16 concurrent streams (a worker needs 3: push, pull, heartbeat).
+SERVER_OPTIONS = [("grpc.server_handshake_timeout_ms", 10_000), ("grpc.max_concurrent_streams", 16)]
 
 
 def _claims_site(default: str, claims=None) -> str:
@@ -41,6 +50,8 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, state: ShardState, max_push_bytes: int):
         self.state = state
         self.max_push_bytes = max_push_bytes
+        self.gate = CallGate()
+        self.budget = ByteBudget(state.spec.memory_budget_bytes)
         self._cache: dict[tuple, tuple[list[bytes], list[bytes]]] = {}
         self._cache_version = -1
         self._cache_lock = threading.Lock()
@@ -58,10 +69,19 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         if site != request.site:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"token is for site {site!r}, join claims site {request.site!r}")
-        params = [ParamSpec(p.name, tuple(p.shape), p.dtype or "float32") for p in request.params]
         try:
-            res = self.state.join(request.worker_id, request.site, params, request.num_shards,
-                                  request.block_size_bytes, request.codec)
+            identity = bind_worker(request.worker_id, current_claims(), grpc_peer_site(context))
+            if len(request.params) > self.state.spec.max_tensors:
+                raise Reject("RESOURCE_EXHAUSTED", f"join declares {len(request.params)} tensors; this job allows "
+                                                   f"at most {self.state.spec.max_tensors} (ps.max_tensors)")
+            deep = next((p for p in request.params if len(p.shape) > MAX_NDIM), None)
+            if deep is not None:
+                raise Reject("INVALID_ARGUMENT", f"tensor {deep.name!r} has {len(deep.shape)} dimensions; at most "
+                                                 f"{MAX_NDIM} are allowed")
+            with self.gate.enter(identity, "join"):
+                params = [ParamSpec(p.name, tuple(p.shape), p.dtype or "float32") for p in request.params]
+                res = self.state.join(request.worker_id, request.site, params, request.num_shards,
+                                      request.block_size_bytes, request.codec)
         except Reject as rej:
             self._abort(context, rej)
         except ValueError as err:
@@ -73,14 +93,17 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             live_workers=res["live"], heartbeat_interval_s=self.state.spec.heartbeat_interval_s,
             bulk_port=self.bulk_port)
 
-    def pull_items(self, request: ps_pb2.PullRequest) -> tuple[int, list]:
-        """``(version, [(key, pieces, total_bytes, delta_version)])`` of one pull; raises Reject."""
-        return self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
-                               request.worker_clock, request.timeout_s or 60.0, request.init_digest)
+    def pull_items(self, request: ps_pb2.PullRequest, claims=None, peer_site: str | None = None) -> tuple[int, list]:
+        """``(version, [(key, pieces, total_bytes, delta_version)])`` of one pull by the caller of
+        ``claims`` (None: auth off); raises Reject."""
+        identity = bind_worker(request.worker_id, claims, peer_site)
+        with self.gate.enter(identity, "pull"):
+            return self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
+                                   request.worker_clock, request.timeout_s or 60.0, request.init_digest)
 
     def Pull(self, request, context):
         try:
-            version, items = self.pull_items(request)
+            version, items = self.pull_items(request, current_claims(), grpc_peer_site(context))
         except Reject as rej:
             self._abort(context, rej)
         if not items:
@@ -106,50 +129,68 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._cache[cache_key] = msgs = (pieces, msgs)
             return msgs[1]
 
-    def Push(self, request_iterator, context):
-        header = None
-        parts: dict[str, list[bytes]] = {}
-        expected: dict[str, int] = {}
-        filled: dict[str, int] = {}
-        received = 0
+    @contextmanager
+    def admit_push(self, header: ps_pb2.PushHeader, claims=None, peer_site: str | None = None):
+        """Before any payload byte is read: the header's worker is the caller's, its sizes fit the
+        cap and the plan, and the caller holds no other push; the payload's bytes are then
+        reserved from the shard's memory budget until the block ends. Raises Reject."""
+        identity = bind_worker(header.worker_id, claims, peer_site)
+        declared = check_push_header(header, self.max_push_bytes)
         try:
-            for msg in request_iterator:
-                which = "chunk" if isinstance(msg, fastwire.Chunk) else msg.WhichOneof("body")
-                if which == "header":
-                    if header is not None:
-                        raise Reject("INVALID_ARGUMENT", "push has two headers")
-                    header = msg.header
-                    check_push_header(header, self.max_push_bytes)
-                    for k in header.keys:
-                        expected[k.key], filled[k.key], parts[k.key] = k.nbytes, 0, []
-                elif which == "chunk":
-                    if header is None:
-                        raise Reject("INVALID_ARGUMENT", "push chunk before its header")
-                    c = msg if isinstance(msg, fastwire.Chunk) else msg.chunk
-                    if c.key not in expected:
-                        raise Reject("INVALID_ARGUMENT", f"chunk for key {c.key!r} not declared in the header")
-                    end = c.offset + len(c.data)
-                    if c.offset != filled[c.key] or end > expected[c.key]:
-                        raise Reject("INVALID_ARGUMENT",
-                                     f"key {c.key!r}: chunk at byte {c.offset} (+{len(c.data)}) does not continue "
-                                     f"the {filled[c.key]} of {expected[c.key]} bytes received")
-                    parts[c.key].append(c.data)
-                    filled[c.key] = end
-                    received += len(c.data)
-                    if received > self.max_push_bytes:
-                        raise Reject("RESOURCE_EXHAUSTED", f"push exceeds the cap of {self.max_push_bytes} bytes")
-            if header is None:
+            kind = ps_pb2.PushHeader.Kind.Name(header.kind)
+        except ValueError:
+            raise Reject("INVALID_ARGUMENT", f"unknown push kind {header.kind}") from None
+        self.state.check_push_keys(kind, [(k.key, k.nbytes) for k in header.keys])
+        with self.gate.enter(identity, "push"), self.budget.hold(identity, declared):
+            yield
+
+    def Push(self, request_iterator, context):
+        try:
+            messages = iter(request_iterator)
+            first = next(messages, None)
+            if first is None:
                 raise Reject("INVALID_ARGUMENT", "empty push: no header")
-            short = [k for k, n in expected.items() if filled[k] != n]
-            if short:
-                raise Reject("INVALID_ARGUMENT", f"push ended early: key {short[0]!r} got {filled[short[0]]} "
-                                                 f"of {expected[short[0]]} bytes")
-            payloads = {k: v[0] if len(v) == 1 else b"".join(v) for k, v in parts.items()}
-            return self.push_payloads(header, payloads)
+            if isinstance(first, fastwire.Chunk) or first.WhichOneof("body") != "header":
+                raise Reject("INVALID_ARGUMENT", "push chunk before its header")
+            header = first.header
+            with self.admit_push(header, current_claims(), grpc_peer_site(context)):
+                return self.push_payloads(header, self._read_chunks(header, messages))
         except Reject as rej:
             log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
             count_rejected_push(rej.code)
             self._abort(context, rej)
+
+    def _read_chunks(self, header: ps_pb2.PushHeader, messages) -> dict:
+        """Every declared key's bytes from the rest of a Push stream; raises Reject."""
+        parts: dict[str, list[bytes]] = {}
+        expected: dict[str, int] = {}
+        filled: dict[str, int] = {}
+        received = 0
+        for k in header.keys:
+            expected[k.key], filled[k.key], parts[k.key] = k.nbytes, 0, []
+        for msg in messages:
+            which = "chunk" if isinstance(msg, fastwire.Chunk) else msg.WhichOneof("body")
+            if which == "header":
+                raise Reject("INVALID_ARGUMENT", "push has two headers")
+            elif which == "chunk":
+                c = msg if isinstance(msg, fastwire.Chunk) else msg.chunk
+                if c.key not in expected:
+                    raise Reject("INVALID_ARGUMENT", f"chunk for key {c.key!r} not declared in the header")
+                end = c.offset + len(c.data)
+                if c.offset != filled[c.key] or end > expected[c.key]:
+                    raise Reject("INVALID_ARGUMENT",
+                                 f"key {c.key!r}: chunk at byte {c.offset} (+{len(c.data)}) does not continue "
+                                 f"the {filled[c.key]} of {expected[c.key]} bytes received")
+                parts[c.key].append(c.data)
+                filled[c.key] = end
+                received += len(c.data)
+                if received > self.max_push_bytes:
+                    raise Reject("RESOURCE_EXHAUSTED", f"push exceeds the cap of {self.max_push_bytes} bytes")
+        short = [k for k, n in expected.items() if filled[k] != n]
+        if short:
+            raise Reject("INVALID_ARGUMENT", f"push ended early: key {short[0]!r} got {filled[short[0]]} "
+                                             f"of {expected[short[0]]} bytes")
+        return {k: v[0] if len(v) == 1 else b"".join(v) for k, v in parts.items()}
 
     def push_payloads(self, header: ps_pb2.PushHeader, payloads: dict, claims=None) -> ps_pb2.PushResponse:
         """Apply one complete push (every declared key's bytes); raises Reject and then changes nothing."""
@@ -162,6 +203,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request, context):
         try:
+            bind_worker(request.worker_id, current_claims(), grpc_peer_site(context))
             self.state.heartbeat(request.worker_id)
         except Reject as rej:
             self._abort(context, rej)
@@ -169,6 +211,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Leave(self, request, context):
         try:
+            bind_worker(request.worker_id, current_claims(), grpc_peer_site(context))
             self.state.leave(request.worker_id)
         except Reject as rej:
             self._abort(context, rej)
@@ -195,13 +238,19 @@ class ShardServer:
     """A running shard: gRPC server + reaper thread for heartbeat timeouts."""
 
     def __init__(self, state: ShardState, host: str, port: int, security: ServerSecurity,
-                 max_push_bytes: int, max_workers: int = 32, bulk_port: int | None = 0):
-        """``bulk_port``: where the bulk data plane listens (0: any free port; None: gRPC only)."""
+                 max_push_bytes: int, max_workers: int | None = None, bulk_port: int | None = 0,
+                 num_workers: int = 8):
+        """``bulk_port``: where the bulk data plane listens (0: any free port; None: gRPC only);
+        ``max_workers``: gRPC threads, also the cap on concurrent RPCs (default: every one of the
+        job's ``num_workers`` gets its full share, see `limits.server_threads`)."""
         if security.server_credentials is None and not security.insecure:
             raise ValueError("a shard needs TLS credentials; plaintext needs insecure=True explicitly")
         self.state = state
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                  interceptors=list(security.interceptors), options=GRPC_OPTIONS)
+        threads = max_workers or server_threads(num_workers)
+        # RPCs beyond the thread count are refused (RESOURCE_EXHAUSTED), not queued behind a stalled one
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+                                  interceptors=list(security.interceptors), options=GRPC_OPTIONS + SERVER_OPTIONS,
+                                  maximum_concurrent_rpcs=threads)
         self.servicer = ShardServicer(state, max_push_bytes)
         self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
         self.bulk = None
@@ -210,7 +259,8 @@ class ShardServer:
 
             verify = security.verifier.verify if security.verifier is not None else None
             self.bulk = BulkServer(host, bulk_port, security.ssl_context, verify, max_push_bytes,
-                                   self.servicer.push_payloads, self.servicer.pull_items)
+                                   self.servicer.push_payloads, self.servicer.pull_items,
+                                   admit=self.servicer.admit_push, max_connections=2 * threads)
             self.servicer.bulk_port = self.bulk.port
         address = f"{host}:{port}"
         if security.server_credentials is not None:

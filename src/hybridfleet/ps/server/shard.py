@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
+from hybridfleet.codec.frame import read_header
 from hybridfleet.ps.aggregate import RoundAggregator, make_round
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
@@ -26,6 +28,10 @@ from hybridfleet.spec.rules import ROUND_SYNC_MODES
 log = get_logger("ps.shard")
 
 DTYPE = np.dtype("<f4")
+
+# How far past its last applied step (or the shard's version, after a rejoin) a worker's
+# push may claim to be; anything beyond is refused, not recorded as the worker's clock.
+STEP_WINDOW = 64
 
 # Compressed downlink: how many versions of encoded deltas a shard keeps so a
 # worker a few versions behind still gets deltas; further behind, it gets values.
@@ -45,7 +51,10 @@ class ShardState:
     """Parameters and optimizer state of one shard, with BSP/SSP/ASP consistency."""
 
     def __init__(self, shard: int, spec: PSSpec, flavour: str = "torch", expected_workers: int = 0,
-                 codec: str | None = None, clock=time.monotonic):
+                 codec: str | None = None, clock=time.monotonic, sites: dict[str, int] | None = None):
+        """``sites``: each site's worker count from the job; with it a Join must name one of the
+        job's worker ids (``<site>-<rank>``, rank below the count) and a push may count at most
+        that many contributors."""
         from hybridfleet.ps.server.optim import make_optimizer
 
         self.shard = shard
@@ -54,6 +63,7 @@ class ShardState:
         self.in_rounds = spec.sync in ROUND_SYNC_MODES  # local: one round per outer step, like bsp
         self.codec_name = codec or spec.compression.codec
         self.expected_workers = expected_workers
+        self.sites = dict(sites) if sites is not None else None
         self.optimizer = make_optimizer(spec.optimizer, flavour)
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
@@ -114,6 +124,8 @@ class ShardState:
             self.codec()
         except ValueError as err:
             raise Reject("INVALID_ARGUMENT", str(err)) from None
+        self._check_worker_id(worker_id, site)
+        self._check_model(params, num_shards, block_size_bytes)
         plan = ShardingPlan.build(params, num_shards, block_size_bytes)
         with self.cond:
             if self.plan is None:
@@ -141,6 +153,52 @@ class ShardState:
             self.cond.notify_all()
             return {"plan": self.plan, "version": self.version, "initialized": self.is_initialized(),
                     "worker_clock": member.clock, "live": sorted(self.live_members())}
+
+    def _check_worker_id(self, worker_id: str, site: str) -> None:
+        if self.sites is None:
+            return
+        if site not in self.sites:
+            raise Reject("PERMISSION_DENIED", f"site {site!r} is not a site of this job ({', '.join(self.sites)})")
+        prefix = f"{site}-"
+        rank = worker_id[len(prefix):] if worker_id.startswith(prefix) else ""
+        if not (rank.isdigit() and rank == str(int(rank)) and int(rank) < self.sites[site]):
+            raise Reject("PERMISSION_DENIED", f"worker id {worker_id!r} is not one of site {site!r}'s "
+                                              f"{self.sites[site]} worker(s) ({prefix}0..{prefix}{self.sites[site] - 1})")
+
+    def _check_model(self, params: list[ParamSpec], num_shards: int, block_size_bytes: int) -> None:
+        """The job, not the joiner, sets the plan's shape: shard count, block size and caps."""
+        spec = self.spec
+        if num_shards != spec.shards:
+            raise Reject("FAILED_PRECONDITION", f"join names {num_shards} shard(s); this job has {spec.shards}")
+        if block_size_bytes != spec.block_size_bytes:
+            raise Reject("FAILED_PRECONDITION", f"join asks for blocks of {block_size_bytes} bytes; this job's "
+                                                f"ps.block_size_bytes is {spec.block_size_bytes}")
+        if len(params) > spec.max_tensors:
+            raise Reject("RESOURCE_EXHAUSTED", f"join declares {len(params)} tensors; this job allows at most "
+                                               f"{spec.max_tensors} (ps.max_tensors)")
+        total = sum(p.nbytes for p in params)
+        if total > spec.max_model_bytes:
+            raise Reject("RESOURCE_EXHAUSTED", f"join declares a model of {total} bytes; this job allows at most "
+                                               f"{spec.max_model_bytes} (ps.max_model_bytes)")
+
+    def check_push_keys(self, kind: str, keys: list[tuple[str, int]]) -> None:
+        """Before any payload byte is read: every declared key belongs to this shard and its byte
+        count fits the key (exactly its float32 size for initial values, at most any codec's
+        frame of it otherwise). Raises Reject."""
+        plan = self.plan
+        if plan is None:
+            raise Reject("FAILED_PRECONDITION", "no worker has joined this shard yet; call Join first")
+        sizes = {b.key: b.stop - b.start for b in plan.blocks_for_shard(self.shard)}
+        unknown = sorted({key for key, _ in keys} - set(sizes))
+        if unknown:
+            raise Reject("INVALID_ARGUMENT", f"unknown key(s) for shard {self.shard}: {', '.join(unknown[:5])}")
+        for key, nbytes in keys:
+            numel = sizes[key]
+            limit = numel * DTYPE.itemsize if kind == "INIT" else max_encoded_bytes(numel)
+            if nbytes > limit or (kind == "INIT" and nbytes != limit):
+                raise Reject("INVALID_ARGUMENT", f"key {key!r}: push declares {nbytes} bytes; the key holds {numel} "
+                                                 f"float32 elements ({'exactly' if kind == 'INIT' else 'at most'} "
+                                                 f"{limit} bytes)")
 
     def heartbeat(self, worker_id: str) -> None:
         with self.cond:
@@ -199,6 +257,15 @@ class ShardState:
                 return self._push_init(worker_id, payloads)
             if not self.is_initialized():
                 raise Reject("FAILED_PRECONDITION", "parameters are not initialized yet; pull first")
+            most = self.sites.get(member.site, 1) if self.sites is not None else None
+            if contributors < 1 or (most is not None and contributors > most):
+                raise Reject("INVALID_ARGUMENT", f"push counts {contributors} contributors; site {member.site!r} "
+                                                 f"has {most} worker(s)")
+            limit = max(member.clock, self.version) + STEP_WINDOW
+            if step > limit:
+                raise Reject("OUT_OF_RANGE", f"push step {step} is beyond the consistency window (at most {limit}: "
+                                             f"last applied step {member.clock}, version {self.version}, "
+                                             f"window {STEP_WINDOW}); nothing changed")
             if step <= member.clock:
                 self.rejected_pushes += 1
                 raise Reject("ALREADY_EXISTS",
@@ -221,7 +288,7 @@ class ShardState:
             member.clock = step
             member.last_seen = self._now()
             member.alive = True
-            weight = max(1, contributors)
+            weight = contributors
             if self.in_rounds:
                 rnd = self.rounds.setdefault(self.version, make_round(self.spec.aggregate))
                 rnd.add(worker_id, grads, weight)
@@ -277,11 +344,17 @@ class ShardState:
         codec = self.codec()
         out = {}
         for key, payload in payloads.items():
+            expected = self.params[key].size
             try:
-                arr = codec.decode(payload)
+                # the frame's header is checked against the key before anything is allocated
+                header, _ = read_header(payload, self.codec_name)
+                if header.dtype != DTYPE or header.shape != (expected,):
+                    raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "
+                                                     f"{header.shape}, expected {expected} elements of float32 "
+                                                     f"in shape ({expected},)")
+                arr = codec.decode(payload, expected_numel=expected)
             except ValueError as err:  # ProtocolError subclasses ValueError
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: {err}") from None
-            expected = self.params[key].size
             if arr.dtype != DTYPE:
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: dtype {arr.dtype}, expected float32")
             if arr.size != expected:
@@ -334,7 +407,7 @@ class ShardState:
         """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
         values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
         downlink, the encoded deltas of each later version in order."""
-        deadline = self._now() + max(0.0, timeout_s)
+        deadline = self._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
         with self.cond:
             self._member(worker_id)
             while not self._pull_ready(worker_id, wait_for_version, worker_clock):

@@ -60,10 +60,11 @@ def _fields(buf: memoryview):
             if pos + n > len(buf):
                 raise ProtocolError("length-delimited field runs past the message")
             value, pos = buf[pos:pos + n], pos + n
-        elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
-        elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            if pos + n > len(buf):
+                raise ProtocolError("fixed-width field runs past the message")
+            value, pos = buf[pos:pos + n], pos + n
         else:
             raise ProtocolError(f"unsupported wire type {wire}")
         yield number, wire, value
@@ -89,7 +90,10 @@ def _parse_chunk(buf: memoryview) -> Chunk:
     key, offset, total, data = "", 0, 0, memoryview(b"")
     for number, wire, value in _fields(buf):
         if number == 1 and wire == _LEN:
-            key = bytes(value).decode()
+            try:
+                key = bytes(value).decode()
+            except UnicodeDecodeError:
+                raise ProtocolError("chunk key is not UTF-8") from None
         elif number == 2 and wire == _VARINT:
             offset = value
         elif number == 3 and wire == _VARINT:
@@ -120,10 +124,19 @@ def decode_push_message(raw: bytes) -> ps_pb2.PushMessage | Chunk:
         if number == 2 and wire == _LEN:
             chunk = _parse_chunk(value)
         elif number == 1:
-            return ps_pb2.PushMessage.FromString(raw)
+            return _parse_protobuf(raw)
     if chunk is None:
-        return ps_pb2.PushMessage.FromString(raw)
+        return _parse_protobuf(raw)
     return chunk
+
+
+def _parse_protobuf(raw: bytes) -> ps_pb2.PushMessage:
+    from google.protobuf.message import DecodeError
+
+    try:
+        return ps_pb2.PushMessage.FromString(bytes(raw))
+    except DecodeError as err:
+        raise ProtocolError(f"malformed push message: {err}") from None
 
 
 # ------------------------------------------------------------------ PullChunk

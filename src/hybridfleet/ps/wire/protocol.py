@@ -19,7 +19,9 @@ GRPC_OPTIONS = [
 ]
 
 WORKER_METHODS = ("Join", "Pull", "Push", "Heartbeat", "Leave", "Status")
-METHOD_ROLES: dict[str, set[str]] = {f"/{SERVICE}/{m}": {"worker", "admin"} for m in WORKER_METHODS}
+# Only a worker's token may act as a worker (and then only as its own worker id, see
+# hybridfleet.ps.server.identity); admins and monitors read Status.
+METHOD_ROLES: dict[str, set[str]] = {f"/{SERVICE}/{m}": {"worker"} for m in WORKER_METHODS}
 METHOD_ROLES[f"/{SERVICE}/Status"] = {"worker", "admin", "monitor"}
 
 

@@ -38,12 +38,17 @@ class BulkChannel:
     """
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, server_hostname: str | None,
-                 token: str | None, count: Callable[[str, str, int], None] | None = None):
-        """``count(direction, category, nbytes)`` hears of the frame bytes this channel adds
-        ("framing" sent, "control" received); payload bytes are the caller's to count."""
-        self._count = count or (lambda direction, category, n: None)
+                 token: str | Callable[[], str | None] | None,
+                 count: Callable[[str, str, int], None] | None = None):
+        """``token``: the bearer token, or a function returning the current one (a renewed token
+        makes the next call say HELLO again). ``count(direction, category, nbytes)`` hears of the
+        frame bytes this channel adds ("framing" and the HELLO sent, with their ``data``; "control"
+        received); header and payload bytes are the caller's to count."""
+        self._count = count or (lambda direction, category, n, data=None: None)
         self.host, self.port = host, port
-        self.ssl_context, self.server_hostname, self.token = ssl_context, server_hostname or host, token
+        self.ssl_context, self.server_hostname = ssl_context, server_hostname or host
+        self._token = token if callable(token) else (lambda: token)
+        self.token: str | None = None  # the token of the current connection's HELLO
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -57,8 +62,11 @@ class BulkChannel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock = wrap(self.ssl_context, sock, server_side=False, server_hostname=self.server_hostname)
+            self.token = self._token()
             hello = json.dumps({"magic": MAGIC, "wire_version": WIRE_VERSION, "token": self.token or ""}).encode()
-            sock.sendall(_frame(bytes([OP_HELLO]), hello))
+            frame = _frame(bytes([OP_HELLO]), hello)
+            sock.sendall(frame)
+            self._count("sent", "control", len(frame), frame)
             status, body = _read_response(sock)
         except BaseException:
             sock.close()
@@ -71,12 +79,16 @@ class BulkChannel:
     def _call(self, op: int, header: bytes, payloads: list, timeout_s: float, read_body) -> Any:
         with self._lock:
             try:
+                if self._sock is not None and self._token() != self.token:
+                    self._drop()  # the token was renewed: say HELLO with the new one
                 if self._sock is None:
                     self._sock = self._connect()
                 sock = self._sock
                 sock.settimeout(IDLE_TIMEOUT_S)  # while bytes move, a stall means a dead link or peer
-                sock.sendall(_frame(bytes([op]), header))
-                self._count("sent", "framing", 1 + _U32.size)
+                frame = _frame(bytes([op]), header)
+                sock.sendall(frame)
+                # the frame's header bytes are the caller's to count (a PushHeader or PullRequest)
+                self._count("sent", "framing", 1 + _U32.size, frame[:1 + _U32.size])
                 for p in payloads:
                     sock.sendall(p)
                 sock.settimeout(timeout_s)  # the shard may hold a pull until its round closes

@@ -45,10 +45,29 @@ class ClientSecurity:
     insecure: bool = False
     target_name_override: str | None = None
     ssl_context: ssl.SSLContext | None = None  # the same trust for the bulk data plane; None: gRPC only
+    # a file holding the token, re-read when it changes (renewal for long jobs); overrides ``token``
+    token_file: str | None = None
+    _file_token: tuple = field(default=(None, None), repr=False)
+
+    def current_token(self) -> str | None:
+        """The token to send now: ``token_file``'s content when set (re-read when it changed), else ``token``."""
+        if self.token_file is None:
+            return self.token
+        from pathlib import Path
+
+        path = Path(self.token_file)
+        try:
+            st = path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._file_token[0]:
+                self._file_token = (stamp, path.read_text().strip() or None)
+        except OSError:
+            pass  # keep the last token read; the shard will say if it expired
+        return self._file_token[1] if self._file_token[0] is not None else self.token
 
     @classmethod
     def from_files(cls, ca: str, cert: str | None = None, key: str | None = None, token: str | None = None,
-                   target_name_override: str | None = None) -> "ClientSecurity":
+                   target_name_override: str | None = None, token_file: str | None = None) -> "ClientSecurity":
         """TLS trusting ``ca`` (showing ``cert``/``key`` for mutual TLS) for gRPC and the bulk plane."""
         from pathlib import Path
 
@@ -59,19 +78,38 @@ class ClientSecurity:
             private_key=Path(key).read_bytes() if key else None,
             certificate_chain=Path(cert).read_bytes() if cert else None)
         return cls(channel_credentials=creds, token=token, target_name_override=target_name_override,
+                   token_file=token_file,
                    ssl_context=client_ssl_context(str(ca), str(cert) if cert else None, str(key) if key else None))
 
 
 @dataclass
 class ByteCounter:
+    """Bytes moved by kind of message; with ``capture`` every sent byte is also kept (see `egress`)."""
+
     sent: dict[str, int] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    capture: object = None  # hybridfleet.ps.worker.egress.EgressCapture, in the egress test mode
 
-    def add(self, direction: str, category: str, n: int) -> None:
-        with self.lock:
+    def add(self, direction: str, category: str, n: int, data=None) -> None:
+        """Count ``n`` bytes; sent bytes come with their ``data`` (bytes-like or a protobuf message)."""
+        with self.lock:  # counted and captured together: the capture holds exactly the counted bytes
             d = self.sent if direction == "sent" else self.received
             d[category] = d.get(category, 0) + n
+            if self.capture is not None and direction == "sent":
+                self.capture.write(data.SerializeToString() if hasattr(data, "SerializeToString") else data)
+
+    def stop_capture(self) -> tuple[object, int]:
+        """``(capture, bytes sent so far)``, ending the capture (closed; later bytes are only counted)."""
+        with self.lock:
+            capture, self.capture = self.capture, None
+            if capture is not None:
+                capture.close()
+            return capture, sum(self.sent.values())
+
+    def add_sent(self, category: str, data) -> None:
+        """Count (and, capturing, keep) one sent message or byte string."""
+        self.add("sent", category, data.ByteSize() if hasattr(data, "ByteSize") else len(data), data)
 
 
 @dataclass
@@ -117,7 +155,6 @@ class PSClient:
         self.worker_id, self.site, self.rank = worker_id, site, rank
         self.retry_timeout_s = retry_timeout_s
         self.bytes = ByteCounter()
-        self._metadata = (("authorization", f"Bearer {security.token}"),) if security.token else ()
         options = list(GRPC_OPTIONS)
         if security.target_name_override:
             options.append(("grpc.ssl_target_name_override", security.target_name_override))
@@ -181,7 +218,7 @@ class PSClient:
         """Join every shard; all must agree on the sharding plan. Starts the heartbeat thread."""
         self._join_args = (params, block_size_bytes, codec, framework)
         req = self._join_request()
-        self.bytes.add("sent", "control", req.ByteSize())
+        self.bytes.add_sent("control", req)
         replies = self._each_shard(lambda i: self._call(i, lambda s: s.Join(req, metadata=self._metadata), what="join"))
         plans = {r.plan_json for r in replies}
         if len(plans) != 1:
@@ -232,8 +269,14 @@ class PSClient:
 
             host = self.servers[shard].rsplit(":", 1)[0].strip("[]")
             self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,
-                                            self.security.target_name_override, self.security.token,
+                                            self.security.target_name_override, self.security.current_token,
                                             count=self.bytes.add)
+
+    @property
+    def _metadata(self) -> tuple:
+        """The call metadata carrying the current token (renewed tokens take effect on the next call)."""
+        token = self.security.current_token()
+        return (("authorization", f"Bearer {token}"),) if token else ()
 
     @property
     def transport(self) -> list[str]:
@@ -249,8 +292,9 @@ class PSClient:
         while not self._hb_stop.wait(interval_s):
             for i, stub in enumerate(self._stubs):
                 try:
-                    stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id, step=self.clock),
-                                   metadata=self._metadata, timeout=interval_s * 2)
+                    beat = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, step=self.clock)
+                    self.bytes.add_sent("control", beat)
+                    stub.Heartbeat(beat, metadata=self._metadata, timeout=interval_s * 2)
                 except grpc.RpcError as err:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         self._needs_rejoin = True
@@ -259,7 +303,7 @@ class PSClient:
     # ------------------------------------------------------------------ push
     def _push_messages(self, header: ps_pb2.PushHeader, payloads: dict[str, bytes], category: str) -> Iterator:
         msg = ps_pb2.PushMessage(header=header)
-        self.bytes.add("sent", "control", msg.ByteSize())
+        self.bytes.add_sent("control", msg)
         yield msg
         for key, payload in payloads.items():
             view = memoryview(payload)
@@ -267,13 +311,14 @@ class PSClient:
                 piece = view[offset:offset + CHUNK_BYTES]
                 msg = fastwire.encode_push_chunk(key, offset, len(view), piece)
                 self.bytes.add("sent", category, len(piece))
-                self.bytes.add("sent", "framing", len(msg) - len(piece))
+                self.bytes.add("sent", "framing", len(msg) - len(piece), msg)  # the whole message, once
                 yield msg
 
     def _bulk_push(self, shard: int, header: ps_pb2.PushHeader, part: dict[str, bytes], category: str):
-        self.bytes.add("sent", "control", header.ByteSize())
+        self.bytes.add_sent("control", header)
         reply = self._bulk[shard].push(header, [part[k.key] for k in header.keys])
-        self.bytes.add("sent", category, sum(len(v) for v in part.values()))
+        for k in header.keys:
+            self.bytes.add_sent(category, part[k.key])
         return reply
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
@@ -320,7 +365,7 @@ class PSClient:
                                      wait_for_version=wait_for_versions[i] if wait_for_versions else -1,
                                      worker_clock=self.clock, timeout_s=timeout_s,
                                      init_digest=init_digests[i] if init_digests and full else "")
-            self.bytes.add("sent", "control", req.ByteSize())
+            self.bytes.add_sent("control", req)
 
             def run(stub):
                 entries: dict[tuple[str, int], Pulled] = {}
@@ -366,7 +411,9 @@ class PSClient:
         if leave:
             for stub in self._stubs:
                 try:
-                    stub.Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), metadata=self._metadata, timeout=5)
+                    leave = ps_pb2.LeaveRequest(worker_id=self.worker_id)
+                    self.bytes.add_sent("control", leave)
+                    stub.Leave(leave, metadata=self._metadata, timeout=5)
                 except grpc.RpcError:
                     pass
         for c in self._channels:

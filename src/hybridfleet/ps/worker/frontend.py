@@ -154,6 +154,11 @@ class ParameterServerHandle(ABC):
             else:
                 self._model_ckpt.on_metrics(self.step_count, self.model, metrics)
 
+    def scan_egress(self, rows: Any) -> dict | None:
+        """Egress test mode (`hfleet run --egress-scan`): search everything this worker sent for each
+        of ``rows`` (its training data); reported in the final metrics. None when the mode is off."""
+        return self.session.scan_egress(self._to_numpy(rows) if not isinstance(rows, np.ndarray) else rows)
+
     def close(self) -> None:
         """Leave the job (so synchronous rounds stop waiting for this worker); saves the final
         model first when no ``report(final=True)`` did."""

@@ -24,6 +24,7 @@ from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
 from hybridfleet.obs.scalars import record_report
+from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
@@ -45,6 +46,7 @@ class WorkerConfig:
     servers: list[str] = field(default_factory=list)
     security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
     site_hub: str | None = None   # host:port of the site leader when the site aggregates
+    egress_capture: str | None = None  # test mode: keep every sent byte here (see hybridfleet.ps.worker.egress)
 
     @property
     def aggregates(self) -> bool:
@@ -71,19 +73,22 @@ class WorkerConfig:
             raise ValueError(f"HFLEET_SITE={site!r} is not a site of job {job.name!r} ({', '.join(job.sites)})")
         return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
                    site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
-                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None)
+                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None,
+                   egress_capture=env.get(CAPTURE_ENV) or None)
 
 
 def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
-    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``;
+    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``
+    (or ``HFLEET_TOKEN_FILE``, re-read when it changes);
     plaintext only with ``HFLEET_INSECURE=1``."""
+    token, token_file = env.get("HFLEET_TOKEN") or None, env.get("HFLEET_TOKEN_FILE") or None
     if env.get("HFLEET_INSECURE") == "1":
-        return ClientSecurity(insecure=True, token=env.get("HFLEET_TOKEN") or None)
+        return ClientSecurity(insecure=True, token=token, token_file=token_file)
     ca = env.get("HFLEET_CA_CERT")
     if not ca:
-        return ClientSecurity(insecure=False, token=env.get("HFLEET_TOKEN") or None)
+        return ClientSecurity(insecure=False, token=token, token_file=token_file)
     cert, key = env.get("HFLEET_CLIENT_CERT"), env.get("HFLEET_CLIENT_KEY")
-    return ClientSecurity.from_files(ca, cert or None, key or None, token=env.get("HFLEET_TOKEN") or None)
+    return ClientSecurity.from_files(ca, cert or None, key or None, token=token, token_file=token_file)
 
 
 class PSSession:
@@ -110,6 +115,7 @@ class PSSession:
         self.timer = StepTimer()
         self._raw_gradient_bytes: int | None = None
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
+        self._egress: dict | None = None  # the egress scan's result, in the egress test mode
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -151,6 +157,8 @@ class PSSession:
             return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
                                transport=cfg.job.ps.transport)
+        if cfg.egress_capture:
+            self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
@@ -352,14 +360,28 @@ class PSSession:
 
     # --------------------------------------------------------------- metrics
     def bytes_moved(self) -> dict[str, int]:
+        """Bytes this worker's client sent and received, in total and by kind of message."""
         lan = {"site_lan_bytes": (self.hub or self.link).lan_bytes} if (self.hub or self.link) else {}
         if self.client is None:
-            return {"sent": 0, "received": 0, "raw_data_sent": 0, **lan}
+            return {"sent": 0, "received": 0, **lan}
         sent, received = dict(self.client.bytes.sent), dict(self.client.bytes.received)
         return {"sent": sum(sent.values()), "received": sum(received.values()),
-                # the protocol has no message that carries samples: only parameter blocks, gradients and control
-                "raw_data_sent": sent.get("data", 0), **{f"sent_{k}": v for k, v in sent.items()},
+                **{f"sent_{k}": v for k, v in sent.items()},
                 **{f"received_{k}": v for k, v in received.items()}, **lan}
+
+    def scan_egress(self, rows) -> dict | None:
+        """In the egress test mode, search everything this worker sent so far for each of ``rows``
+        (its training data, one row per first-axis entry); the result also goes into the final
+        metrics record. None when the mode is off (or this worker sent nothing to the shards)."""
+        if self.client is None:
+            return None
+        capture, counted = self.client.bytes.stop_capture()
+        if capture is None:
+            return None
+        from hybridfleet.ps.worker.egress import scan_rows
+
+        self._egress = {**scan_rows(capture.path.read_bytes(), np.asarray(rows)), "bytes_counted": counted}
+        return self._egress
 
     def params_digest(self) -> str:
         """sha256 over the parameters (sorted by name): equal digests mean bit-identical models."""
@@ -388,6 +410,8 @@ class PSSession:
                 metrics.setdefault("datasets", data.opened_digests())
                 if data.cache_stats():
                     metrics.setdefault("data_cache", data.cache_stats())
+            if self._egress is not None:
+                metrics.setdefault("egress", self._egress)
         c = self.config
         record_report(step, metrics, self.framework)
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=step,
