@@ -89,8 +89,8 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
         "--servers", "digits-hybrid-ps-0.digits-hybrid-ps:50051,digits-hybrid-ps-1.digits-hybrid-ps:50051",
         "--certs", "/etc/hfleet/certs"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    token = [e for e in worker["env"] if e["name"] == "HFLEET_TOKEN"][0]
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "digits-hybrid-creds-hospital-a", "key": "token"}
+    token = [e for e in worker["env"] if e["name"] == "HFLEET_TOKEN_FILE"][0]  # each pod: its own worker's token
+    assert token["value"] == "/etc/hfleet/certs/worker-token-hospital_a-$(JOB_COMPLETION_INDEX)"
     volumes = {v["name"]: v for v in hospital["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]

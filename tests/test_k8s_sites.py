@@ -134,7 +134,8 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
         else:
             assert "server.key" not in files and "ca.key" not in files and "token-signing.key" not in files
             site = params["site"]
-            env = {"HFLEET_TOKEN": files["token"]} if "token" in files else {}
+            token = files.get(f"worker-token-{site}-0")  # the pod of completion index 0 reads worker site-0's token
+            env = {"HFLEET_TOKEN": token} if token else {}
             if params["insecure_plaintext"]:
                 env["HFLEET_INSECURE"] = "1"
             else:
@@ -146,8 +147,8 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
             security = client_security_from_env(env)
             assert security.insecure == (spec.security.tls == "off")
             if spec.security.tokens != "off":
-                claims = TokenVerifier.from_dir(shard_dir, job=spec.name).verify(files["token"], roles=["worker"])
-                assert claims.site == site
+                claims = TokenVerifier.from_dir(shard_dir, job=spec.name).verify(token, roles=["worker"])
+                assert claims.site == site and claims.worker == f"{site}-0"
     assert parsed == ["ps serve", "worker", "worker"]
 
 
@@ -157,14 +158,15 @@ def test_each_site_mounts_only_its_own_secret(tmp_path, certs):
     for site, job in jobs.items():
         pod = job["spec"]["template"]["spec"]
         assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [f"digits-hybrid-creds-{site}"]
-        refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in pod["containers"][0]["env"]
-                if "secretKeyRef" in e.get("valueFrom", {})]
-        assert refs == [f"digits-hybrid-creds-{site}"]
+        token_file = [e["value"] for e in pod["containers"][0]["env"] if e["name"] == "HFLEET_TOKEN_FILE"]
+        assert token_file == [f"/etc/hfleet/certs/worker-token-{site}-$(JOB_COMPLETION_INDEX)"]
     secrets = {m["metadata"]["name"]: m["stringData"] for m in manifests if m["kind"] == "Secret"}
     assert set(secrets["digits-hybrid-creds-hospital"]) == {"ca.pem", "client-hospital.pem", "client-hospital.key",
-                                                            "token"}
+                                                            "worker-token-hospital-0", "worker-token-hospital-1"}
     assert set(secrets["digits-hybrid-creds-ps"]) == {"ca.pem", "server.pem", "server.key", "token-signing.pub"}
-    assert secrets["digits-hybrid-creds-hospital"]["token"] != secrets["digits-hybrid-creds-cloud"]["token"]
+    tokens = [secrets["digits-hybrid-creds-hospital"]["worker-token-hospital-0"],
+              secrets["digits-hybrid-creds-hospital"]["worker-token-hospital-1"], secrets["digits-hybrid-creds-cloud"]["worker-token-cloud-0"]]
+    assert len(set(tokens)) == 3  # one token per worker id
 
 
 def test_certs_without_the_service_names_are_refused_naming_them_and_nothing_is_written(tmp_path, capsys):
@@ -218,7 +220,7 @@ def test_hospital_bundle_holds_only_its_credentials_and_dials_the_external_names
                                                               credentials=CredentialSource(certs)))
     assert sorted(m["kind"] for m in manifests) == ["ConfigMap", "Job", "Secret"]
     (secret,) = [m for m in manifests if m["kind"] == "Secret"]
-    assert set(secret["stringData"]) == {"ca.pem", "token"}
+    assert set(secret["stringData"]) == {"ca.pem", "worker-token-hospital-0", "worker-token-hospital-1"}
     (job,) = [m for m in manifests if m["kind"] == "Job"]
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--servers") + 1] == "ps0.example.org:50051,ps1.example.org:50051"
@@ -267,8 +269,9 @@ def test_plain_host_bundle_for_the_hospital_holds_its_files_and_a_runnable_worke
     # Assert
     bundle = tmp_path / "bundle"
     assert sorted(p.name for p in (bundle / "certs").iterdir()) == ["ca.pem", "client-hospital.key",
-                                                                      "client-hospital.pem", "token"]
-    assert stat.S_IMODE((bundle / "certs" / "token").stat().st_mode) == 0o600
+                                                                      "client-hospital.pem", "worker-token-hospital-0",
+                                                                      "worker-token-hospital-1"]
+    assert stat.S_IMODE((bundle / "certs" / "worker-token-hospital-1").stat().st_mode) == 0o600
     assert not (bundle / "run-shard.sh").exists()
     script = (bundle / "run-worker.sh").read_text()
     assert subprocess.run(["bash", "-n", str(bundle / "run-worker.sh")]).returncode == 0
@@ -291,7 +294,7 @@ def test_plain_host_bundle_of_the_shard_site_has_shard_units_and_needs_certs(tmp
     main(["k8s", "render", str(job), "--site", "cloud", "--plain-host", "--external-name", EXTERNAL[0],
           "--external-name", EXTERNAL[1], "--certs", str(certs), "-o", str(tmp_path / "cloud")])
     bundle = tmp_path / "cloud"
-    assert {"server.key", "token-signing.pub", "token"} <= {p.name for p in (bundle / "certs").iterdir()}
+    assert {"server.key", "token-signing.pub", "worker-token-cloud-0"} <= {p.name for p in (bundle / "certs").iterdir()}
     assert "token-signing.key" not in {p.name for p in (bundle / "certs").iterdir()}
     assert "--expected-workers 3" in (bundle / "run-shard.sh").read_text()
     assert (bundle / "hfleet-shard@.service").is_file()

@@ -1,7 +1,8 @@
 """What each rendered pod may hold: one Secret for the shards, one per site.
 
 Shards hold the CA certificate, the server certificate with its key and the token
-verification key. A site holds the CA certificate, its own token and, with mutual TLS,
+verification key. A site holds the CA certificate, one token per worker of the site
+(``worker-token-<site>-<rank>``, bound to that worker id; each pod reads its own) and, with mutual TLS,
 its own client certificate (``client-<site>.pem``); never the server key, never another
 site's credentials. The file names are those `hfleet certs init` writes, so a Secret
 mounted at ``/etc/hfleet/certs`` is a directory `--certs` reads as it is.
@@ -20,7 +21,7 @@ from hybridfleet.errors import AuthError, SpecError
 from hybridfleet.k8s.common import Manifest, dns_name, metadata
 from hybridfleet.spec.models import JobSpec
 
-TOKEN_FILE = "token"  # a site's bearer token, read by the worker from HFLEET_TOKEN
+TOKEN_PREFIX = "worker-token-"  # worker-token-<worker id>: one worker's bearer token, read from HFLEET_TOKEN_FILE
 SHARD_ROLE = "ps"
 
 
@@ -50,6 +51,11 @@ def client_cert_name(site: str) -> str:
     return site
 
 
+def token_file(worker: str) -> str:
+    """The Secret key (and file name) of worker ``worker``'s token."""
+    return f"{TOKEN_PREFIX}{worker}"
+
+
 def secret_files(spec: JobSpec, owner: str) -> list[str]:
     """The files of ``owner``'s Secret (``ps`` for the shards, else a site name)."""
     from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX, SERVER_CERT, SERVER_KEY
@@ -68,7 +74,9 @@ def secret_files(spec: JobSpec, owner: str) -> list[str]:
             name = client_cert_name(owner)
             files += [f"{CLIENT_PREFIX}{name}.pem", f"{CLIENT_PREFIX}{name}.key"]
     if tokens_on(spec):
-        files.append(TOKEN_FILE)
+        from hybridfleet.security.credentials import site_worker_ids
+
+        files += [token_file(w) for w in site_worker_ids(spec, owner)]
     return files
 
 
@@ -96,12 +104,14 @@ def credential_value(spec: JobSpec, owner: str, name: str, source: CredentialSou
     its signing key, or a placeholder when there is no directory."""
     if source.certs_dir is None:
         return f"REPLACE-with-{name}-from-hfleet-certs"
-    if name == TOKEN_FILE:
+    if name.startswith(TOKEN_PREFIX):
+        from hybridfleet.security.credentials import issue_site_credentials
         from hybridfleet.security.tokens import TokenIssuer
 
-        issuer = TokenIssuer.from_dir(source.certs_dir)
-        return issuer.issue(job=spec.name, site=owner, role="worker", ttl_s=spec.security.token_ttl_s,
-                            subject=f"{owner}/workers")
+        # tokens live security.token_ttl_s; a re-rendered Secret, once applied, renews them in every
+        # pod's mounted files, which workers re-read when they change
+        issued = issue_site_credentials(spec, owner, TokenIssuer.from_dir(source.certs_dir))
+        return issued.workers[name[len(TOKEN_PREFIX):]].token
     path = source.certs_dir / name
     if not path.is_file():
         hint = (f"make it with `hfleet certs init {source.certs_dir} --client {client_cert_name(owner)} ...`"

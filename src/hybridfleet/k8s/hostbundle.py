@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.common import CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, RenderOptions
-from hybridfleet.k8s.credentials import SHARD_ROLE, TOKEN_FILE, credential_value, secret_files, tls_on
+from hybridfleet.k8s.credentials import SHARD_ROLE, TOKEN_PREFIX, credential_value, secret_files, tls_on
 from hybridfleet.k8s.ps import SITE_HUB_PORT, aggregates, server_addresses, shard_command, worker_command
 from hybridfleet.k8s.render import check_options, load_job
 
@@ -97,7 +97,8 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
              for owner in owners for name in secret_files(spec, owner)}
     servers = server_addresses(spec, list(options.external_names))
     worker = _local_paths(worker_command(spec, site, "RANK", servers, "/etc/hfleet/certs"))
-    token = 'export HFLEET_TOKEN="$(cat certs/token)"\n' if TOKEN_FILE in files else ""
+    has_tokens = any(name.startswith(TOKEN_PREFIX) for name in files)
+    token = f'export HFLEET_TOKEN_FILE="$PWD/certs/{TOKEN_PREFIX}{site}-$1"\n' if has_tokens else ""
     if aggregates(spec, site):  # followers send their gradients to the site leader (site rank 0) over the site network
         token += (f': "${{HFLEET_SITE_HUB:?set HFLEET_SITE_HUB=<host of site rank 0>:{SITE_HUB_PORT} '
                   '(the same on every machine of the site)}"\nexport HFLEET_SITE_HUB\n')
@@ -115,7 +116,7 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
     written = [out_dir / "job.yaml"]
     shutil.copyfile(job_path, written[0])
     for name, text in files.items():
-        mode = KEY_MODE if name.endswith(".key") or name == TOKEN_FILE else CERT_MODE
+        mode = KEY_MODE if name.endswith(".key") or name.startswith(TOKEN_PREFIX) else CERT_MODE
         written.append(_write(out_dir / "certs" / name, text, mode))
     workdir = f"{INSTALL_DIR}/{spec.name}"
     for role, text in scripts.items():

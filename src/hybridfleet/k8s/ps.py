@@ -23,7 +23,7 @@ from hybridfleet.k8s.common import (
     volumes,
 )
 from hybridfleet.k8s.credentials import (
-    SHARD_ROLE, TOKEN_FILE, check_server_names, credential_secret, secret_name, tls_on, tokens_on,
+    SHARD_ROLE, check_server_names, credential_secret, secret_name, tls_on, tokens_on,
 )
 from hybridfleet.spec.models import JobSpec
 
@@ -177,9 +177,8 @@ def worker_job(spec: JobSpec, image: str, site: str, servers: list[str], options
     vols, mounts = volumes(spec, secret_name(spec, site) if needs_secret else None)
     env: list[dict[str, Any]] = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
-    if tokens_on(spec):
-        env.append({"name": "HFLEET_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret_name(spec, site),
-                                                                         "key": TOKEN_FILE}}})
+    if tokens_on(spec):  # each pod reads the token of its own worker id (site-<completion index>)
+        env.append({"name": "HFLEET_TOKEN_FILE", "value": f"{CERTS_DIR}/worker-token-{site}-$(JOB_COMPLETION_INDEX)"})
     pod_labels = labels(spec, "worker", **{"hybridfleet/site": dns_name(site)})
     name = dns_name(spec.name, "worker", site)
     extra: dict[str, Any] = {"restartPolicy": "Never"}
