@@ -284,7 +284,7 @@ def test_operator_env_follows_the_worked_examples_of_operators_md():
 
 
 def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs(tmp_path):
-    from k8s_kubelet import container_env
+    from k8s_kubelet import _volume_sources, container_env
     from k8s_pods import expand
 
     job = _ps_job("torch")
@@ -294,10 +294,10 @@ def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs
     class Nowhere:
         address, name = "10.0.0.1", "nowhere"
 
-    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0: Secret '[a-z-]+' key '[a-z-]+' "
+    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0: Secret '[a-z-]+' key '[a-z.-]+' "
                                            r"still holds the placeholder 'REPLACE"):
-        container_env(placeholders, worker, Nowhere, worker.spec["containers"][0])
+        _volume_sources(placeholders, worker, tmp_path / "placeholder-volumes")  # the Secret mounted as files
     real = expand(_render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)), out="k8s-real"))
     worker = next(p for p in real.pods if p.name == "digits-deploy-worker-hospital-0")
     env = container_env(real, worker, Nowhere, worker.spec["containers"][0])
-    assert env["HFLEET_TOKEN"].count(".") >= 1 and env["JOB_COMPLETION_INDEX"] == "0"
+    assert env["HFLEET_TOKEN_FILE"].endswith("/worker-token-hospital-0") and env["JOB_COMPLETION_INDEX"] == "0"
