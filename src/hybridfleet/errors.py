@@ -3,7 +3,9 @@
 Every error a user can cause is a subclass of `HfleetError` (and of the builtin
 that fits, so callers may catch `ValueError` or `ImportError` as usual). The CLI
 maps each class to the exit code and the one-line hint kept in `EXIT_CODES`, so
-the codes and hints cannot drift apart.
+the codes and hints cannot drift apart. An error may carry a ``hint`` written
+for its own case (``LaunchError("no such script", hint="check the path")``);
+it replaces the table's hint, never the exit code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ class HfleetError(Exception):
     """Base of every error hybridfleet raises for bad input or a bad environment."""
 
     kind = "error"
+
+    def __init__(self, *args: object, hint: str | None = None):
+        super().__init__(*args)
+        self.hint = hint
 
 
 class SpecError(HfleetError, ValueError):
@@ -95,6 +101,30 @@ class StoreError(HfleetError, OSError):
     kind = "store"
 
 
+class UsageError(HfleetError, ValueError):
+    """A command-line value is wrong (a flag, a path, a choice)."""
+
+    kind = "usage"
+
+
+class PortInUseError(HfleetError, OSError):
+    """A port this process must bind is held by another process."""
+
+    kind = "port_in_use"
+
+
+class UnreachableError(HfleetError, ConnectionError):
+    """A peer (shard, master, endpoint) does not answer at its address."""
+
+    kind = "unreachable"
+
+
+class InterruptedByUserError(HfleetError):
+    """Ctrl-C or SIGTERM stopped the command (after its processes were stopped)."""
+
+    kind = "interrupted"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -110,11 +140,17 @@ EXIT_CODES: dict[str, ExitCode] = {
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
+    "usage": ExitCode(2, "see `hfleet COMMAND --help` for the accepted values"),
+    "port_in_use": ExitCode(14, "stop the process holding the port, or choose another port (0 takes any free one)"),
+    "unreachable": ExitCode(15, "check the address, that the peer is running, and that no firewall blocks the port"),
+    "interrupted": ExitCode(130, "interrupted; run the command again to start over"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The exit code and hint for an exception (unknown ones map to `error`)."""
+    """The exit code and hint for an exception (unknown ones map to `error`); an error's own hint wins."""
     kind = getattr(exc, "kind", "error") if isinstance(exc, HfleetError) else "error"
-    return EXIT_CODES.get(kind, EXIT_CODES["error"])
+    code = EXIT_CODES.get(kind, EXIT_CODES["error"])
+    own_hint = getattr(exc, "hint", None) if isinstance(exc, HfleetError) else None
+    return ExitCode(code.code, own_hint) if own_hint else code
