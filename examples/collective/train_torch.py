@@ -75,7 +75,7 @@ for epoch in range(start_epoch, args.epochs + 1):
             os.kill(os.getpid(), signal.SIGKILL)
     log_rank0("epoch", epoch=epoch, loss=round(loss.item(), 4))
     if args.ckpt_every and epoch % args.ckpt_every == 0:
-        save_rank0({name: t.detach().cpu().numpy() for name, t in net.state_dict().items()}, step=epoch)
+        save_rank0(net, step=epoch)  # with its layer layout: `hfleet ckpt convert` can turn it into paddle
 
 # -- evaluation on the held-out split -----------------------------------------------
 net.eval()
@@ -83,4 +83,5 @@ with torch.no_grad():
     predicted = net(torch.from_numpy(x_test)).argmax(dim=1).numpy()
 log_rank0("final", framework="torch", world_size=world_size, test_acc=float((predicted == y_test).mean()))
 if world_size > 1:
+    dist.barrier()  # every rank is past its last collective before any tears the group down
     dist.destroy_process_group()

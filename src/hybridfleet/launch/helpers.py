@@ -99,45 +99,56 @@ def ckpt_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | None:
-    """On rank 0, write the state atomically to ``HFLEET_CKPT_DIR``; return its path.
+def save_rank0(model_or_state: Any, step: int) -> Path | None:
+    """On rank 0, write a checkpoint of a torch / paddle model (or of numpy arrays) to ``HFLEET_CKPT_DIR``.
 
-    Returns None on other ranks and when ``HFLEET_CKPT_DIR`` is unset (a plain
-    ``python train.py`` run keeps no checkpoints). Raises ValueError when a value is not
-    a numpy array.
+    A model is saved with its framework and layer layout, so `hfleet ckpt convert` can
+    turn it into the other framework's layout; a dict of numpy arrays is saved as raw
+    tensors (no layout: loadable, not convertible). Returns the checkpoint's path, or
+    None on other ranks and when ``HFLEET_CKPT_DIR`` is unset (a plain ``python train.py``
+    run keeps no checkpoints). Raises ValueError when a dict value is not a numpy array.
     """
-    for name, value in state_dict_numpy.items():
-        if not isinstance(value, np.ndarray):
-            raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
+    if isinstance(model_or_state, dict):
+        for name, value in model_or_state.items():
+            if not isinstance(value, np.ndarray):
+                raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
     directory = ckpt_dir()
     if directory is None or not is_rank0():
         return None
-    return _write_checkpoint(directory, state_dict_numpy, step)
+    return _write_checkpoint(directory, model_or_state, step)
 
 
-def _write_checkpoint(directory: Path, state: dict[str, np.ndarray], step: int) -> Path:
-    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) of ``state`` at ``step``."""
-    from hybridfleet.ckpt import gc, save_tensors_checkpoint
+def _write_checkpoint(directory: Path, model_or_state: Any, step: int) -> Path:
+    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) at ``step``, then retention."""
+    from hybridfleet.ckpt import gc, save_checkpoint, save_tensors_checkpoint
     from hybridfleet.ckpt.manifest import step_dir
 
     directory.mkdir(parents=True, exist_ok=True)
     url = str(directory.resolve())
-    save_tensors_checkpoint(url, step, {k: np.ascontiguousarray(v) for k, v in state.items()})
+    if isinstance(model_or_state, dict):
+        save_tensors_checkpoint(url, step, {k: np.ascontiguousarray(v) for k, v in model_or_state.items()})
+    else:
+        save_checkpoint(url, step, model=model_or_state)
     gc(url, keep_last=KEEP_LAST)
     return directory / step_dir(step)
 
 
 def latest_checkpoint() -> Checkpoint | None:
-    """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
-    from hybridfleet.ckpt import load_tensors_checkpoint
+    """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty).
+
+    ``state`` holds the model's weights as saved (a model's state dict, or the raw arrays).
+    """
+    from hybridfleet.ckpt.checkpoint import read_newest_valid
     from hybridfleet.ckpt.manifest import step_dir
     from hybridfleet.errors import CheckpointError
+    from hybridfleet.store import open_store
 
     directory = ckpt_dir()
     if directory is None or not directory.is_dir():
         return None
     try:
-        step, tensors, _ = load_tensors_checkpoint(str(directory.resolve()))
+        manifest, _, groups = read_newest_valid(open_store(str(directory.resolve())), None)
     except CheckpointError:
         return None
-    return Checkpoint(step=step, state=tensors, path=directory / step_dir(step))
+    state = {name: np.array(arr) for name, arr in (groups.get("model") or groups.get("tensors") or {}).items()}
+    return Checkpoint(step=manifest.step, state=state, path=directory / step_dir(manifest.step))
