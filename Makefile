@@ -26,7 +26,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 proto: $(VENV)/.installed-test
-	$(BIN)/python -m hybridfleet.ps.proto_gen
+	$(BIN)/python -m hybridfleet.ps.wire.proto_gen
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from hybridfleet.ps.worker import PSSession, WorkerConfig, client_security_from_env
+from hybridfleet.ps.worker.session import PSSession, WorkerConfig, client_security_from_env
 from hybridfleet.spec import load_spec
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridfleet.ps.client import ClientSecurity, PSClient
-from hybridfleet.ps.serve import server_security, start_shard
-from hybridfleet.ps.sharding import ParamSpec
+from hybridfleet.ps.worker.client import ClientSecurity, PSClient
+from hybridfleet.ps.server.serve import server_security, start_shard
+from hybridfleet.ps.wire.sharding import ParamSpec
 from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
 from hybridfleet.security.tokens import SIGNING_KEY
 from hybridfleet.spec import parse_spec

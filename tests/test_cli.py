@@ -16,7 +16,7 @@ def test_help_lists_every_command_group():
 
 
 def test_importing_hybridfleet_and_its_cli_imports_neither_framework():
-    code = ("import sys, hybridfleet, hybridfleet.cli.app, hybridfleet.ps.worker, hybridfleet.ps.server, "
+    code = ("import sys, hybridfleet, hybridfleet.cli.app, hybridfleet.ps.worker.session, hybridfleet.ps.server.service, "
             "hybridfleet.launch.psjob, hybridfleet.codec, hybridfleet.ckpt, hybridfleet.env.check; "
             "bad = [m for m in ('torch', 'paddle') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -15,9 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from hybridfleet.ps import bulk
-from hybridfleet.ps._proto import ps_pb2
-from hybridfleet.ps.bulk import BulkChannel, BulkError, client_ssl_context
+from hybridfleet.ps.wire import bulk
+from hybridfleet.ps.wire._proto import ps_pb2
+from hybridfleet.ps.wire.bulk import BulkError
+from hybridfleet.ps.worker.bulk_channel import BulkChannel, client_ssl_context
 from hybridfleet.security import load_pki
 from tests.ps_helpers import PARAMS, join_and_init, start_cluster
 from tests.test_ps_server import encoded, grads
@@ -165,8 +166,8 @@ def test_plaintext_client_cannot_talk_to_the_tls_bulk_port(cluster):
 
 def test_mutual_tls_bulk_plane_wants_the_client_certificate(tmp_path):
     # Prepare: a shard of a job with mutual TLS
-    from hybridfleet.ps.client import ClientSecurity, PSClient
-    from hybridfleet.ps.serve import server_security, start_shard
+    from hybridfleet.ps.worker.client import ClientSecurity, PSClient
+    from hybridfleet.ps.server.serve import server_security, start_shard
     from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
     from hybridfleet.spec import parse_spec
 
@@ -201,7 +202,7 @@ def test_mutual_tls_bulk_plane_wants_the_client_certificate(tmp_path):
 
 def test_transport_grpc_in_the_job_means_no_bulk_listener_and_push_pull_on_grpc(tmp_path):
     # Prepare: a shard of a job that asks for gRPC only
-    from hybridfleet.ps.serve import server_security, start_shard
+    from hybridfleet.ps.server.serve import server_security, start_shard
     from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
     from tests.ps_helpers import Cluster, job_spec
 
@@ -272,7 +273,9 @@ def test_a_transfer_that_stops_moving_fails_fast_as_unavailable(monkeypatch):
     import threading
     import time
 
-    monkeypatch.setattr(bulk, "IDLE_TIMEOUT_S", 0.5)
+    from hybridfleet.ps.worker import bulk_channel
+
+    monkeypatch.setattr(bulk_channel, "IDLE_TIMEOUT_S", 0.5)
     listener = socket.create_server(("127.0.0.1", 0))
     release = threading.Event()
 
@@ -318,7 +321,7 @@ def test_the_retry_window_starts_at_the_first_failure_not_at_the_call():
     # Prepare: a call that waits longer than the retry window, fails once as unavailable, then works
     import time
 
-    from hybridfleet.ps.client import ClientSecurity, PSClient
+    from hybridfleet.ps.worker.client import ClientSecurity, PSClient
 
     client = PSClient(["127.0.0.1:9"], ClientSecurity(insecure=True), "a-0", "a", 0, retry_timeout_s=0.3)
     calls = []

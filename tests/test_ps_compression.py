@@ -16,7 +16,7 @@ from tests.test_ps_run import _job
 
 def _session_values(client, pulled, flat):
     """Apply a pull's entries to ``flat`` (param -> flat array) the way a worker does."""
-    from hybridfleet.ps.worker import PSSession
+    from hybridfleet.ps.worker.session import PSSession
 
     session = PSSession.__new__(PSSession)
     session.plan, session._flat, session._down_codec, session.codec_name = client.plan, flat, None, "topk"

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
-from hybridfleet.ps.optim import SGD, Adam, AdamW, ServerOptimizer, make_optimizer
+from hybridfleet.ps.server.optim import SGD, Adam, AdamW, ServerOptimizer, make_optimizer
 from hybridfleet.spec.models import OptimizerSpec
 
 SHAPES = {"fc.weight": (16, 9), "fc.bias": (37,), "conv.weight": (3, 4, 5), "emb.weight": (1000,)}
@@ -396,7 +396,7 @@ def test_loading_state_with_a_wrong_dtype_is_refused():
 
 def test_importing_the_optimizers_imports_no_framework():
     # Execute
-    code = ("import sys, hybridfleet.ps.optim, hybridfleet.ps.sharding; "
+    code = ("import sys, hybridfleet.ps.server.optim, hybridfleet.ps.wire.sharding; "
             "print(sorted(m for m in ('torch', 'paddle') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
@@ -406,7 +406,7 @@ def test_importing_the_optimizers_imports_no_framework():
 
 def test_blockwise_fma_of_a_large_tensor_equals_the_one_pass_formula():
     # Prepare: more elements than one scratch block, an array and a scalar multiplier
-    from hybridfleet.ps.optim import _FMA_BLOCK, _fma
+    from hybridfleet.ps.server.optim import _FMA_BLOCK, _fma
 
     rng = np.random.default_rng(7)
     n = 3 * _FMA_BLOCK + 123

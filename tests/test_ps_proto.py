@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridfleet.ps import proto_gen
+from hybridfleet.ps.wire import proto_gen
 
 
 def test_generated_modules_match_the_proto_file(tmp_path):

@@ -60,7 +60,7 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
 
 def _kill_when_round(reached: int, victim: str, killed: dict):
     """An on_started hook: SIGKILL ``victim`` once shard 0 has applied ``reached`` rounds."""
-    from hybridfleet.ps.status import ShardStatusProbe
+    from hybridfleet.ps.worker.status import ShardStatusProbe
 
     def hook(sup, layout):
         def watch():

@@ -14,7 +14,7 @@ import pytest
 
 from hybridfleet.codec import get_codec
 from hybridfleet.errors import AuthError
-from hybridfleet.ps._proto import ps_pb2
+from hybridfleet.ps.wire._proto import ps_pb2
 from tests.ps_helpers import PARAMS, initial_values, join_and_init, raw, start_cluster
 
 NONE = get_codec("none")
@@ -103,7 +103,7 @@ def test_token_for_other_site_cannot_join_as_this_site(cluster):
 
 
 def test_plaintext_client_cannot_talk_to_tls_shard(cluster):
-    from hybridfleet.ps.client import ClientSecurity, PSClient
+    from hybridfleet.ps.worker.client import ClientSecurity, PSClient
 
     client = PSClient(cluster.addresses, ClientSecurity(insecure=True, token=cluster.token()), "a-0", "a", 0,
                       retry_timeout_s=0.5)
@@ -231,7 +231,7 @@ def test_different_model_is_refused_at_join(cluster):
     first = cluster.client("a")
     join_and_init(cluster, first)
     other = cluster.client("b")
-    from hybridfleet.ps.sharding import ParamSpec
+    from hybridfleet.ps.wire.sharding import ParamSpec
 
     with pytest.raises(grpc.RpcError) as err:
         other.join([ParamSpec("fc.weight", (5, 3)), ParamSpec("fc.bias", (5,))], cluster.spec.ps.block_size_bytes,
@@ -350,7 +350,7 @@ def test_two_shards_split_blocks_and_agree_on_the_plan(two_shards):
 
 
 def test_worker_holding_the_initial_values_skips_the_first_dense_pull(cluster):
-    from hybridfleet.ps.shard import values_digest
+    from hybridfleet.ps.server.shard import values_digest
 
     a, b = cluster.client("a"), cluster.client("b")
     join_and_init(cluster, a)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybridfleet.ps.sharding import Block, ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.sharding import Block, ParamSpec, ShardingPlan
 
 MIB = 1024 * 1024
 
@@ -100,7 +100,7 @@ def test_plan_digest_is_the_same_in_processes_with_different_hash_seeds():
     # Prepare
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_ps_sharding as t; "
-        "from hybridfleet.ps.sharding import ShardingPlan; "
+        "from hybridfleet.ps.wire.sharding import ShardingPlan; "
         "print(ShardingPlan.build(t._transformer_params(num_layers=2), 3, 1 << 20).digest())"
     )
     here = os.path.dirname(__file__)

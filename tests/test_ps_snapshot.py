@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hybridfleet.codec import get_codec
-from hybridfleet.ps.shard import ShardState
-from hybridfleet.ps.snapshot import Snapshotter
+from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.ps.server.snapshot import Snapshotter
 from tests.ps_helpers import join_and_init, start_cluster
 from tests.test_ps_run import _job
 from tests.test_ps_server import encoded, grads
@@ -90,7 +90,7 @@ def test_replay_is_still_rejected_after_a_restore(tmp_path):
         Snapshotter(state, url, 1, None).save()
         fresh = ShardState(0, cluster.spec.ps, flavour="torch")
         Snapshotter(fresh, url, 1, None).restore_newest()
-        from hybridfleet.ps.shard import Reject
+        from hybridfleet.ps.wire.reject import Reject
 
         with pytest.raises(Reject, match="replays an applied step"):
             fresh.push("a-0", "a", "GRADIENT", 1, 1, "none", payloads)
@@ -102,7 +102,7 @@ def test_replay_is_still_rejected_after_a_restore(tmp_path):
 @pytest.mark.slow
 def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_path):
     from hybridfleet.launch.psjob import run_ps_job
-    from hybridfleet.ps.status import ShardStatusProbe
+    from hybridfleet.ps.worker.status import ShardStatusProbe
     from hybridfleet.spec import load_spec
 
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=200)
@@ -117,7 +117,7 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
         def watch():
             from hybridfleet.ckpt import list_checkpoints
             from hybridfleet.launch.psjob import snapshot_store
-            from hybridfleet.ps.snapshot import snapshot_url
+            from hybridfleet.ps.server.snapshot import snapshot_url
 
             probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
             url = snapshot_url(snapshot_store(load_spec(job), layout.run_dir), 0)

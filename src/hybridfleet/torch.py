@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridfleet.ps.frontend import ParameterServerHandle
-from hybridfleet.ps.worker import WorkerConfig
+from hybridfleet.ps.worker.frontend import ParameterServerHandle
+from hybridfleet.ps.worker.session import WorkerConfig
 
 
 class TorchParameterServer(ParameterServerHandle):

@@ -32,7 +32,7 @@ def serve(
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
     from hybridfleet.ps.alloc import tune_allocator
-    from hybridfleet.ps.serve import server_security, start_shard
+    from hybridfleet.ps.server.serve import server_security, start_shard
 
     tune_allocator()
     spec = load_spec(job)
@@ -57,7 +57,7 @@ def status(
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
 ) -> None:
     """Print one shard's status as JSON."""
-    from hybridfleet.ps.status import ShardStatusProbe
+    from hybridfleet.ps.worker.status import ShardStatusProbe
 
     probe = ShardStatusProbe(address, certs, token, insecure=insecure_plaintext)
     try:

@@ -109,7 +109,7 @@ def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) 
 
 def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank: int, site_rank: int,
                with_servers: bool = True) -> dict[str, str]:
-    """The ``HFLEET_*`` variables a worker script reads (see `hybridfleet.ps.worker.WorkerConfig`)."""
+    """The ``HFLEET_*`` variables a worker script reads (see `hybridfleet.ps.worker.session.WorkerConfig`)."""
     env = {"HFLEET_JOB": str(job_path), "HFLEET_SITE": site, "HFLEET_RANK": str(rank),
            "HFLEET_SITE_RANK": str(site_rank), "HFLEET_RUN_DIR": str(layout.run_dir), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
@@ -201,7 +201,7 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
 
 def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
     """Progress from shard 0's version (one per applied round in BSP, one per push otherwise)."""
-    from hybridfleet.ps.status import ShardStatusProbe
+    from hybridfleet.ps.worker.status import ShardStatusProbe
 
     probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
                              insecure=spec.security.tls == "off")

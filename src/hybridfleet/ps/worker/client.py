@@ -4,7 +4,7 @@ One `PSClient` talks to every shard: it joins them, pushes each shard's blocks
 in parallel, pulls changed blocks, sends heartbeats from a background thread and
 counts the bytes it moves (for per-site accounting). Transient failures of a shard
 (``UNAVAILABLE``, e.g. while it restarts from a snapshot) are retried with backoff.
-Push and Pull go over the shard's bulk data plane (`hybridfleet.ps.bulk`) when the
+Push and Pull go over the shard's bulk data plane (`hybridfleet.ps.wire.bulk`) when the
 shard offers one and the client has TLS settings for it (or is explicitly plaintext);
 otherwise over gRPC.
 """
@@ -22,10 +22,10 @@ import grpc
 
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps import fastwire
-from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
-from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
-from hybridfleet.ps.wire import CHUNK_BYTES, GRPC_OPTIONS, SERVICE, WIRE_VERSION
+from hybridfleet.ps.wire import fastwire
+from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.protocol import CHUNK_BYTES, GRPC_OPTIONS, SERVICE, WIRE_VERSION
 
 log = get_logger("ps.client")
 
@@ -52,7 +52,7 @@ class ClientSecurity:
         """TLS trusting ``ca`` (showing ``cert``/``key`` for mutual TLS) for gRPC and the bulk plane."""
         from pathlib import Path
 
-        from hybridfleet.ps.bulk import client_ssl_context
+        from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 
         creds = grpc.ssl_channel_credentials(
             root_certificates=Path(ca).read_bytes(),
@@ -129,7 +129,7 @@ class PSClient:
         self._stubs = [_Stub(c) for c in self._channels]
         self.security = security
         self._bulk_allowed = transport == "auto" and (security.insecure or security.ssl_context is not None)
-        self._bulk: list = [None] * len(servers)  # hybridfleet.ps.bulk.BulkChannel per shard, when used
+        self._bulk: list = [None] * len(servers)  # hybridfleet.ps.wire.bulk.BulkChannel per shard, when used
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
         self.plan: ShardingPlan | None = None
         self.versions = [-1] * len(servers)
@@ -229,7 +229,7 @@ class PSClient:
             old.close()
         self._bulk[shard] = None
         if port and self._bulk_allowed:
-            from hybridfleet.ps.bulk import BulkChannel
+            from hybridfleet.ps.worker.bulk_channel import BulkChannel
 
             host = self.servers[shard].rsplit(":", 1)[0].strip("[]")
             self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,

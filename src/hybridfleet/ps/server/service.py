@@ -17,11 +17,12 @@ from typing import Any
 import grpc
 
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps import fastwire
-from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
-from hybridfleet.ps.shard import Reject, ShardState, check_push_header
-from hybridfleet.ps.sharding import ParamSpec
-from hybridfleet.ps.wire import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
+from hybridfleet.ps.wire import fastwire
+from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.ps.wire.reject import Reject, check_push_header
+from hybridfleet.ps.wire.sharding import ParamSpec
+from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.security.grpc_auth import current_claims
 
 log = get_logger("ps.server")
@@ -182,7 +183,7 @@ class ServerSecurity:
     server_credentials: grpc.ServerCredentials | None = None
     interceptors: tuple = ()
     insecure: bool = False
-    # the bulk data plane's TLS and token check (see hybridfleet.ps.bulk); without an
+    # the bulk data plane's TLS and token check (see hybridfleet.ps.wire.bulk); without an
     # ssl_context a TLS shard serves Push/Pull on gRPC only
     ssl_context: ssl.SSLContext | None = None
     verifier: Any = None  # hybridfleet.security.TokenVerifier, None when auth is off
@@ -203,7 +204,7 @@ class ShardServer:
         self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
         self.bulk = None
         if bulk_port is not None and (security.insecure or security.ssl_context is not None):
-            from hybridfleet.ps.bulk import BulkServer
+            from hybridfleet.ps.server.bulk_server import BulkServer
 
             verify = security.verifier.verify if security.verifier is not None else None
             self.bulk = BulkServer(host, bulk_port, security.ssl_context, verify, max_push_bytes,
@@ -217,7 +218,7 @@ class ShardServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self.host = host
-        self.snapshotter = None  # set by hybridfleet.ps.serve.start_shard when the job snapshots
+        self.snapshotter = None  # set by hybridfleet.ps.server.serve.start_shard when the job snapshots
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="ps-reaper", daemon=True)
 

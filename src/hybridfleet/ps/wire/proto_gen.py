@@ -1,4 +1,4 @@
-"""Regenerate the gRPC/protobuf modules from ``proto/``: ``python -m hybridfleet.ps.proto_gen``.
+"""Regenerate the gRPC/protobuf modules from ``proto/``: ``python -m hybridfleet.ps.wire.proto_gen``.
 
 The generated files under ``hybridfleet/ps/_proto/`` are committed and never
 edited by hand; running this again gives the same files for the same
@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 PROTO_ROOT = REPO / "proto"
 OUT = Path(__file__).resolve().parent / "_proto"
 
@@ -35,12 +35,12 @@ def main(out: Path = OUT) -> int:
     for f in sorted(gen.iterdir()):
         text = f.read_text()
         # generated imports are absolute from the proto root; make them package-relative
-        text = re.sub(r"^from hybridfleet\.ps\.v1 import ps_pb2", "from hybridfleet.ps._proto import ps_pb2", text, flags=re.M)
+        text = re.sub(r"^from hybridfleet\.ps\.v1 import ps_pb2", "from hybridfleet.ps.wire._proto import ps_pb2", text, flags=re.M)
         (out / f.name).write_text(text)
     for p in sorted(tmp.rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     tmp.rmdir()
-    (out / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.proto_gen; do not edit."""\n')
+    (out / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.wire.proto_gen; do not edit."""\n')
     return 0
 
 

@@ -11,13 +11,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
-from hybridfleet.ps.wire import CHUNK_BYTES
+from hybridfleet.ps.aggregate import MeanRound, RoundAggregator
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.protocol import CHUNK_BYTES
+from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.spec.models import PSSpec
 
 log = get_logger("ps.shard")
@@ -29,28 +31,6 @@ DTYPE = np.dtype("<f4")
 DELTA_LOG_VERSIONS = 64
 
 
-class Reject(Exception):
-    """A request the shard refuses; ``code`` names the gRPC status (e.g. ``INVALID_ARGUMENT``)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def check_push_header(header, max_push_bytes: int) -> int:
-    """The bytes a push header declares, after the checks both transports make before reading
-    them: the size cap and no key declared twice. Raises Reject."""
-    declared = sum(k.nbytes for k in header.keys)
-    if declared > max_push_bytes:
-        raise Reject("RESOURCE_EXHAUSTED", f"push of {declared} bytes exceeds the cap of {max_push_bytes} bytes")
-    keys = [k.key for k in header.keys]
-    if len(set(keys)) != len(keys):
-        twice = next(k for i, k in enumerate(keys) if k in keys[:i])
-        raise Reject("INVALID_ARGUMENT", f"key {twice!r} appears twice in the push header")
-    return declared
-
-
 @dataclass
 class Member:
     worker_id: str
@@ -60,21 +40,12 @@ class Member:
     alive: bool = True
 
 
-@dataclass
-class _Round:
-    """A BSP round in progress: summed gradients and who contributed."""
-
-    sums: dict[str, np.ndarray] = field(default_factory=dict)
-    contributors: set[str] = field(default_factory=set)
-    weight: int = 0
-
-
 class ShardState:
     """Parameters and optimizer state of one shard, with BSP/SSP/ASP consistency."""
 
     def __init__(self, shard: int, spec: PSSpec, flavour: str = "torch", expected_workers: int = 0,
                  codec: str | None = None, clock=time.monotonic):
-        from hybridfleet.ps.optim import make_optimizer
+        from hybridfleet.ps.server.optim import make_optimizer
 
         self.shard = shard
         self.spec = spec
@@ -90,7 +61,7 @@ class ShardState:
         self.version = 0
         self.init_digest = ""   # sha256 of the initial values (see values_digest)
         self.members: dict[str, Member] = {}
-        self.rounds: dict[int, _Round] = {}
+        self.rounds: dict[int, RoundAggregator] = {}
         self.applied_pushes = 0
         self.rejected_pushes = 0
         self.on_applied: Callable[[], None] | None = None  # called after each applied version, lock held
@@ -250,14 +221,8 @@ class ShardState:
             member.alive = True
             weight = max(1, contributors)
             if self.sync == "bsp":
-                rnd = self.rounds.setdefault(self.version, _Round())
-                for k, g in grads.items():
-                    if k in rnd.sums:
-                        rnd.sums[k] += g
-                    else:
-                        rnd.sums[k] = g if g.flags.writeable else g.copy()  # decode() returns a fresh array
-                rnd.contributors.add(worker_id)
-                rnd.weight += weight
+                rnd = self.rounds.setdefault(self.version, MeanRound())
+                rnd.add(worker_id, grads, weight)
                 applied = self._maybe_finish_rounds()
             else:
                 self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()})
@@ -335,10 +300,7 @@ class ShardState:
             if waited < self.spec.heartbeat_timeout_s:
                 return False
         del self.rounds[self.version]
-        if rnd.weight > 1:
-            for s in rnd.sums.values():  # the round owns its sums: average in place
-                np.divide(s, rnd.weight, out=s)
-        self._apply(rnd.sums)
+        self._apply(rnd.result())
         return True
 
     def _apply(self, grads: dict[str, np.ndarray]) -> None:

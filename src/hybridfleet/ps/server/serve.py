@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridfleet.ps.server import ServerSecurity, ShardServer, method_roles
-from hybridfleet.ps.shard import ShardState
+from hybridfleet.ps.server.service import ServerSecurity, ShardServer, method_roles
+from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.spec.models import JobSpec
 
 
@@ -21,7 +21,7 @@ def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plainte
     if not insecure_plaintext:
         from hybridfleet.security import load_pki, server_credentials
 
-        from hybridfleet.ps.bulk import server_ssl_context
+        from hybridfleet.ps.server.bulk_server import server_ssl_context
 
         pki = load_pki(certs_dir)
         creds = server_credentials(pki, mutual_tls=job.security.mutual_tls)
@@ -46,7 +46,7 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers)
     snapshotter = None
     if job.ps.snapshot_every_steps or job.ps.snapshot_every_s:
-        from hybridfleet.ps.snapshot import Snapshotter, snapshot_url
+        from hybridfleet.ps.server.snapshot import Snapshotter, snapshot_url
 
         url = snapshot_url(snapshot_store or job.checkpoint.store, shard)
         snapshotter = Snapshotter(state, url, job.ps.snapshot_every_steps, job.ps.snapshot_every_s,

@@ -21,8 +21,8 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.client import ClientSecurity, PSClient, Pulled, ShardRestarted
-from hybridfleet.ps.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
 
 log = get_logger("ps.worker")
@@ -113,7 +113,7 @@ class PSSession:
         """Join the shards; the first worker's values initialise them. Returns the job's current parameters."""
         self._check_names(params)
         if self.local:
-            from hybridfleet.ps.optim import make_optimizer
+            from hybridfleet.ps.server.optim import make_optimizer
 
             self._local_opt = make_optimizer(self.ps.optimizer, self.framework)
             self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
@@ -144,7 +144,7 @@ class PSSession:
         self._flat = {k: np.ascontiguousarray(params[k], dtype=DTYPE).reshape(-1).copy() for k in self.shapes}
         self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
         if cfg.aggregates:
-            from hybridfleet.ps.site import SiteHub
+            from hybridfleet.ps.worker.site import SiteHub
 
             followers = cfg.job.sites[cfg.site].workers - 1
             self.hub = SiteHub(cfg.site_hub, followers, self._numel())
@@ -156,7 +156,7 @@ class PSSession:
         return self.parameters()
 
     def _shard_digests(self) -> list[str]:
-        from hybridfleet.ps.shard import values_digest
+        from hybridfleet.ps.server.shard import values_digest
 
         return [values_digest(self._flat[b.param][b.start:b.stop] for b in self.plan.blocks_for_shard(i))
                 for i in range(self.plan.num_shards)]
@@ -165,7 +165,7 @@ class PSSession:
         return sum(int(np.prod(self.shapes[n])) if self.shapes[n] else 1 for n in self._names)
 
     def _start_follower(self) -> dict[str, np.ndarray]:
-        from hybridfleet.ps.site import SiteLink
+        from hybridfleet.ps.worker.site import SiteLink
 
         cfg = self.config
         self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel())
@@ -175,7 +175,7 @@ class PSSession:
         return self.parameters()
 
     def _receive_from_leader(self) -> None:
-        from hybridfleet.ps.site import unflatten
+        from hybridfleet.ps.worker.site import unflatten
 
         self.step_count, vector = self.link.receive()
         self._flat = {k: v.reshape(-1).copy() for k, v in unflatten(vector, self.shapes, self._names).items()}
@@ -203,7 +203,7 @@ class PSSession:
             self.step_count += 1
             return self.parameters()
         if self.link is not None:  # site follower: the leader reduces and talks to the shards
-            from hybridfleet.ps.site import flatten
+            from hybridfleet.ps.worker.site import flatten
 
             self.link.send(flatten(grads, self._names))
             self._receive_from_leader()
@@ -211,7 +211,7 @@ class PSSession:
         assert self.client is not None and self.plan is not None
         contributors = 1
         if self.hub is not None:
-            from hybridfleet.ps.site import flatten, unflatten
+            from hybridfleet.ps.worker.site import flatten, unflatten
 
             self.hub.admit(flatten(self._flat, self._names), self.step_count)
             total, contributors = self.hub.gather(flatten(grads, self._names))
@@ -240,7 +240,7 @@ class PSSession:
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
         if self.hub is not None:
-            from hybridfleet.ps.site import flatten
+            from hybridfleet.ps.worker.site import flatten
 
             self.hub.broadcast(flatten(self._flat, self._names), self.step_count)
         return self.parameters()

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hybridfleet.ps._proto import ps_pb2 as hybridfleet_dot_ps_dot_v1_dot_ps__pb2
+from hybridfleet.ps.wire._proto import ps_pb2 as hybridfleet_dot_ps_dot_v1_dot_ps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridfleet.ps.worker import PSSession, WorkerConfig
+from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
 
 class ParameterServerHandle(ABC):

@@ -17,8 +17,8 @@ import numpy as np
 
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.shard import Member, ShardState
-from hybridfleet.ps.sharding import ShardingPlan
+from hybridfleet.ps.server.shard import Member, ShardState
+from hybridfleet.ps.wire.sharding import ShardingPlan
 
 log = get_logger("ps.snapshot")
 

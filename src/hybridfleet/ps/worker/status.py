@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from hybridfleet.ps._proto import ps_pb2, ps_pb2_grpc
-from hybridfleet.ps.wire import GRPC_OPTIONS
+from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.wire.protocol import GRPC_OPTIONS
 
 
 class ShardStatusProbe:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridfleet.errors import ProtocolError
-from hybridfleet.ps._proto import ps_pb2
+from hybridfleet.ps.wire._proto import ps_pb2
 
 _VARINT, _LEN = 0, 2
 

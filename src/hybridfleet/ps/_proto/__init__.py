@@ -1,1 +1,0 @@
-"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.proto_gen; do not edit."""
