@@ -20,7 +20,7 @@ def serve(
     job: str = typer.Argument(..., help="the job file"),
     shard: int = typer.Option(..., help="this shard's index, 0..ps.shards-1"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
-    port: int = typer.Option(50051, help="port to bind (0: any free port)"),
+    port: int = typer.Option(50051, help="port to bind (0: any free port; a restarted shard takes the one in --port-file)"),
     bulk_port: int = typer.Option(0, help="port of the bulk data plane for tensor bytes (0: any free port; "
                                          "workers learn it when they join)"),
     certs: Optional[Path] = typer.Option(None, help="directory from `hfleet certs init` (TLS + token key)"),
@@ -31,11 +31,14 @@ def serve(
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
+    from hybridfleet.launch.helpers import restart_count
     from hybridfleet.ps.alloc import tune_allocator
     from hybridfleet.ps.server.serve import server_security, start_shard
 
     tune_allocator()
     spec = load_spec(job)
+    if port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file():
+        port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
     server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
                          expected_workers, snapshot_store, bulk_port=bulk_port)
     if port_file is not None:
@@ -54,7 +57,8 @@ def status(
     address: str = typer.Argument(..., help="host:port of a shard"),
     certs: Optional[Path] = typer.Option(None, help="directory holding the CA certificate"),
     token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token (role admin/monitor/worker)"),
-    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext",
+                                            help="dial without TLS (only for a shard served with --insecure-plaintext)"),
 ) -> None:
     """Print one shard's status as JSON."""
     from hybridfleet.ps.worker.status import ShardStatusProbe

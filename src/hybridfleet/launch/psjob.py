@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridfleet.errors import LaunchError
+from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.log import get_logger
@@ -89,9 +89,14 @@ def snapshot_store(spec: JobSpec, run_dir: Path) -> str:
 
 
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
-    """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
-    # a fixed port, so that a restarted shard is found where its workers left it
-    port = spec.ps.base_port + shard if spec.ps.base_port else free_port(spec.ps.host)
+    """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``.
+
+    The shard binds its own port (0: the kernel picks, nothing is picked and released
+    here for another process to take); a restarted shard binds the port its port file
+    names, where its workers left it. A shard that cannot have its port exits with the
+    `port_in_use` code and is not restarted: retrying cannot free the port.
+    """
+    port = spec.ps.base_port + shard if spec.ps.base_port else 0
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
             "--host", spec.ps.host, "--port", str(port),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
@@ -104,7 +109,7 @@ def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) 
     if spec.security.tokens == "off":
         argv.append("--no-auth")
     return ProcessSpec(name=f"shard-{shard}", argv=argv, role="shard", max_restarts=spec.max_restarts,
-                       env={"OMP_NUM_THREADS": "1"})
+                       env={"OMP_NUM_THREADS": "1"}, final_exit_codes=(EXIT_CODES["port_in_use"].code,))
 
 
 def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank: int, site_rank: int,
@@ -194,7 +199,12 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
         for i in range(num_shards):
             rc = sup.returncode(f"shard-{i}")
             if rc is not None and rc != 0:
-                raise LaunchError(f"shard {i} exited with code {rc} before serving; see {layout.run_dir}/logs/shard-{i}.log")
+                log_path = layout.run_dir / "logs" / f"shard-{i}.log"
+                if rc == EXIT_CODES["port_in_use"].code:
+                    raise PortInUseError(f"shard {i} could not bind its port; see {log_path}",
+                                         hint="free the port, or leave ps.base_port unset so each shard takes a free one")
+                raise LaunchError(f"shard {i} exited with code {rc} before serving; see {log_path}",
+                                  hint=f"the shard's own error is at the end of {log_path}")
         time.sleep(0.05)
     raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/")
 
