@@ -83,5 +83,8 @@ with torch.no_grad():
     predicted = net(torch.from_numpy(x_test)).argmax(dim=1).numpy()
 log_rank0("final", framework="torch", world_size=world_size, test_acc=float((predicted == y_test).mean()))
 if world_size > 1:
+    # DDP's reducer holds the process group: drop it first, so the group's threads are joined
+    # here and not by a destructor during interpreter exit (which can abort the process).
+    del model
     dist.barrier()  # every rank is past its last collective before any tears the group down
     dist.destroy_process_group()

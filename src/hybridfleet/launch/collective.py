@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hybridfleet.errors import LaunchError
+from hybridfleet.errors import InterruptedByUserError, LaunchError
 from hybridfleet.launch import preflight
 from hybridfleet.launch.failure import RankFailure, diagnose
 from hybridfleet.obs.log import get_logger
@@ -184,25 +184,35 @@ def run_group(
     """
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
-    reader = threading.Thread(target=_pump, args=(proc.stdout, attempt_dir / "launcher.log", lines, echo), daemon=True)
+    muted = threading.Event()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, attempt_dir / "launcher.log", lines, echo, muted),
+                              daemon=True)
     reader.start()
     try:
         code = proc.wait()
-    finally:  # also on KeyboardInterrupt: the group must not outlive us
+    except KeyboardInterrupt:
+        # The launchers answer our SIGTERM with a traceback per process; they go to the log, not the terminal.
+        muted.set()
+        _stop_group(proc.pid, launch_id)
+        proc.wait()
+        reader.join(timeout=STOP_GRACE_S)
+        raise InterruptedByUserError(f"interrupted; every rank was stopped (logs in {attempt_dir})") from None
+    finally:  # the group must not outlive us, whatever happened
         _stop_group(proc.pid, launch_id)
         code = proc.wait()
         reader.join(timeout=STOP_GRACE_S)
     return code, "".join(lines)
 
 
-def _pump(stream, log_path: Path, lines: list[str], echo: Callable[[str], None] | None) -> None:
+def _pump(stream, log_path: Path, lines: list[str], echo: Callable[[str], None] | None,
+          muted: threading.Event) -> None:
     with open(log_path, "a", encoding="utf-8") as sink:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             lines.append(line)
             sink.write(line)
             sink.flush()
-            if echo is not None:
+            if echo is not None and not muted.is_set():
                 echo(line)
     stream.close()
 
