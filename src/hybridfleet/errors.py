@@ -154,3 +154,38 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     code = EXIT_CODES.get(kind, EXIT_CODES["error"])
     own_hint = getattr(exc, "hint", None) if isinstance(exc, HfleetError) else None
     return ExitCode(code.code, own_hint) if own_hint else code
+
+
+def report(exc: BaseException, stream=None) -> int:
+    """Print ``error: <message>`` and ``hint: <hint>`` for ``exc`` on ``stream`` (stderr); return its exit code."""
+    import sys
+
+    out = stream if stream is not None else sys.stderr
+    code = exit_code_for(exc)
+    out.write(f"error: {exc}\n")
+    if code.hint:
+        out.write(f"hint: {code.hint}\n")
+    out.flush()
+    return code.code
+
+
+def install_excepthook() -> None:
+    """Make an uncaught `HfleetError` end this process with one line, its hint and its exit code.
+
+    For processes hybridfleet runs user code in (a PS worker's training script): a
+    refused join or an unreachable shard reads like a CLI error, not a traceback.
+    Any other exception keeps Python's usual traceback.
+    """
+    import os
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, HfleetError):
+            code = report(exc)
+            sys.stdout.flush()
+            os._exit(code)  # skip interpreter teardown: worker threads may still hold the gRPC channels
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from hybridfleet.errors import UsageError
 from hybridfleet.spec import load_spec
 
 group = typer.Typer(help="Parameter-server shards (one per machine in real clusters).", no_args_is_help=True)
@@ -59,13 +60,24 @@ def status(
     token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token (role admin/monitor/worker)"),
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext",
                                             help="dial without TLS (only for a shard served with --insecure-plaintext)"),
+    status_timeout_s: float = typer.Option(5.0, "--timeout-s", help="how long to wait for the shard's answer"),
 ) -> None:
     """Print one shard's status as JSON."""
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
+    import grpc
+
+    from hybridfleet.ps.worker.rpc_errors import explain
+
+    if certs is None and not insecure_plaintext:
+        raise UsageError("--certs DIR is required to check the shard's TLS certificate",
+                         hint="pass --certs DIR (the directory from `hfleet certs init`), or --insecure-plaintext "
+                              "for a shard served without TLS")
     probe = ShardStatusProbe(address, certs, token, insecure=insecure_plaintext)
     try:
-        typer.echo(json.dumps(probe.status(), indent=2))
+        typer.echo(json.dumps(probe.status(timeout_s=status_timeout_s), indent=2))
+    except grpc.RpcError as err:
+        raise explain(err, address, "status", token_given=bool(token)) or err from None
     finally:
         probe.close()
 

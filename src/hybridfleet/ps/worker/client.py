@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from hybridfleet.errors import AuthError, ProtocolError
+from hybridfleet.errors import AuthError, ProtocolError, UsageError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -146,14 +147,18 @@ class PSClient:
         """Run ``fn(stub)`` with retries on UNAVAILABLE for up to ``retry_timeout_s`` after the first
         failure (a call may legitimately wait long before it); map auth failures to AuthError."""
         deadline: float | None = None
+        first_failure_s = None
         delay = 0.1
         while True:
             try:
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
+                if is_name_mismatch(err):  # retrying cannot change a certificate
+                    raise explain(err, self.servers[shard], what) from None
                 if code in RETRYABLE and deadline is None:
                     deadline = time.monotonic() + self.retry_timeout_s
+                    first_failure_s = time.time()
                 if code in RETRYABLE and time.monotonic() < deadline:
                     log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay, reason=err.details())
                     time.sleep(delay)
@@ -171,6 +176,8 @@ class PSClient:
                     continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise AuthError(f"shard {self.servers[shard]} refused {what}: {err.details()}") from None
+                if code in RETRYABLE:  # retried until the deadline: say which shard, since when, what to check
+                    raise explain(err, self.servers[shard], what, since_s=first_failure_s) from None
                 raise
 
     def _each_shard(self, fn):
@@ -187,6 +194,12 @@ class PSClient:
         plans = {r.plan_json for r in replies}
         if len(plans) != 1:
             raise ProtocolError("shards disagree on the sharding plan; were they started for the same job?")
+        num_shards = ShardingPlan.from_json(replies[0].plan_json).num_shards
+        if num_shards != len(self.servers):
+            self.close(leave=True)  # the refused join leaves no member behind
+            raise UsageError(f"the job has {num_shards} shard(s) but {len(self.servers)} server address(es) "
+                             f"were given ({', '.join(self.servers)})",
+                             hint=f"give all {num_shards} shard addresses host:port, in shard order")
         for i, r in enumerate(replies):
             if r.shard != i:
                 raise ProtocolError(f"server {self.servers[i]} is shard {r.shard}, expected shard {i}: check the order of --servers")
