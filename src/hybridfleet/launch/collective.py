@@ -111,20 +111,25 @@ def child_env(config: LaunchConfig, attempt: int, ckpt_dir: Path, launch_id: str
 def _validate(config: LaunchConfig) -> None:
     preflight.check_framework(config.framework)
     if config.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node must be >= 1 (got {config.nproc_per_node})")
+        raise LaunchError(f"--nproc-per-node must be >= 1 (got {config.nproc_per_node})", hint="pass --nproc-per-node 1 or more")
     if config.max_restarts < 0:
-        raise LaunchError(f"--max-restarts must be >= 0 (got {config.max_restarts})")
+        raise LaunchError(f"--max-restarts must be >= 0 (got {config.max_restarts})", hint="pass --max-restarts 0 or more")
     low, high = preflight.parse_nnodes(config.nnodes)
     if config.node_rank is not None and not 0 <= config.node_rank < high:
-        raise LaunchError(f"--node-rank must be in 0..{high - 1} for --nnodes {config.nnodes} (got {config.node_rank})")
+        raise LaunchError(f"--node-rank must be in 0..{high - 1} for --nnodes {config.nnodes} (got {config.node_rank})",
+                          hint=f"pass --node-rank 0..{high - 1}: 0 on the master node, one distinct rank per node")
     if config.framework == "torch" and low == high > 1 and config.node_rank is None:
-        raise LaunchError("torch with --nnodes > 1 needs --node-rank (0 on the master node)")
+        raise LaunchError("torch with --nnodes > 1 needs --node-rank (0 on the master node)",
+                          hint="pass --node-rank 0 on the master node and 1, 2, ... on the others")
     if config.framework == "paddle" and low != high and not (config.master or "").startswith("etcd://"):
-        raise LaunchError("paddle elastic --nnodes MIN:MAX needs an etcd master: --master etcd://host:port")
+        raise LaunchError("paddle elastic --nnodes MIN:MAX needs an etcd master: --master etcd://host:port",
+                          hint="pass --master etcd://host:port, or a fixed --nnodes N")
     if not Path(config.script).is_file():
-        raise LaunchError(f"training script {config.script!r} does not exist")
+        raise LaunchError(f"training script {config.script!r} does not exist",
+                          hint=f"check the script path (relative paths start at {Path.cwd()})")
     if high > 1 and config.master is None:
-        raise LaunchError("--nnodes > 1 needs --master host:port (the address of node rank 0)")
+        raise LaunchError("--nnodes > 1 needs --master host:port (the address of node rank 0)",
+                          hint="pass --master host:port of node rank 0 on every node")
     visible = preflight.count_visible_gpus() if config.device == "gpu" else 0
     preflight.check_devices(config.device, config.nproc_per_node, visible)
 

@@ -206,7 +206,8 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
                 raise LaunchError(f"shard {i} exited with code {rc} before serving; see {log_path}",
                                   hint=f"the shard's own error is at the end of {log_path}")
         time.sleep(0.05)
-    raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/")
+    raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/",
+                      hint=f"the shard logs in {layout.run_dir}/logs/ say where they stopped")
 
 
 def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
@@ -270,7 +271,8 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     """
     job_path = Path(job_path).resolve()
     if not Path(spec.entrypoint).is_file():
-        raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})")
+        raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})",
+                          hint="fix entrypoint in the job file, or run from the folder it is relative to")
     run_dir = new_run_dir(spec, run_root)
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
