@@ -49,7 +49,8 @@ def format_errors(err: ValidationError) -> list[str]:
 def parse_spec(data: Any, source: str = "<job>") -> JobSpec:
     """Validate a mapping as a job spec; raise `SpecError` listing every problem."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: a job file is a YAML mapping (got {type(data).__name__})")
+        raise SpecError(f"{source}: a job file is a YAML mapping (got {type(data).__name__})",
+                        hint="pass the job file (name, framework, entrypoint, mode, sites ...); see examples/*.yaml")
     try:
         return JobSpec.model_validate(data)
     except ValidationError as err:

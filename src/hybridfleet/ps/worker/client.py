@@ -22,7 +22,7 @@ import grpc
 
 from hybridfleet.errors import AuthError, ProtocolError, UsageError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch
+from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch, is_untrusted_certificate
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -154,7 +154,7 @@ class PSClient:
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
-                if is_name_mismatch(err):  # retrying cannot change a certificate
+                if is_name_mismatch(err) or is_untrusted_certificate(err):  # retrying cannot change a certificate
                     raise explain(err, self.servers[shard], what) from None
                 if code in RETRYABLE and deadline is None:
                     deadline = time.monotonic() + self.retry_timeout_s

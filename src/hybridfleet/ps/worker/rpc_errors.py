@@ -24,6 +24,11 @@ def is_name_mismatch(err: grpc.RpcError) -> bool:
     return any(marker in details for marker in _NAME_MISMATCH)
 
 
+def is_untrusted_certificate(err: grpc.RpcError) -> bool:
+    """True when the TLS handshake failed because the server's certificate is not signed by our CA."""
+    return "CERTIFICATE_VERIFY_FAILED" in (err.details() or "")
+
+
 def certificate_names(address: str, timeout_s: float = 3.0) -> list[str]:
     """The DNS and IP names (SANs) in the certificate served at ``address`` ([] when it cannot be read)."""
     from cryptography import x509
@@ -53,6 +58,14 @@ def explain(err: grpc.RpcError, address: str, what: str, token_given: bool = Tru
         return AuthError(f"TLS: the certificate served at {address} does not name {host!r}; it names {named}",
                          hint=f"dial the shard by one of those names, or remake its certificate with "
                               f"`hfleet certs init DIR --host {host}` (one --host per name it is dialled by)")
+    if code == grpc.StatusCode.UNAVAILABLE and is_untrusted_certificate(err):
+        return AuthError(f"TLS: the certificate served at {address} is not signed by the CA given (--certs)",
+                         hint="pass --certs with the CA the shards' certificates were made with "
+                              "(the directory `hfleet certs init` wrote for this job)")
+    if code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
+        return UnreachableError(f"{address} closed the connection during {what}: {details}",
+                                hint="a shard served with TLS closes plaintext calls: drop --insecure-plaintext "
+                                     "and pass --certs DIR")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         since = ""
         if since_s is not None:
