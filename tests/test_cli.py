@@ -27,8 +27,9 @@ def test_every_error_kind_has_an_exit_code_and_hint():
     kinds = {cls.kind for cls in vars(errors).values()
              if isinstance(cls, type) and issubclass(cls, errors.HfleetError)}
     assert kinds <= set(errors.EXIT_CODES)
-    codes = [c.code for c in errors.EXIT_CODES.values()]
+    codes = [c.code for k, c in errors.EXIT_CODES.items() if k != "usage"]
     assert len(codes) == len(set(codes))
+    assert errors.EXIT_CODES["usage"].code == 2  # click's own usage exit code, shared with job-file errors
     assert all(c.hint for k, c in errors.EXIT_CODES.items() if k != "ok")
 
 

@@ -41,7 +41,7 @@ def worker(
         raise UsageError("--certs DIR is required: workers check the shards' TLS certificates",
                          hint="pass --certs DIR with the job's CA (from `hfleet certs init`), or --insecure-plaintext "
                               "for shards served without TLS")
-    if not token and spec.security.tokens != "off":
+    if not token and spec.security.tokens != "off" and not insecure_plaintext:
         raise UsageError(f"a token is required: job {spec.name!r} has security.tokens: {spec.security.tokens}",
                          hint=f"pass --token or set HFLEET_TOKEN; make one with `hfleet certs token DIR --job {spec.name} "
                               f"--site {site} --role worker`")
