@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from hybridfleet.errors import AuthError, ProtocolError, UsageError
+from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch, is_untrusted_certificate
 from hybridfleet.ps.wire import fastwire
@@ -194,12 +194,6 @@ class PSClient:
         plans = {r.plan_json for r in replies}
         if len(plans) != 1:
             raise ProtocolError("shards disagree on the sharding plan; were they started for the same job?")
-        num_shards = ShardingPlan.from_json(replies[0].plan_json).num_shards
-        if num_shards != len(self.servers):
-            self.close(leave=True)  # the refused join leaves no member behind
-            raise UsageError(f"the job has {num_shards} shard(s) but {len(self.servers)} server address(es) "
-                             f"were given ({', '.join(self.servers)})",
-                             hint=f"give all {num_shards} shard addresses host:port, in shard order")
         for i, r in enumerate(replies):
             if r.shard != i:
                 raise ProtocolError(f"server {self.servers[i]} is shard {r.shard}, expected shard {i}: check the order of --servers")

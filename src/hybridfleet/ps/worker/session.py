@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from hybridfleet.errors import ProtocolError, UsageError, install_excepthook
+from hybridfleet.errors import ProtocolError, install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -125,10 +125,6 @@ class PSSession:
         tune_allocator(trim_bytes=256 << 20)  # gradient frames and buffers are reused round after round
         if cfg.aggregates and cfg.site_rank > 0:
             return self._start_follower()
-        if len(cfg.servers) != self.ps.shards:  # refused before any shard sees a join
-            raise UsageError(f"job {cfg.job.name!r} has ps.shards: {self.ps.shards} but {len(cfg.servers)} server "
-                             f"address(es) were given ({', '.join(cfg.servers)})",
-                             hint=f"give all {self.ps.shards} shard addresses host:port, in shard order")
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
                                retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
                                transport=cfg.job.ps.transport)
