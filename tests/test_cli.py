@@ -59,3 +59,15 @@ def test_worker_command_derives_the_global_rank_from_site_and_site_rank(tmp_path
     bad = subprocess.run([sys.executable, "-m", "hybridfleet", "worker", str(job), "--site", "b", "--site-rank", "3",
                           "--servers", "127.0.0.1:50051"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be in 0..2 for site 'b' (got 3)" in bad.stderr
+
+
+def test_the_exit_code_table_in_the_docs_is_the_one_in_errors():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (int(cells[1]), "" if cells[2] == "-" else cells[2])
+    assert rows == {kind: (c.code, c.hint) for kind, c in errors.EXIT_CODES.items()}
