@@ -17,11 +17,11 @@ from hybridfleet.spec import parse_spec
 PARAMS = [ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))]
 
 
-def job_spec(**ps):
+def job_spec(sites: dict | None = None, **ps):
     ps_conf = {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.5},
                "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, **ps}
     return parse_spec({"name": "unit", "framework": "torch", "entrypoint": "train.py",
-                       "sites": {"a": {"workers": 1}, "b": {"workers": 1}}, "ps": ps_conf})
+                       "sites": sites or {"a": {"workers": 1}, "b": {"workers": 1}}, "ps": ps_conf})
 
 
 @dataclass
@@ -65,9 +65,10 @@ class Cluster:
             s.stop(0)
 
 
-def start_cluster(tmp_path: Path, expected_workers: int = 0, transport: str = "auto", **ps) -> Cluster:
+def start_cluster(tmp_path: Path, expected_workers: int = 0, transport: str = "auto", sites: dict | None = None,
+                  **ps) -> Cluster:
     """Shards on 127.0.0.1 with TLS and tokens; clients use ``transport`` ("auto": the bulk data plane)."""
-    spec = job_spec(**ps)
+    spec = job_spec(sites, **ps)
     certs = tmp_path / "certs"
     make_dev_pki(certs)
     generate_signing_key(certs)

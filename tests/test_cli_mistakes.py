@@ -30,7 +30,8 @@ from hybridfleet.errors import EXIT_CODES
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "examples" / "digits-hybrid.yaml"
 TABLE_CODES = {c.code for c in EXIT_CODES.values()}
-USAGE, SPEC, LAUNCH, AUTH, CKPT, LOCK, PORT, UNREACHABLE = 2, 2, 8, 9, 11, 13, 14, 15
+USAGE, SPEC, LAUNCH, AUTH, CKPT, LOCK = 2, 2, 8, 9, 11, 13
+PORT, UNREACHABLE = EXIT_CODES["port_in_use"].code, EXIT_CODES["unreachable"].code
 
 
 @dataclass(frozen=True)

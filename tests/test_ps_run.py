@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hybridfleet.data import read_manifest
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
+from hybridfleet.store import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _job(tmp_path: Path, example: str, **overrides) -> Path:
     data = yaml.safe_load((REPO / "examples" / example).read_text())
     data["entrypoint"] = str(REPO / data["entrypoint"])
+    for site in data["sites"].values():  # packed site datasets ship in the repository
+        if (REPO / str(site.get("data"))).exists():
+            site["data"] = str(REPO / site["data"])
     for key, value in overrides.items():
         section, _, field = key.partition("__")
         if field:
@@ -49,6 +54,8 @@ def test_digits_hybrid_joint_accuracy_beats_each_site_alone(tmp_path, example):
     assert all(summary["test_accuracy"] > a for a in alone.values())
     assert summary["raw_data_bytes_sent"] == 0
     assert all(n > 0 for n in summary["bytes_sent_by_site"].values())
+    for site, conf in spec.sites.items():  # each site trained on its packed dataset, named by its manifest digest
+        assert summary["datasets_by_site"][site] == {conf.data: read_manifest(open_store(conf.data)).digest}
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(m.get("final") and m["process"] == "worker-hospital-0" for m in metrics)

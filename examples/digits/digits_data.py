@@ -4,6 +4,10 @@ scikit-learn ships the 8x8 digits set (1,797 images), so nothing is downloaded.
 A fixed 20% is held out as the common test set. The rest is split non-IID:
 site A holds 90% of the 0-4 images and 10% of the 5-9 ones, site B the remainder.
 A site's loader returns only that site's rows: its data never leaves it.
+
+A site's data is either a packed dataset (``examples/digits/data/site-a``, made by
+``python examples/digits/pack_sites.py`` with ``hfleet data pack``; what the shipped
+jobs use) or the named split ``digits:site-a`` / ``digits:site-b`` computed here.
 """
 
 from __future__ import annotations
@@ -28,13 +32,27 @@ def load_test() -> tuple[np.ndarray, np.ndarray]:
     return x_test, y_test
 
 
-def load_site(name: str, shard: int = 0, num_shards: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of site ``name`` (``digits:site-a`` or ``digits:site-b``), then this worker's 1/num_shards of them."""
+def split_rows(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """All training rows of the named split ``digits:site-a`` or ``digits:site-b``."""
     x, _, y, _ = _train_test()
     rng = np.random.default_rng(SEED)
     to_a = np.where(y < 5, rng.random(len(y)) < MAJORITY_FRACTION, rng.random(len(y)) >= MAJORITY_FRACTION)
     part = {"digits:site-a": to_a, "digits:site-b": ~to_a}.get(name)
     if part is None:
-        raise ValueError(f"unknown site data {name!r}: use digits:site-a or digits:site-b")
-    idx = np.flatnonzero(part)[shard::num_shards]
+        raise ValueError(f"unknown site data {name!r}: use digits:site-a, digits:site-b or a packed dataset")
+    idx = np.flatnonzero(part)
     return x[idx], y[idx]
+
+
+def load_site(name: str, shard: int = 0, num_shards: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of site data ``name`` (a named split or a packed dataset), then this worker's 1/num_shards of them."""
+    if name.startswith("digits:"):
+        x, y = split_rows(name)
+    else:
+        from hybridfleet.data import open_dataset
+
+        dataset = open_dataset(name)
+        rows = dataset.take(np.arange(len(dataset)))
+        x = (rows["pixels"].reshape(len(dataset), -1) / 16.0).astype(np.float32)
+        y = rows["label"].astype(np.int64)
+    return x[shard::num_shards], y[shard::num_shards]

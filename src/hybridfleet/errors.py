@@ -125,6 +125,12 @@ class InterruptedByUserError(HfleetError):
     kind = "interrupted"
 
 
+class DataError(HfleetError, ValueError):
+    """A packed dataset is missing, corrupt, or does not fit its cache; or a worker asked for another site's data."""
+
+    kind = "data"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -140,9 +146,10 @@ EXIT_CODES: dict[str, ExitCode] = {
     "checkpoint": ExitCode(11, "run `hfleet ckpt verify URL` to find the newest valid checkpoint"),
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
+    "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
     "usage": ExitCode(2, "see `hfleet COMMAND --help` for the accepted values"),
-    "port_in_use": ExitCode(14, "stop the process holding the port, or choose another port (0 takes any free one)"),
-    "unreachable": ExitCode(15, "check the address, that the peer is running, and that no firewall blocks the port"),
+    "port_in_use": ExitCode(15, "stop the process holding the port, or choose another port (0 takes any free one)"),
+    "unreachable": ExitCode(16, "check the address, that the peer is running, and that no firewall blocks the port"),
     "interrupted": ExitCode(130, "interrupted; run the command again to start over"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }

@@ -226,6 +226,26 @@ def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
     return progress, probe
 
 
+def _datasets_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict[str, str]]:
+    """Each site's packed datasets (URL -> manifest sha256) as its workers reported reading them."""
+    out: dict[str, dict[str, str]] = {s: {} for s in spec.sites}
+    for rec in workers.values():
+        out.setdefault(rec.get("site", "?"), {}).update(rec.get("datasets") or {})
+    return out
+
+
+def _privacy_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict] | None:
+    """(epsilon, delta) each site spent, from its workers' final records; None without ps.privacy."""
+    if spec.ps.privacy is None:
+        return None
+    out: dict[str, dict] = {}
+    for rec in workers.values():
+        if "dp_epsilon" in rec:
+            site = out.setdefault(rec["site"], {"epsilon": 0.0, "delta": rec["dp_delta"]})
+            site["epsilon"] = max(site["epsilon"], rec["dp_epsilon"])
+    return out
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -256,7 +276,9 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
-        "raw_data_bytes_sent": raw_data, "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
+        "privacy_by_site": _privacy_by_site(spec, workers),
+        "raw_data_bytes_sent": raw_data, "datasets_by_site": _datasets_by_site(spec, workers),
+        "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
         "run_dir": str(layout.run_dir),
     }
 

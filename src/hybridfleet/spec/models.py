@@ -60,6 +60,34 @@ class CompressionSpec(_Strict):
         return self
 
 
+class AggregateSpec(_Strict):
+    """How a shard combines one round's updates (`hybridfleet.ps.aggregate`); a bare rule name is accepted."""
+
+    rule: Literal["mean", "median", "trimmed_mean", "norm_clip"] = "mean"
+    trim_fraction: float = Field(0.2, gt=0, lt=0.5, description="trimmed_mean: fraction dropped at each end")
+    clip_norm: float | None = Field(None, gt=0, description="norm_clip: each contribution's L2 bound on a shard")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_rule(cls, data):
+        return {"rule": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _clip_needs_norm(self) -> "AggregateSpec":
+        if self.rule == "norm_clip" and self.clip_norm is None:
+            raise ValueError("clip_norm: rule norm_clip needs clip_norm > 0 (the L2 bound of one contribution)")
+        return self
+
+
+class PrivacySpec(_Strict):
+    """Differential privacy of each push: L2 clipping + Gaussian noise, with an accountant (docs/PRIVACY.md)."""
+
+    clip_norm: float = Field(..., gt=0, description="L2 bound of one push's whole update")
+    noise_multiplier: float = Field(..., gt=0, description="noise std / clip_norm")
+    delta: float = Field(1e-5, gt=0, lt=1)
+    epsilon_budget: float | None = Field(None, gt=0, description="stop training before epsilon exceeds this")
+
+
 class PSSpec(_Strict):
     """Parameter-server settings."""
 
@@ -68,6 +96,8 @@ class PSSpec(_Strict):
     staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
     optimizer: OptimizerSpec = OptimizerSpec()
     compression: CompressionSpec = CompressionSpec()
+    aggregate: AggregateSpec = Field(AggregateSpec(), description="mean | median | trimmed_mean | norm_clip")
+    privacy: PrivacySpec | None = Field(None, description="differential privacy of every push")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     block_size_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="tensors above this are split across shards")
@@ -87,6 +117,13 @@ class PSSpec(_Strict):
                 f"heartbeat_timeout_s: must be greater than heartbeat_interval_s "
                 f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _robust_rules_need_rounds(self) -> "PSSpec":
+        if self.aggregate.rule != "mean" and self.sync != "bsp":
+            raise ValueError(f"aggregate: rule {self.aggregate.rule} combines the updates of one round; "
+                             f"it needs sync: bsp (sync is {self.sync!r})")
         return self
 
 

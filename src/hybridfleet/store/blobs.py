@@ -113,21 +113,23 @@ def _stored_blob_matches(store: Store, path: str, size: int, sha256_hex: str, cr
 
 
 def download_verified(
-    store: Store, path: str, local_path: str | os.PathLike[str], sha256_hex: str, chunk_bytes: int = DOWNLOAD_CHUNK_BYTES
+    store: Store, path: str, local_path: str | os.PathLike[str], sha256_hex: str, chunk_bytes: int = DOWNLOAD_CHUNK_BYTES,
+    size: int | None = None, durable: bool = True,
 ) -> Path:
     """Copy ``path`` from ``store`` to ``local_path`` and verify its sha256.
 
     Bytes go to ``<local_path>.part`` first; a later call continues a partial
     download with range reads from where it stopped. On a digest mismatch the
     partial file is removed and StoreError names the file; on success the file is
-    renamed into place.
+    renamed into place. ``size``: the known size (saves a request); ``durable=False``
+    skips the fsync, for caches that verify what they read again anyway.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0 (got {chunk_bytes})")
     target = Path(local_path)
     partial = target.with_name(target.name + ".part")
     target.parent.mkdir(parents=True, exist_ok=True)
-    total = store.size(path)
+    total = store.size(path) if size is None else size
     have = partial.stat().st_size if partial.exists() else 0
     if have > total:
         partial.unlink()
@@ -145,7 +147,8 @@ def download_verified(
             digest.update(chunk)
             have += len(chunk)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     if digest.hexdigest() != sha256_hex:
         partial.unlink(missing_ok=True)
         raise StoreError(f"{store.url}/{path}: sha256 mismatch after download (expected {sha256_hex}, got {digest.hexdigest()})")

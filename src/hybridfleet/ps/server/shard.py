@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.aggregate import MeanRound, RoundAggregator
+from hybridfleet.ps.aggregate import RoundAggregator, make_round
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
@@ -222,7 +222,7 @@ class ShardState:
             member.alive = True
             weight = max(1, contributors)
             if self.sync == "bsp":
-                rnd = self.rounds.setdefault(self.version, MeanRound())
+                rnd = self.rounds.setdefault(self.version, make_round(self.spec.aggregate))
                 rnd.add(worker_id, grads, weight)
                 applied = self._maybe_finish_rounds()
             else:

@@ -13,6 +13,7 @@ only in where the update is computed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -103,6 +104,20 @@ class PSSession:
         self._local_opt = None
         self._block_index: tuple | None = None  # (plan, key -> block)
         self._started = time.monotonic()
+        self.dp = None if self.local or self.ps.privacy is None else self._privacy()
+
+    def _privacy(self):
+        """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
+        from hybridfleet.privacy import GaussianMechanism, steps_within_budget
+
+        p, train = self.ps.privacy, self.config.job.train
+        if p.epsilon_budget is not None:
+            allowed = steps_within_budget(p.noise_multiplier, p.delta, p.epsilon_budget, train.steps)
+            if allowed < train.steps:
+                log.warning("privacy_budget_limits_steps", steps=train.steps, allowed=allowed,
+                            epsilon_budget=p.epsilon_budget, delta=p.delta)
+                train.steps = allowed  # the script's loop reads ps.job.train.steps
+        return GaussianMechanism(p.clip_norm, p.noise_multiplier)
 
     @property
     def local(self) -> bool:
@@ -218,6 +233,8 @@ class PSSession:
             self.hub.admit(flatten(self._flat, self._names), self.step_count)
             total, contributors = self.hub.gather(flatten(grads, self._names))
             grads = unflatten(total, self.shapes, self._names)
+        if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
+            grads = self.dp.apply(grads)
         payloads = self._encode(grads)
         base = list(self.client.versions)
         wait_round = self.client.sync == "bsp"
@@ -336,8 +353,19 @@ class PSSession:
     def report(self, **metrics) -> None:
         """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
         record (``final=True``) also carries the parameters' digest."""
+        if self.dp is not None:
+            from hybridfleet.privacy import epsilon_spent
+
+            p = self.ps.privacy
+            metrics.setdefault("dp_epsilon", round(epsilon_spent(p.noise_multiplier, self.step_count, p.delta), 6))
+            metrics.setdefault("dp_delta", p.delta)
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
+            data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset
+            if data is not None and data.opened_digests():
+                metrics.setdefault("datasets", data.opened_digests())
+                if data.cache_stats():
+                    metrics.setdefault("data_cache", data.cache_stats())
         c = self.config
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
                  elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())
