@@ -207,6 +207,11 @@ MISTAKES = [
             "keep_last"),
     Mistake("ckpt: gc with an unknown mode", lambda c: ["ckpt", "gc", str(c["raw_ckpt"]), "--mode", "median"], USAGE,
             "best_mode"),
+    # data
+    Mistake("data: ls of a missing dataset", lambda c: ["data", "ls", str(c["tmp"] / "no-data")],
+            EXIT_CODES["data"].code, "hfleet data pack"),
+    Mistake("data: verify of a missing dataset", lambda c: ["data", "verify", str(c["tmp"] / "no-data")],
+            EXIT_CODES["data"].code, "hfleet data pack", lambda c: c["tmp"] / "no-data"),
     # top level
     Mistake("unknown command", lambda c: ["trian", "job.yaml"], USAGE, "No such command"),
 ]

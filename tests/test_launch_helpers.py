@@ -155,3 +155,15 @@ def test_model_saved_by_the_helpers_resumes_and_converts_to_the_other_framework(
     weight = other.state_dict()["0.weight"]
     assert info.step == 6
     np.testing.assert_array_equal(np.asarray(weight.detach().numpy() if to == "torch" else weight.numpy()).T, own["0.weight"])
+
+
+def test_finish_flushes_output_and_exits_with_the_code_without_teardown(tmp_path):
+    import subprocess
+    import sys
+
+    # an atexit handler stands for the interpreter teardown that finish() must skip
+    code = ("import atexit, sys\nfrom hybridfleet.launch.helpers import finish\n"
+            "atexit.register(lambda: print('teardown ran'))\nprint('final line', end='')\nfinish(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stdout == "final line"

@@ -23,7 +23,7 @@ from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_rank0
+from hybridfleet.launch.helpers import dist_info, finish, latest_checkpoint, log_rank0, restart_count, save_rank0
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=30)
@@ -83,8 +83,6 @@ with torch.no_grad():
     predicted = net(torch.from_numpy(x_test)).argmax(dim=1).numpy()
 log_rank0("final", framework="torch", world_size=world_size, test_acc=float((predicted == y_test).mean()))
 if world_size > 1:
-    # DDP's reducer holds the process group: drop it first, so the group's threads are joined
-    # here and not by a destructor during interpreter exit (which can abort the process).
-    del model
     dist.barrier()  # every rank is past its last collective before any tears the group down
     dist.destroy_process_group()
+finish()  # leave without interpreter teardown, where torch's native destructors can abort a finished rank
