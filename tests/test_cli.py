@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import hybridfleet.errors as errors
+from hybridfleet.cli.app import main
 
 
 def test_help_lists_every_command_group():
@@ -71,3 +74,40 @@ def test_the_exit_code_table_in_the_docs_is_the_one_in_errors():
         if len(cells) == 3 and cells[0].startswith("`"):
             rows[cells[0].strip("`")] = (int(cells[1]), "" if cells[2] == "-" else cells[2])
     assert rows == {kind: (c.code, c.hint) for kind, c in errors.EXIT_CODES.items()}
+
+
+def test_an_internal_error_is_one_line_and_its_traceback_goes_to_a_file(monkeypatch, capsys, tmp_path):
+    # Prepare: a bug inside a command (not a user mistake)
+    import re
+
+    from hybridfleet.cli import spec as spec_cli
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+
+    def broken(path):
+        return {}["missing"]
+
+    monkeypatch.setattr(spec_cli, "load_spec", broken)
+    # Execute
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "check", "job.yaml"])
+    # Assert
+    err = capsys.readouterr().err
+    assert exit_info.value.code == errors.EXIT_CODES["error"].code
+    assert "Traceback" not in err and "error: internal error: KeyError: 'missing'" in err
+    path = re.search(r"the full traceback is in (\S+);", err).group(1)
+    assert path.startswith(str(tmp_path)) and "Traceback" in open(path).read() and "broken" in open(path).read()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    from hybridfleet.cli import spec as spec_cli
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spec_cli, "load_spec", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "check", "job.yaml"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and err.startswith("error: interrupted by Ctrl-C") and "Traceback" not in err

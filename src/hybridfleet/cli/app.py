@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as ex:
         if ex.code in (0, None):
             return
+        if ex.code in (130, 143):  # Ctrl-C / SIGTERM, turned into an exit by click or by a supervised run
+            _report(f"interrupted by {'Ctrl-C' if ex.code == 130 else 'SIGTERM'}", EXIT_CODES["interrupted"].hint)
         raise
     except HfleetError as err:
         code = exit_code_for(err)
