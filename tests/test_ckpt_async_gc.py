@@ -190,10 +190,15 @@ def test_cli_ls_show_verify_and_gc(tmp_path, capsys):
     assert "kept steps [2, 3]" in gc_out and "removed steps [1]" in gc_out
 
 
+def corrupt_newest(root) -> None:
+    """Replace the tensor file of the newest checkpoint under ``root`` with one byte."""
+    newest = list_checkpoints(root)[-1]
+    (root / next(f.path for f in newest.files if f.role == "tensors")).write_bytes(b"x")
+
+
 def test_cli_verify_of_corrupt_checkpoint_exits_with_checkpoint_code(tmp_path, capsys):
     save_series(tmp_path, 2, [0.5, 0.5])
-    newest = list_checkpoints(tmp_path)[-1]
-    (tmp_path / next(f.path for f in newest.files if f.role == "tensors")).write_bytes(b"x")
+    corrupt_newest(tmp_path)
 
     code, out, err = run_cli(["ckpt", "verify", str(tmp_path)], capsys)
 
@@ -203,8 +208,7 @@ def test_cli_verify_of_corrupt_checkpoint_exits_with_checkpoint_code(tmp_path, c
 
 def test_cli_verify_with_no_valid_checkpoint_says_so_in_words(tmp_path, capsys):
     save_series(tmp_path, 1, [0.5])
-    only = list_checkpoints(tmp_path)[0]
-    (tmp_path / next(f.path for f in only.files if f.role == "tensors")).write_bytes(b"x")
+    corrupt_newest(tmp_path)
 
     code, _, err = run_cli(["ckpt", "verify", str(tmp_path)], capsys)
 
@@ -213,8 +217,7 @@ def test_cli_verify_with_no_valid_checkpoint_says_so_in_words(tmp_path, capsys):
 
 def test_cli_ls_marks_a_corrupt_step(tmp_path, capsys):
     save_series(tmp_path, 2, [0.5, 0.5])
-    newest = list_checkpoints(tmp_path)[-1]
-    (tmp_path / next(f.path for f in newest.files if f.role == "tensors")).write_bytes(b"x")
+    corrupt_newest(tmp_path)
 
     code, out, _ = run_cli(["ckpt", "ls", str(tmp_path)], capsys)
 
