@@ -63,11 +63,10 @@ def status(
     status_timeout_s: float = typer.Option(5.0, "--timeout-s", help="how long to wait for the shard's answer"),
 ) -> None:
     """Print one shard's status as JSON."""
-    from hybridfleet.ps.worker.status import ShardStatusProbe
-
     import grpc
 
     from hybridfleet.ps.worker.rpc_errors import explain
+    from hybridfleet.ps.worker.status import ShardStatusProbe
 
     if certs is None and not insecure_plaintext:
         raise UsageError("--certs DIR is required to check the shard's TLS certificate",
