@@ -163,16 +163,21 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     return ExitCode(code.code, own_hint) if own_hint else code
 
 
-def report(exc: BaseException, stream=None) -> int:
-    """Print ``error: <message>`` and ``hint: <hint>`` for ``exc`` on ``stream`` (stderr); return its exit code."""
+def print_error(message: str, hint: str, stream=None) -> None:
+    """Print ``error: <message>`` and, when there is one, ``hint: <hint>`` on ``stream`` (stderr)."""
     import sys
 
     out = stream if stream is not None else sys.stderr
-    code = exit_code_for(exc)
-    out.write(f"error: {exc}\n")
-    if code.hint:
-        out.write(f"hint: {code.hint}\n")
+    out.write(f"error: {message}\n")
+    if hint:
+        out.write(f"hint: {hint}\n")
     out.flush()
+
+
+def report(exc: BaseException, stream=None) -> int:
+    """Print ``exc`` as `print_error` does, with the hint of its kind (or its own); return its exit code."""
+    code = exit_code_for(exc)
+    print_error(str(exc), code.hint, stream)
     return code.code
 
 

@@ -15,7 +15,7 @@ import traceback
 import typer
 
 from hybridfleet import __version__
-from hybridfleet.errors import EXIT_CODES, HfleetError, exit_code_for
+from hybridfleet.errors import EXIT_CODES, HfleetError, print_error, report
 
 # command name -> the module under hybridfleet.cli that registers it
 COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt", "data"]
@@ -80,33 +80,20 @@ def main(argv: list[str] | None = None) -> None:
         if ex.code in (0, None):
             return
         if ex.code in (130, 143):  # Ctrl-C / SIGTERM, turned into an exit by click or by a supervised run
-            _report(f"interrupted by {'Ctrl-C' if ex.code == 130 else 'SIGTERM'}", EXIT_CODES["interrupted"].hint)
+            print_error(f"interrupted by {'Ctrl-C' if ex.code == 130 else 'SIGTERM'}", EXIT_CODES["interrupted"].hint)
         raise
     except HfleetError as err:
-        code = exit_code_for(err)
-        _report(str(err), code.hint)
-        sys.exit(code.code)
+        sys.exit(report(err))
     except KeyboardInterrupt:
         code = EXIT_CODES["interrupted"]
-        _report("interrupted (Ctrl-C)", code.hint)
+        print_error("interrupted (Ctrl-C)", code.hint)
         sys.exit(code.code)
     except Exception as err:  # a bug, not a user mistake: keep the traceback, out of the user's way
         path = _write_traceback(err)
         code = EXIT_CODES["error"]
-        _report(f"internal error: {type(err).__name__}: {err}".rstrip(": "),
+        print_error(f"internal error: {type(err).__name__}: {err}".rstrip(": "),
                 f"the full traceback is in {path}; please report it with that file" if path else code.hint)
         sys.exit(code.code)
-
-
-def _report(message: str, hint: str) -> None:
-    """Print ``error: message`` and ``hint: hint`` on stderr (no markup, no wrapping)."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    console.print("[red]error:[/red] ", end="")
-    console.print(message, markup=False, highlight=False, soft_wrap=True)
-    if hint:
-        console.print(f"hint: {hint}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _write_traceback(err: BaseException) -> str | None:
