@@ -4,6 +4,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 JOB ?= examples/digits-hybrid.yaml
+# extras installed for `make test`; e.g. EXTRAS=paddle,dev for a paddle-only interpreter
+EXTRAS ?= torch,paddle,dev
 
 .PHONY: demo test venv proto clean
 
@@ -12,11 +14,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[torch,paddle,examples]'
+	$(BIN)/pip install -q -e '.[torch,paddle,examples,report]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[torch,paddle,dev]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 demo: $(VENV)/.installed-demo

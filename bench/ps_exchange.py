@@ -2,11 +2,13 @@
 
     python bench/ps_exchange.py            # 64 MB parameter set, 5 rounds
     python bench/ps_exchange.py --quick    # 16 MB, 3 rounds (under a minute)
-    python bench/ps_exchange.py --plaintext --grpc   # also without TLS, and over gRPC
+    python bench/ps_exchange.py --grpc     # also over gRPC
+    python bench/ps_exchange.py --python-tls   # also with Python's ssl module instead of the C record loop
 
 Two workers push a dense fp32 gradient of the whole parameter set and pull the
 updated parameters (BSP, server-side SGD) through ONE shard on its bulk data plane
-(TLS socket) with tokens (the default security; --plaintext and --grpc for comparison). The anchor is
+(TLS socket) with tokens (the default security), then the same without TLS and tokens
+(``tls_vs_plaintext`` = TLS time / plaintext time of this run). The anchor is
 torch's gloo ``all_reduce`` of the same tensors in 2 processes started by
 torchrun, and the physical yardstick is raw TCP throughput on loopback for the
 bytes the shard moves.
@@ -15,7 +17,8 @@ One shard must move 4x the tensor bytes per round (2 pushes in, 2 pulls out)
 while ring all-reduce moves 2x per process, so ratio ~1.4 is the floor here.
 The last line is JSON: ps_s and gloo_s are median seconds per round,
 ratio = ps_s / gloo_s, wire_efficiency = (bytes through the shard / ps_s) /
-raw TCP bytes per second.
+raw TCP bytes per second. ``native_tls`` says whether the bulk plane's TLS ran in the
+C extension (hybridfleet.ps.wire.tls) or in Python's ssl module.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from hybridfleet.launch.preflight import free_port
+from hybridfleet.ps.wire.tls import ENV_SWITCH, native_available
 
 HERE = Path(__file__).resolve().parent
 TENSORS = 16
@@ -76,7 +80,8 @@ def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
     return received[0] / elapsed
 
 
-def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: str = "auto") -> dict:
+def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: str = "auto",
+           native_tls: bool = True) -> dict:
     job = {
         "name": "bench-ps-exchange", "framework": "torch", "entrypoint": "unused.py",
         "sites": {"w0": {"workers": 1}, "w1": {"workers": 1}},
@@ -96,6 +101,8 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
             "--port-file", str(port_file), "--expected-workers", "2"]
     argv += ["--insecure-plaintext", "--no-auth"] if plaintext else ["--certs", str(layout.certs_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HFLEET_LOG_LEVEL="warning")
+    if not native_tls:
+        env[ENV_SWITCH] = "0"
     shard = subprocess.Popen(argv, env=env)
     try:
         deadline = time.monotonic() + 60
@@ -133,7 +140,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 MB, 3 rounds")
     ap.add_argument("--mb", type=int, default=None, help="parameter set size in MB (default 64)")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--plaintext", action="store_true", help="also measure without TLS and tokens")
+    ap.add_argument("--python-tls", action="store_true", help="also measure TLS in Python's ssl module")
     ap.add_argument("--grpc", action="store_true", help="also measure Push/Pull over gRPC instead of the bulk data plane")
     args = ap.parse_args()
     mb = args.mb or (16 if args.quick else 64)
@@ -142,10 +149,12 @@ def main() -> None:
     tensor_bytes = numel * 4
     with tempfile.TemporaryDirectory() as tmp:
         ps = run_ps(numel, rounds, False, Path(tmp))
-    ps_plain = None
-    if args.plaintext:
+    with tempfile.TemporaryDirectory() as tmp:
+        ps_plain = run_ps(numel, rounds, True, Path(tmp))
+    ps_pytls = None
+    if args.python_tls:
         with tempfile.TemporaryDirectory() as tmp:
-            ps_plain = run_ps(numel, rounds, True, Path(tmp))
+            ps_pytls = run_ps(numel, rounds, False, Path(tmp), native_tls=False)
     ps_grpc = None
     if args.grpc:
         with tempfile.TemporaryDirectory() as tmp:
@@ -156,22 +165,28 @@ def main() -> None:
     ratio = ps["median_s"] / gloo["median_s"]
     eff = (shard_bytes / ps["median_s"]) / tcp
     print(f"parameter set: {mb} MB in {TENSORS} tensors, 2 workers, 1 shard, {rounds} rounds (median)")
-    print(f"{'side':<34}{'s/round':>10}{'GB/s through shard':>22}")
-    print(f"{'hybridfleet PS (TLS + tokens)':<34}{ps['median_s']:>10.3f}{shard_bytes / ps['median_s'] / 1e9:>22.2f}")
-    if ps_plain:
-        print(f"{'hybridfleet PS (plaintext)':<34}{ps_plain['median_s']:>10.3f}"
-              f"{shard_bytes / ps_plain['median_s'] / 1e9:>22.2f}")
+    print(f"{'side':<44}{'s/round':>10}{'GB/s through shard':>22}")
+    tls_kind = "C record loop" if native_available() else "Python ssl"
+    print(f"{f'hybridfleet PS (TLS + tokens, {tls_kind})':<44}{ps['median_s']:>10.3f}"
+          f"{shard_bytes / ps['median_s'] / 1e9:>22.2f}")
+    print(f"{'hybridfleet PS (plaintext)':<44}{ps_plain['median_s']:>10.3f}{shard_bytes / ps_plain['median_s'] / 1e9:>22.2f}")
+    if ps_pytls:
+        print(f"{'hybridfleet PS (TLS + tokens, Python ssl)':<44}{ps_pytls['median_s']:>10.3f}"
+              f"{shard_bytes / ps_pytls['median_s'] / 1e9:>22.2f}")
     if ps_grpc:
-        print(f"{'hybridfleet PS over gRPC (TLS)':<34}{ps_grpc['median_s']:>10.3f}"
+        print(f"{'hybridfleet PS over gRPC (TLS)':<44}{ps_grpc['median_s']:>10.3f}"
               f"{shard_bytes / ps_grpc['median_s'] / 1e9:>22.2f}")
-    print(f"{'torch gloo all_reduce (torchrun)':<34}{gloo['median_s']:>10.3f}{'':>22}")
-    print(f"{'raw TCP loopback (same bytes)':<34}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
+    print(f"{'torch gloo all_reduce (torchrun)':<44}{gloo['median_s']:>10.3f}{'':>22}")
+    print(f"{'raw TCP loopback (same bytes)':<44}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
     result = {"bench": "ps_exchange", "mb": mb, "ps_s": round(ps["median_s"], 4), "gloo_s": round(gloo["median_s"], 4),
-              "ratio": round(ratio, 3), "wire_efficiency": round(eff, 3), "raw_tcp_gb_s": round(tcp / 1e9, 3)}
-    if ps_plain:
-        result["ps_plaintext_s"] = round(ps_plain["median_s"], 4)
-        result["ratio_plaintext"] = round(ps_plain["median_s"] / gloo["median_s"], 3)
-        result["wire_efficiency_plaintext"] = round((shard_bytes / ps_plain["median_s"]) / tcp, 3)
+              "ratio": round(ratio, 3), "wire_efficiency": round(eff, 3), "raw_tcp_gb_s": round(tcp / 1e9, 3),
+              "native_tls": native_available(), "tls_vs_plaintext": round(ps["median_s"] / ps_plain["median_s"], 3),
+              "ps_plaintext_s": round(ps_plain["median_s"], 4),
+              "ratio_plaintext": round(ps_plain["median_s"] / gloo["median_s"], 3),
+              "wire_efficiency_plaintext": round((shard_bytes / ps_plain["median_s"]) / tcp, 3)}
+    if ps_pytls:
+        result["ps_python_tls_s"] = round(ps_pytls["median_s"], 4)
+        result["python_tls_vs_plaintext"] = round(ps_pytls["median_s"] / ps_plain["median_s"], 3)
     if ps_grpc:
         result["ps_grpc_s"] = round(ps_grpc["median_s"], 4)
         result["ratio_grpc"] = round(ps_grpc["median_s"] / gloo["median_s"], 3)

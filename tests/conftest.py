@@ -20,3 +20,26 @@ def _quiet_threads(monkeypatch):
     # Two cores here: keep each framework to one intra-op thread so parallel
     # processes in system tests do not oversubscribe the machine.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def _example_frameworks() -> dict[str, str]:
+    """The shipped example job files and the framework each trains with (``digits-hybrid.yaml`` -> torch)."""
+    import yaml
+
+    return {path.name: yaml.safe_load(path.read_text())["framework"] for path in (REPO / "examples").glob("*.yaml")}
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test whose id names a framework (a [torch] parameter, train_paddle.py, test_torch_...) or a
+    # shipped example job of one needs that framework: mark it, so a CI pass on an interpreter with
+    # one framework selects with -m "not torch". Other tests carry the marker explicitly.
+    examples = _example_frameworks()
+    for item in items:
+        nodeid = item.nodeid.lower()
+        needs = {f for f in ("torch", "paddle") if f in nodeid}
+        needs |= {framework for name, framework in examples.items() if f"[{name}" in nodeid or f"-{name}" in nodeid}
+        for framework in needs:
+            item.add_marker(getattr(pytest.mark, framework))
+
+
+from tests.obs_fixtures import demo_run  # noqa: E402,F401  (session fixture: one demo run per framework)

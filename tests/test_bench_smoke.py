@@ -28,6 +28,7 @@ def last_json(stdout: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the bench trains the torch digits example
 def test_compression_bench_ends_with_accuracies_and_byte_reductions():
     # Prepare / Execute
     proc = run_bench("compression.py", "--quick", "--steps", "2")
@@ -44,6 +45,7 @@ def test_compression_bench_ends_with_accuracies_and_byte_reductions():
     assert "dense (none)" in proc.stdout and "top-k 1% + EF" in proc.stdout
 
 
+@pytest.mark.torch  # trains or probes torch
 @pytest.mark.slow
 def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skipped():
     # Prepare: a low target so both runs reach it within a few steps
@@ -86,3 +88,30 @@ def test_bench_rejects_bad_settings_before_starting_anything(script, args, messa
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_run():
+    # Prepare / Execute: a 4 MB parameter set, 2 rounds per side
+    proc = run_bench("ps_exchange.py", "--mb", "4", "--rounds", "2")
+
+    # Assert: the keys the issue names, each a measured positive figure
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "ps_exchange" and result["mb"] == 4
+    for key in ("ratio", "wire_efficiency", "tls_vs_plaintext", "ps_s", "ps_plaintext_s", "gloo_s"):
+        assert result[key] > 0
+    assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
+    assert isinstance(result["native_tls"], bool)
+
+
+@pytest.mark.slow
+def test_obs_overhead_bench_ends_with_overhead_and_scrape_p95():
+    # Prepare / Execute
+    proc = run_bench("obs_overhead.py", "--quick")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "obs_overhead" and result["processes"] == 16
+    assert result["overhead"] >= 0 and result["scrape_p95_s"] > 0

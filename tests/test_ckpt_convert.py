@@ -138,6 +138,7 @@ def test_round_trip_torch_paddle_torch_is_bitwise(tmp_path):
         assert a.equal(b), name
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_unknown_layer_layout_fails_naming_the_tensor(tmp_path):
     import torch
 
@@ -152,6 +153,7 @@ def test_unknown_layer_layout_fails_naming_the_tensor(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_cli_convert_writes_target_checkpoint_and_reports_bad_target(tmp_path):
     save_checkpoint(tmp_path / "torch", 4, trained_torch())
     runner = CliRunner()

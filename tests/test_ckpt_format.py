@@ -112,6 +112,7 @@ def test_refused_optimizer_load_leaves_the_model_unchanged(tmp_path, framework):
         np.testing.assert_array_equal(after[name], arr, err_msg=name)
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_files_are_plain_safetensors_and_json(tmp_path):
     info = save_checkpoint(tmp_path, 1, make_model("torch"), tensors=sample_tensors())
 
@@ -149,6 +150,7 @@ def test_flipped_byte_is_reported_by_verify_as_a_sha256_mismatch(tmp_path):
     assert "sha256 mismatch (corrupt file)" in results[2].problem
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_manifest_records_zlib_crc32_and_sha256_of_every_file(tmp_path):
     info = save_checkpoint(tmp_path, 1, make_model("torch"), tensors=sample_tensors())
 

@@ -32,6 +32,7 @@ def _job(tmp_path, framework: str, **sections) -> str:
     return str(path)
 
 
+@pytest.mark.torch  # trains or probes torch
 @pytest.mark.slow
 def test_check_json_reports_documented_keys_and_a_real_all_reduce_for_both_frameworks(capsys):
     # Prepare / Execute

@@ -29,6 +29,7 @@ def _variant(tmp_path, name: str, change) -> str:
     return str(write_lock(lock, tmp_path / name))
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_lock_records_this_machine_and_hash_ignores_host_and_time(machine_lock):
     # Prepare
     lock = copy.deepcopy(machine_lock)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -13,11 +12,13 @@ import yaml
 
 from hybridfleet.cli.app import main
 from hybridfleet.errors import SpecError
+from hybridfleet.k8s.common import RenderOptions
+from hybridfleet.k8s.credentials import CredentialSource
 from hybridfleet.k8s.render import render_job_file, write_manifests
+from tests.kubeflow_schemas import crd_schema
 
 K8S_VERSION = "1.30.0"
-SCHEMAS = Path(__file__).parent / "schemas" / "kubeflow"
-CRD_FILES = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "PaddleJob": "kubeflow.org_paddlejobs.yaml"}
+PLACEHOLDERS = RenderOptions(credentials=CredentialSource(placeholders=True))
 DIGEST = "sha256:" + "ab" * 32
 
 PS_JOB = {
@@ -43,16 +44,9 @@ def _write_job(tmp_path: Path, job: dict) -> Path:
     return path
 
 
-@functools.cache
-def _crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((SCHEMAS / CRD_FILES[kind]).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
-
-
 def _validate(manifest: dict) -> None:
-    if manifest["apiVersion"].startswith("kubeflow.org/"):
-        jsonschema.validate(manifest, _crd_schema(manifest["kind"]))
+    if manifest["apiVersion"].startswith(("kubeflow.org/", "trainer.kubeflow.org/")):
+        jsonschema.validate(manifest, crd_schema(manifest["kind"]))
     else:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
@@ -66,25 +60,26 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     job = _write_job(tmp_path, PS_JOB)
 
     # Execute
-    manifests = render_job_file(job)
+    manifests = render_job_file(job, PLACEHOLDERS)
 
     # Assert
     for manifest in manifests:
         _validate(manifest)
     kinds = [m["kind"] for m in manifests]
     assert kinds.count("Job") == 2 and kinds.count("StatefulSet") == 1 and kinds.count("Service") == 1
-    assert kinds.count("Secret") == 2 and kinds.count("ConfigMap") == 1
+    assert kinds.count("Secret") == 3 and kinds.count("ConfigMap") == 1  # the shards' and one per site
     (service,) = _by_kind(manifests, "Service")
     assert service["spec"]["clusterIP"] == "None"
     (shards,) = _by_kind(manifests, "StatefulSet")
     assert shards["spec"]["replicas"] == 2
     shard = shards["spec"]["template"]["spec"]["containers"][0]
     assert shard["command"] == ["hfleet", "ps", "serve", "/etc/hfleet/job/job.yaml", "--shard", "$(HFLEET_SHARD)",
-                                "--host", "0.0.0.0", "--port", "50051", "--bulk-port", "50052",
-                                "--certs", "/etc/hfleet/certs"]
+                                "--host", "0.0.0.0", "--port", "50051", "--expected-workers", "5",
+                                "--bulk-port", "50052", "--certs", "/etc/hfleet/certs"]
     assert [p["port"] for p in service["spec"]["ports"]] == [50051, 50052]
     assert [p["containerPort"] for p in shard["ports"]] == [50051, 50052]
-    assert shard["resources"]["limits"] == {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1}
+    # shards aggregate on the CPU: resources.gpus is for the workers only
+    assert shard["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
     jobs = {j["metadata"]["name"]: j for j in _by_kind(manifests, "Job")}
     hospital = jobs["digits-hybrid-worker-hospital-a"]
     assert hospital["spec"]["completionMode"] == "Indexed" and hospital["spec"]["completions"] == 2
@@ -93,8 +88,9 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
         "hfleet", "worker", "/etc/hfleet/job/job.yaml", "--site", "hospital_a", "--site-rank", "$(JOB_COMPLETION_INDEX)",
         "--servers", "digits-hybrid-ps-0.digits-hybrid-ps:50051,digits-hybrid-ps-1.digits-hybrid-ps:50051",
         "--certs", "/etc/hfleet/certs"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     token = [e for e in worker["env"] if e["name"] == "HFLEET_TOKEN"][0]
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "digits-hybrid-tokens", "key": "worker-hospital_a"}
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "digits-hybrid-creds-hospital-a", "key": "token"}
     volumes = {v["name"]: v for v in hospital["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
@@ -107,7 +103,7 @@ def test_ps_job_on_grpc_only_renders_no_bulk_port(tmp_path):
     job = _write_job(tmp_path, {**PS_JOB, "ps": {**PS_JOB["ps"], "transport": "grpc"}})
 
     # Execute
-    manifests = render_job_file(job)
+    manifests = render_job_file(job, PLACEHOLDERS)
 
     # Assert
     for manifest in manifests:
@@ -119,19 +115,39 @@ def test_ps_job_on_grpc_only_renders_no_bulk_port(tmp_path):
     assert [p["port"] for p in service["spec"]["ports"]] == [50051]
 
 
-def test_rendered_secrets_hold_placeholders_and_a_comment_on_filling_them(tmp_path):
+def test_placeholder_secrets_only_when_asked_and_with_a_comment_naming_the_certs_command(tmp_path):
     # Execute
-    paths = write_manifests(render_job_file(_write_job(tmp_path, PS_JOB)), tmp_path / "out")
+    paths = write_manifests(render_job_file(_write_job(tmp_path, PS_JOB), PLACEHOLDERS), tmp_path / "out",
+                            howto="Placeholders: see `hfleet certs init certs/ --host x`")
 
     # Assert
     secret_files = [p for p in paths if "-secret-" in p.name]
-    assert len(secret_files) == 2
+    assert len(secret_files) == 3
     for path in secret_files:
         text = path.read_text()
-        assert text.startswith("# Fill before applying:")
-        assert "hfleet certs" in text
+        assert text.startswith("# Placeholders:")
         assert "BEGIN" not in text  # no PEM material
         assert all(v.startswith("REPLACE-") for v in yaml.safe_load(text)["stringData"].values())
+        assert path.stat().st_mode & 0o077 == 0
+
+
+def test_cli_without_certs_or_placeholders_refuses_and_writes_nothing(tmp_path, capsys):
+    # Execute
+    with pytest.raises(SystemExit) as exit_info:
+        main(["k8s", "render", str(_write_job(tmp_path, PS_JOB)), "-o", str(tmp_path / "out")])
+
+    # Assert
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pass --certs DIR" in err and "--placeholders" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_placeholder_secret_comment_gives_the_certs_init_command_with_the_service_names(tmp_path, capsys):
+    main(["k8s", "render", str(_write_job(tmp_path, PS_JOB)), "-o", str(tmp_path / "out"), "--placeholders"])
+    text = next((tmp_path / "out").glob("*-secret-*-creds-ps.yaml")).read_text()
+    assert ("hfleet certs init certs/ --host digits-hybrid-ps-0.digits-hybrid-ps "
+            "--host digits-hybrid-ps-1.digits-hybrid-ps") in text
 
 
 @pytest.mark.parametrize(("framework", "kind", "replica_key"),
@@ -159,6 +175,7 @@ def test_elastic_torch_job_carries_an_elastic_policy(tmp_path):
     _validate(job)
     assert job["spec"]["elasticPolicy"]["minReplicas"] == 2
     assert job["spec"]["elasticPolicy"]["maxReplicas"] == 4
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]  # the operator's webhook wants Worker for elastic
 
 
 def test_image_is_pinned_by_the_digest_in_the_lock(tmp_path):
@@ -167,7 +184,7 @@ def test_image_is_pinned_by_the_digest_in_the_lock(tmp_path):
     job = {**PS_JOB, "environment": {"image": "registry.example.com:5000/hfleet/digits:1.0", "lock": "hfleet.lock.json"}}
 
     # Execute
-    manifests = render_job_file(_write_job(tmp_path, job))
+    manifests = render_job_file(_write_job(tmp_path, job), PLACEHOLDERS)
 
     # Assert
     images = {c["image"] for m in manifests if m["kind"] in ("Job", "StatefulSet")
@@ -176,13 +193,12 @@ def test_image_is_pinned_by_the_digest_in_the_lock(tmp_path):
 
 
 def test_image_without_digest_stays_as_named(tmp_path):
-    manifests = render_job_file(_write_job(tmp_path, PS_JOB))
+    manifests = render_job_file(_write_job(tmp_path, PS_JOB), PLACEHOLDERS)
     (shards,) = _by_kind(manifests, "StatefulSet")
     assert shards["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/hfleet/digits:1.0"
 
 
 @pytest.mark.parametrize(("environment", "lock", "message"), [
-    ({}, None, "environment.image: k8s render needs an image"),
     ({"image": "r/x:1", "lock": "missing.json"}, None, "environment.lock: no such file"),
     ({"image": "r/x:1", "lock": "l.json"}, {"image_digest": "sha256:zz"}, "image_digest must be sha256:<64 hex>"),
 ])
@@ -194,7 +210,7 @@ def test_bad_image_settings_are_errors_naming_the_field_and_write_nothing(tmp_pa
 
     # Execute
     with pytest.raises(SystemExit) as exit_info:
-        main(["k8s", "render", str(job), "-o", str(tmp_path / "out")])
+        main(["k8s", "render", str(job), "-o", str(tmp_path / "out"), "--placeholders"])
 
     # Assert
     assert exit_info.value.code == 2
@@ -210,12 +226,12 @@ def test_invalid_job_file_is_a_spec_error_naming_the_field(tmp_path):
 
 def test_cli_writes_one_file_per_object_and_lists_them(tmp_path, capsys):
     # Execute
-    main(["k8s", "render", str(_write_job(tmp_path, PS_JOB)), "-o", str(tmp_path / "out")])
+    main(["k8s", "render", str(_write_job(tmp_path, PS_JOB)), "-o", str(tmp_path / "out"), "--placeholders"])
 
     # Assert
     written = sorted(str(p) for p in (tmp_path / "out").glob("*.yaml"))
     assert capsys.readouterr().out.split() == written
-    assert len(written) == 7
+    assert len(written) == 8
     for path in written:
         _validate(yaml.safe_load(Path(path).read_text()))
 
@@ -230,26 +246,21 @@ def test_schema_check_rejects_a_malformed_kubeflow_job(tmp_path):
         _validate(job)
 
 
+def test_every_rendered_pod_template_is_annotated_for_prometheus_and_serves_metrics(tmp_path):
+    # Prepare
+    from hybridfleet.k8s.render import render_job_file
+    from hybridfleet.k8s.scrape import METRICS_PORT, _pod_templates
 
-def test_rendered_ps_commands_are_accepted_by_the_hfleet_cli(tmp_path):
-    """The container commands must name options `hfleet ps serve` / `hfleet worker` really have."""
-    import typer.main
-
-    from hybridfleet.cli.app import app
-
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(PS_JOB))
-    manifests = render_job_file(job)
-    commands = [c["command"] for m in manifests if m["kind"] in ("StatefulSet", "Job")
-                for c in m["spec"]["template"]["spec"]["containers"]]
-    assert len(commands) == 3
-    cli = typer.main.get_command(app)
-    for command in commands:
-        args = [str(job) if a == "/etc/hfleet/job/job.yaml" else "1" if a.startswith("$(") else a
-                for a in command[1:]]
-        ctx = cli.make_context("hfleet", list(args))
-        cmd = cli.get_command(ctx, args[0])
-        rest = args[1:]
-        if hasattr(cmd, "get_command"):  # a group: ps serve
-            cmd, rest = cmd.get_command(ctx, rest[0]), rest[1:]
-        cmd.make_context(args[0], rest)  # raises on an unknown option or a bad value
+    manifests = render_job_file(_write_job(tmp_path, PS_JOB), PLACEHOLDERS) + render_job_file(
+        _write_job(tmp_path, _collective_job("torch")))
+    # Execute
+    templates = [t for m in manifests for t in _pod_templates(m)]
+    # Assert
+    assert templates
+    for t in templates:
+        assert t["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert t["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
+        assert t["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+        for c in t["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["HFLEET_METRICS_PORT"] == str(METRICS_PORT) and env["HFLEET_METRICS_HOST"] == "0.0.0.0"

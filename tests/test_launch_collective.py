@@ -149,6 +149,7 @@ def test_group_pids_finds_tagged_processes_only_while_they_live(tmp_path):
     assert group_pids("tag-under-test") == []
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_script_arguments_pass_through_untouched_even_when_they_look_like_launch_flags(tmp_path):
     # Prepare: a one-process torch script that records its argv and the launcher's settings
     script = tmp_path / "argv.py"

@@ -126,6 +126,7 @@ def test_missing_framework_exits_3_from_the_cli(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_missing_script_is_an_error_and_creates_no_log_dir(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["launch", "--framework", "torch", "--log-dir", str(tmp_path / "logs"), str(tmp_path / "nope.py")])
@@ -134,6 +135,7 @@ def test_missing_script_is_an_error_and_creates_no_log_dir(tmp_path, capsys):
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.torch  # trains or probes torch
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -180,6 +182,7 @@ def test_elastic_torch_launch_uses_c10d_rendezvous(tmp_path):
     assert {"--nnodes=1:3", "--rdzv-backend=c10d", "--rdzv-endpoint=h:5"} <= set(cmd)
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_unreachable_master_stops_the_launch_before_any_log_dir_exists(tmp_path):
     # Prepare
     script = tmp_path / "train.py"

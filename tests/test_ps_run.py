@@ -85,6 +85,7 @@ def _kill_when_round(reached: int, victim: str, killed: dict):
     return hook
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_bsp_run_completes_when_a_worker_is_sigkilled_for_good(tmp_path):
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=0, train__steps=200, train__site_baselines=False)
     spec = load_spec(job)
@@ -100,6 +101,7 @@ def test_bsp_run_completes_when_a_worker_is_sigkilled_for_good(tmp_path):
     assert summary["test_accuracy"] >= 0.9
 
 
+@pytest.mark.torch  # trains or probes torch
 def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_path):
     job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__steps=200, train__site_baselines=False)
     spec = load_spec(job)

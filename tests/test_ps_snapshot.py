@@ -99,6 +99,7 @@ def test_replay_is_still_rejected_after_a_restore(tmp_path):
         cluster.stop()
 
 
+@pytest.mark.torch  # trains or probes torch
 @pytest.mark.slow
 def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_path):
     from hybridfleet.launch.psjob import run_ps_job

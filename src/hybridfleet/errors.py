@@ -131,6 +131,12 @@ class DataError(HfleetError, ValueError):
     kind = "data"
 
 
+class ReportError(HfleetError, ValueError):
+    """A run directory is missing or is not a run (`hfleet report`, `hfleet ui`)."""
+
+    kind = "report"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -147,9 +153,10 @@ EXIT_CODES: dict[str, ExitCode] = {
     "store": ExitCode(12, "check the storage URL, credentials and endpoint"),
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
     "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
+    "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
     "usage": ExitCode(2, "see `hfleet COMMAND --help` for the accepted values"),
-    "port_in_use": ExitCode(15, "stop the process holding the port, or choose another port (0 takes any free one)"),
-    "unreachable": ExitCode(16, "check the address, that the peer is running, and that no firewall blocks the port"),
+    "port_in_use": ExitCode(16, "stop the process holding the port, or choose another port (0 takes any free one)"),
+    "unreachable": ExitCode(17, "check the address, that the peer is running, and that no firewall blocks the port"),
     "interrupted": ExitCode(130, "interrupted; run the command again to start over"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
 }

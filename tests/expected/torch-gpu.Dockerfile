@@ -20,7 +20,7 @@ RUN python -m pip install \
       numpy==2.4.6 \
       pyyaml==6.0.4
 COPY . /workspace
-RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install --no-deps /workspace; fi
+RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install /workspace; fi
 ENV HFLEET_IMAGE_LOCK_HASH=00b27531f15632e9c7bfe1fa73139666d9e55cc83b4c1f2fedd91e9460d2da00 \
     HFLEET_IMAGE=hfleet/torch:00b27531f156-torch2.13.0-cuda13.0
 LABEL io.hybridfleet.lock-hash="00b27531f15632e9c7bfe1fa73139666d9e55cc83b4c1f2fedd91e9460d2da00" \

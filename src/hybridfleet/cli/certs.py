@@ -20,7 +20,9 @@ group = typer.Typer(help="TLS certificates and signed tokens for real deployment
 def init(
     directory: Path = typer.Argument(..., help="directory to create the PKI in"),
     host: list[str] = typer.Option(
-        list(certs.DEFAULT_HOSTS), "--host", help="IP or DNS name the server is dialled at (repeat for each)"
+        list(certs.DEFAULT_HOSTS), "--host", "--san",
+        help="IP or DNS name the server is dialled at, a SubjectAltName (repeat for each; a placeholder Secret of "
+             "`hfleet k8s render` gives the command with the names its manifests dial)"
     ),
     client: list[str] = typer.Option(
         list(certs.DEFAULT_CLIENTS), "--client", help="client certificate name for mutual TLS (repeat for each)"

@@ -2,78 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from hybridfleet.env.dockerfile import RenderedImage, render_dockerfile
-from hybridfleet.env.images import base_version, resolve_base_image
-from hybridfleet.env.lock import make_lock, read_lock
-from hybridfleet.env.probe import FRAMEWORKS
+from hybridfleet.env.dockerfile import DOCKERIGNORE, RenderedImage
+from hybridfleet.env.image_request import image_request, render_request
 
 group = typer.Typer(help="Container images on the official PaddlePaddle / PyTorch base tags.", no_args_is_help=True)
 
 
-@dataclass
-class _Request:
-    framework: str
-    version: str | None
-    device: str
-    cuda: str | None
-    lock_path: str | None
-    name: str
-    registry: str | None
-
-
-def _request(job: str | None, framework: str | None, version: str | None, device: str | None,
-             cuda: str | None, lock: str | None) -> _Request:
-    if job:
-        from hybridfleet.spec import load_spec
-
-        spec = load_spec(job)
-        env = spec.environment
-        if framework and framework != spec.framework:
-            raise typer.BadParameter(f"{framework} differs from the job's framework {spec.framework}",
-                                     param_hint="--framework")
-        lock_path = lock or (str(Path(job).parent / env.lock) if env.lock and not Path(env.lock).is_absolute()
-                             else env.lock)
-        return _Request(spec.framework, version or env.version, device or env.device, cuda or env.cuda,
-                        lock_path, spec.name, env.registry)
-    if not framework:
-        raise typer.BadParameter("give a job file, or --framework with --version and --device", param_hint="JOB")
-    if framework not in FRAMEWORKS:
-        raise typer.BadParameter(f"must be one of {sorted(FRAMEWORKS)} (got {framework!r})", param_hint="--framework")
-    return _Request(framework, version, device or "cpu", cuda, lock, framework, None)
-
-
-def _installed_version(framework: str) -> str | None:
-    for dist in FRAMEWORKS[framework]["distributions"]:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _render(job, framework, version, device, cuda, lock, mirror) -> RenderedImage:
-    req = _request(job, framework, version, device, cuda, lock)
-    if req.lock_path:
-        lock_data, lock_source = read_lock(req.lock_path), Path(req.lock_path).name
-    else:
-        lock_data, lock_source = make_lock(), "this machine (no lock file given)"
-    locked = lock_data["frameworks"].get(req.framework, {}).get("version")
-    chosen = req.version or locked or _installed_version(req.framework)
-    if chosen is None:
-        raise typer.BadParameter(f"{req.framework} is neither in the lock nor installed; give its version",
-                                 param_hint="--version")
-    locked_cuda = lock_data["frameworks"].get(req.framework, {}).get("cuda")
-    wanted_cuda = req.cuda or (".".join(locked_cuda.split(".")[:2]) if locked_cuda and req.device == "gpu" else None)
-    base = resolve_base_image(req.framework, base_version(chosen), req.device, wanted_cuda,
-                              python=lock_data["python"]["minor"], mirror=mirror)
-    return render_dockerfile(lock_data, base, name=req.name, registry=req.registry, lock_source=lock_source)
+    return render_request(image_request(job, framework, version, device, cuda, lock), mirror)
 
 
 _JOB = typer.Argument(None, help="job file; its environment section supplies the defaults")
@@ -95,12 +36,21 @@ def render(
     output: Optional[str] = typer.Option(None, "--output", "-o", help="write the Dockerfile here (default: stdout)"),
     lock: Optional[str] = _LOCK,
     mirror: bool = _MIRROR,
+    tag_only: bool = typer.Option(False, "--tag-only", help="print only the image tag (for scripts: "
+                                                            "`hfleet k8s render JOB --image \"$(...)\"`)"),
 ) -> None:
-    """Render a Dockerfile on the official base image, pinned to a lock; print the image tag."""
+    """Render a Dockerfile on the official base image, pinned to a lock; print the image tag.
+
+    With -o, the build-context exclusions are written next to it as ``<output>.dockerignore``.
+    """
     rendered = _render(job, framework, version, device, cuda, lock, mirror)
+    if tag_only:
+        typer.echo(rendered.tag)
+        return
     if output:
         Path(output).write_text(rendered.dockerfile)
-        typer.echo(f"wrote {output}")
+        Path(f"{output}.dockerignore").write_text(DOCKERIGNORE)
+        typer.echo(f"wrote {output} and {output}.dockerignore")
         typer.echo(f"image tag: {rendered.tag}")
     else:
         typer.echo(rendered.dockerfile, nl=False)
@@ -117,14 +67,16 @@ def build(
     lock: Optional[str] = _LOCK,
     mirror: bool = _MIRROR,
     context: str = typer.Option(".", "--context", help="build context: the project directory to copy in"),
+    tag: Optional[str] = typer.Option(None, "--tag", "-t", help="tag the image as this (default: the lock-derived tag)"),
 ) -> None:
     """Render the Dockerfile and run `docker build` with it (needs a Docker engine)."""
     from hybridfleet.env.docker import build_image, require_docker_engine
 
-    require_docker_engine()
     rendered = _render(job, framework, version, device, cuda, lock, mirror)
-    build_image(rendered.dockerfile, rendered.tag, context, on_line=typer.echo)
-    typer.echo(f"built {rendered.tag}")
+    require_docker_engine()
+    name = tag or rendered.tag
+    build_image(rendered.dockerfile, name, context, on_line=typer.echo, dockerignore=DOCKERIGNORE)
+    typer.echo(f"built {name}")
 
 
 def register(app: typer.Typer) -> None:

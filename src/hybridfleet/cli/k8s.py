@@ -1,8 +1,9 @@
-"""`hfleet k8s`: Kubernetes / Kubeflow manifests."""
+"""`hfleet k8s`: Kubernetes / Kubeflow manifests, and the plain-host bundle of a site without Kubernetes."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -13,12 +14,56 @@ group = typer.Typer(help="Kubernetes / Kubeflow manifests.", no_args_is_help=Tru
 def render(
     job: Path = typer.Argument(..., help="job file (YAML)"),
     out_dir: Path = typer.Option(Path("k8s"), "--out", "-o", help="directory for the manifests"),
+    image: Optional[str] = typer.Option(None, "--image", help="image for every pod (default: environment.image, "
+                                                              "else the tag `hfleet image render JOB` prints)"),
+    api: str = typer.Option("v1", "--api", help="collective torch jobs: v1 (PyTorchJob) or v2 (Trainer TrainJob)"),
+    site: Optional[str] = typer.Option(None, "--site", help="render only this site's bundle (hybrid topology); "
+                                                            "the shard site's bundle also holds the shards"),
+    shard_site: Optional[str] = typer.Option(None, "--shard-site", help="the site whose cluster runs the shards "
+                                                                        "(default: 'cloud', else the first site)"),
+    external_name: List[str] = typer.Option([], "--external-name", help="DNS name other sites dial for shard i "
+                                                                        "(repeat once per shard, in shard order)"),
+    certs: Optional[Path] = typer.Option(None, "--certs", help="`hfleet certs init` directory: Secrets get real values"),
+    placeholders: bool = typer.Option(False, "--placeholders", help="write REPLACE-with-... Secret values "
+                                                                    "(to fill in later) instead of --certs"),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="volcano: gang-schedule all pods of the job"),
+    plain_host: bool = typer.Option(False, "--plain-host", help="with --site: a bundle for machines without "
+                                                                "Kubernetes (scripts + systemd units), not manifests"),
 ) -> None:
-    """Render JOB as Kubernetes manifests: Kubeflow PyTorchJob/PaddleJob (collective) or StatefulSet + Jobs (ps)."""
-    from hybridfleet.k8s.render import render_job_file, write_manifests
+    """Render JOB as Kubernetes manifests (one file per object), or one site's plain-host bundle."""
+    from hybridfleet.k8s.common import RenderOptions
+    from hybridfleet.k8s.credentials import CredentialSource
 
-    for path in write_manifests(render_job_file(job), out_dir):
+    options = RenderOptions(image=image, api=api, site=site, shard_site=shard_site, external_names=tuple(external_name),
+                            credentials=CredentialSource(certs, placeholders), scheduler=scheduler)
+    if plain_host:
+        from hybridfleet.k8s.hostbundle import write_host_bundle
+
+        paths = write_host_bundle(job, options, out_dir)
+    else:
+        from hybridfleet.k8s.render import render_to_dir
+
+        paths = render_to_dir(job, options, out_dir)
+    for path in paths:
         typer.echo(str(path))
+
+
+@group.command("quota")
+def quota(
+    job: Path = typer.Argument(..., help="job file (YAML)"),
+    namespace: str = typer.Option("team-a", "--namespace", help="the team's namespace"),
+    jobs: int = typer.Option(1, "--jobs", help="how many such jobs may run at once in the namespace"),
+) -> None:
+    """Print a ResourceQuota + LimitRange example for a team namespace sized for JOB."""
+    import yaml
+
+    from hybridfleet.k8s.render import load_job
+    from hybridfleet.k8s.scheduling import job_pods, team_quota
+
+    if jobs < 1:
+        raise typer.BadParameter(f"must be >= 1 (got {jobs})", param_hint="--jobs")
+    spec, _ = load_job(job)
+    typer.echo(yaml.safe_dump_all(team_quota(spec, job_pods(spec) * jobs, namespace), sort_keys=False), nl=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -19,7 +19,8 @@ def launch_command(
     node_rank: int = typer.Option(None, "--node-rank", help="this node's rank (default 0 on one node; paddle assigns it)"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the whole group this many times"),
     log_dir: Path = typer.Option(None, "--log-dir", help="per-rank logs; default runs/launch-<time>"),
-    ckpt_dir: Path = typer.Option(None, "--ckpt-dir", help="HFLEET_CKPT_DIR; default <log-dir>/ckpt"),
+    ckpt_dir: str = typer.Option(None, "--ckpt-dir", help="HFLEET_CKPT_DIR: a directory or a store URL "
+                                                        "(s3://bucket/prefix); default <log-dir>/ckpt"),
     device: str = typer.Option("auto", "--device", help="auto (framework default), cpu (gloo) or gpu (one per process)"),
     connect_timeout_s: float = typer.Option(60.0, "--connect-timeout-s", help="how long a node waits for the master"),
 ) -> None:

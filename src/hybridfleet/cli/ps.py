@@ -42,6 +42,11 @@ def serve(
         port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
     server = start_shard(spec, shard, host, port, server_security(spec, certs, insecure_plaintext, no_auth),
                          expected_workers, snapshot_store, bulk_port=bulk_port)
+    from hybridfleet.obs.metrics import serve_from_env
+    from hybridfleet.obs.psmetrics import watch_shard
+
+    watch_shard(server.state)
+    serve_from_env()  # before the port file: `hfleet run` waits for that file, then expects metrics
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{host}:{server.port}\n")

@@ -14,7 +14,13 @@ from hybridfleet.spec import load_spec
 
 def run(
     job: str = typer.Argument(..., help="the job file"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="do not echo process logs or the supervisor's event lines"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no live view and no event lines, only the summary (and warnings)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="also echo every process's log lines "
+                                 "(they always go to RUN_DIR/logs/)"),
+    metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="serve Prometheus metrics from every process "
+                                 "and write RUN_DIR/prometheus/targets.json"),
+    scalars: str = typer.Option("auto", "--scalars", help="where reported values also go: auto (TensorBoard for "
+                                "torch, VisualDL for paddle, if installed), tensorboard, visualdl or off"),
     no_baselines: bool = typer.Option(False, "--no-baselines", help="skip the single-site comparison runs"),
     run_root: str = typer.Option(None, help="where run directories go (default: the job's run_dir)"),
 ) -> None:
@@ -27,10 +33,19 @@ def run(
     if spec.mode != "ps":
         raise LaunchError("hfleet run starts parameter-server jobs; for mode: collective use `hfleet launch`",
                           hint="run `hfleet launch --framework F --nproc-per-node N SCRIPT` for a collective job")
-    from hybridfleet.launch.psjob import run_ps_job
+    import os
 
-    summary = run_ps_job(spec, job, echo=not quiet, run_root=run_root, baselines=False if no_baselines else None)
+    from hybridfleet.launch.psjob import run_ps_job
+    from hybridfleet.obs.scalars import ENV_SCALARS, resolve_writer
+
+    resolve_writer(scalars, spec.framework)  # refuse an unknown or uninstalled writer before starting anything
+    os.environ[ENV_SCALARS] = scalars
+    summary = run_ps_job(spec, job, echo=verbose, show_progress=not quiet, run_root=run_root,
+                         baselines=False if no_baselines else None, metrics=metrics,
+                         log_to_file=not verbose)
     _print_summary(summary)
+    if not verbose and summary["status"] != "completed":
+        _print_failed_logs(summary)
     if summary["status"] == "failed":
         raise LaunchError(f"job {spec.name} failed; exit codes {summary['exit_codes']}; logs in {summary['run_dir']}/logs",
                           hint=f"the failing process's log in {summary['run_dir']}/logs ends with its error")
@@ -52,6 +67,22 @@ def _print_summary(summary: dict) -> None:
     table.add_row("wall time (s)", f"{summary['wall_s']}")
     console.print(table)
     console.print(f"summary: {summary['run_dir']}/summary.json")
+    if summary.get("report"):
+        console.print(f"report: {summary['report']}")
+
+
+def _print_failed_logs(summary: dict, lines: int = 20) -> None:
+    """The last log lines of every process that did not exit 0 (logs are not echoed without --verbose)."""
+    from pathlib import Path
+
+    console = Console(stderr=True)
+    for name, code in sorted(summary["exit_codes"].items()):
+        path = Path(summary["run_dir"]) / "logs" / f"{name}.log"
+        if code == 0 or not path.is_file():
+            continue
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        console.print(f"--- {name} exited {code}; last {len(tail)} lines of {path} ---", markup=False)
+        console.print("\n".join(tail), markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

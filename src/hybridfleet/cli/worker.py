@@ -55,14 +55,31 @@ def worker(
     if insecure_plaintext:
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:
-        from hybridfleet.security import load_pki
-
-        pki = load_pki(certs)
-        env["HFLEET_CA_CERT"] = str(pki.ca_cert)
-        if spec.security.mutual_tls and "worker" in pki.clients:
-            env["HFLEET_CLIENT_CERT"], env["HFLEET_CLIENT_KEY"] = map(str, (pki.clients["worker"].cert,
-                                                                            pki.clients["worker"].key))
+        env.update(_client_tls_files(certs, site, spec.security.mutual_tls))
     os.execve(sys.executable, [sys.executable, spec.entrypoint, *spec.args], env)
+
+
+def _client_tls_files(certs: Path, site: str, mutual_tls: bool) -> dict[str, str]:
+    """``HFLEET_CA_CERT`` (and the site's client certificate under mutual TLS) from a certs directory.
+
+    A worker needs only ``ca.pem`` (plus ``client-<site>.pem``/``.key``, or the generic
+    ``client-worker`` pair, with mutual TLS): never the shards' server key.
+    """
+    from hybridfleet.errors import AuthError
+    from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX
+
+    ca = certs / CA_CERT
+    if not ca.is_file():
+        raise AuthError(f"--certs {certs}: no {CA_CERT}; copy the CA certificate from `hfleet certs init` there")
+    files = {"HFLEET_CA_CERT": str(ca)}
+    if not mutual_tls:
+        return files
+    for name in (site, "worker"):
+        cert, key = certs / f"{CLIENT_PREFIX}{name}.pem", certs / f"{CLIENT_PREFIX}{name}.key"
+        if cert.is_file() and key.is_file():
+            return {**files, "HFLEET_CLIENT_CERT": str(cert), "HFLEET_CLIENT_KEY": str(key)}
+    raise AuthError(f"--certs {certs}: the job uses mutual TLS but holds no {CLIENT_PREFIX}{site}.pem/.key; "
+                    f"make one with `hfleet certs init DIR --client {site}`")
 
 
 def register(app: typer.Typer) -> None:

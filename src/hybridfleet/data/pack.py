@@ -101,7 +101,8 @@ def _column_info(field: pa.Field, shapes: dict[str, list[int]]) -> ColumnInfo:
     value = t.value_type if pa.types.is_fixed_size_list(t) else t
     dtype = None
     if pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value):
-        dtype = np.dtype(value.to_pandas_dtype()).str
+        # an empty array's numpy dtype: DataType.to_pandas_dtype imports pandas on pyarrow 25 (Python 3.10)
+        dtype = pa.array([], type=value).to_numpy(zero_copy_only=False).dtype.str
     shape = shapes.get(field.name) or ([t.list_size] if pa.types.is_fixed_size_list(t) else [])
     return ColumnInfo(name=field.name, arrow_type=str(t), dtype=dtype, shape=shape)
 

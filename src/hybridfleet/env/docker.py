@@ -35,7 +35,7 @@ def require_docker_engine(timeout_s: float = DOCKER_INFO_TIMEOUT_S) -> str:
 
 
 def build_image(dockerfile: str, tag: str, context_dir: str | Path,
-                on_line: Callable[[str], None] | None = None) -> None:
+                on_line: Callable[[str], None] | None = None, dockerignore: str | None = None) -> None:
     """Build ``dockerfile`` (text) as ``tag`` with ``context_dir`` as the build context.
 
     Checks the engine first (DockerUnavailableError, nothing written); streams
@@ -49,6 +49,8 @@ def build_image(dockerfile: str, tag: str, context_dir: str | Path,
     with tempfile.TemporaryDirectory(prefix="hfleet-build-") as tmp:
         path = Path(tmp) / "Dockerfile"
         path.write_text(dockerfile)
+        if dockerignore is not None:  # BuildKit reads <Dockerfile>.dockerignore beside the Dockerfile
+            Path(f"{path}.dockerignore").write_text(dockerignore)
         proc = subprocess.Popen([exe, "build", "-f", str(path), "-t", tag, str(context)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None

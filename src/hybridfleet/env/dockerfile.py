@@ -1,9 +1,13 @@
 """Render a Dockerfile on an official base image from a lock, and the image tag.
 
-The Dockerfile pins every locked distribution except those the base image
+The Dockerfile pins the locked distributions hybridfleet needs at run time
+(`hybridfleet.env.runtime_deps`: no test tools), except those the base image
 brings (the framework and its CUDA libraries), the other framework's family
 (a job trains with one), and distributions installed from a local directory
-(they arrive with the copied project). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
+(they arrive with the copied project). A locked version the image's Python
+When the image runs another Python than the lock was made on (the Paddle images ship
+3.10), pins become caps (``name<=version``): pip installs the newest release up to the
+locked one that supports the image's Python (numpy 2.3+ needs 3.11). It sets ``HFLEET_IMAGE_LOCK_HASH`` so a
 running container can say which lock it was built from. Output is
 byte-for-byte deterministic: the same inputs give the same file and tag.
 """
@@ -11,6 +15,7 @@ byte-for-byte deterministic: the same inputs give the same file and tag.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +35,7 @@ class RenderedImage:
     tag: str
     requirements: list[str]
     left_out: dict[str, str]  # distribution -> why
+    python: str = ""  # the image's Python minor version
 
 
 def image_tag(lock_hash_hex: str, name: str, base: BaseImage, registry: str | None = None) -> str:
@@ -50,12 +56,22 @@ def _other_families(framework: str) -> set[str]:
     return {d for name, entry in table.items() if name != framework for d in entry["family"]}
 
 
+def image_python(lock: dict[str, Any], base: BaseImage) -> str:
+    """The Python minor version the image runs: the base image's, else (a plain Python image) the lock's."""
+    return base.python or lock["python"]["minor"]
+
+
 def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str], list[str], dict[str, str]]:
     """Split the lock's distributions into (pins to pip install, framework pins, left out with reasons).
 
     Framework pins are only non-empty when the framework is pip-installed on a
     plain Python image (torch on CPU); they then come from its own wheel index.
     """
+    from hybridfleet.env.runtime_deps import runtime_closure
+
+    python = image_python(lock, base)
+    exact = python == lock["python"]["minor"]
+    runtime = runtime_closure(python)
     local = set(lock.get("local_distributions", []))
     others = _other_families(base.framework)
     pins: list[str] = []
@@ -73,8 +89,12 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
             framework_pins.append(f"{name}=={base_version(version)}")
         elif name in base.provided or name.startswith(base.provided_prefixes):
             left_out[name] = "the base image provides it"
-        else:
+        elif runtime is not None and name not in runtime:
+            left_out[name] = "not needed at run time (a test or development tool)"
+        elif exact:
             pins.append(f"{name}=={version}")
+        else:  # made on another Python: the newest release up to the locked one that installs on the image's
+            pins.append(f"{name}<={version}")
     if base.pip_index and not any(p.startswith(f"{base.framework}==") for p in framework_pins):
         framework_pins.insert(0, f"{base.framework}=={base.version}")
     return pins, framework_pins, left_out
@@ -91,6 +111,7 @@ def _check_framework_matches(lock: dict[str, Any], base: BaseImage, lock_name: s
 
 
 def _continued(command: str, items: list[str]) -> list[str]:
+    items = [shlex.quote(item) for item in items]  # 'numpy<=2.4.6': < is a shell redirection
     lines = [f"RUN {command} \\"]
     lines += [f"      {item} \\" for item in items[:-1]]
     lines.append(f"      {items[-1]}")
@@ -124,7 +145,8 @@ def render_dockerfile(
         lines.append(f"# {base.framework} publishes no CPU image: official Python image + CPU wheels from {base.pip_index}")
     locked_python = lock["python"]["minor"]
     if base.python and base.python != locked_python:
-        lines.append(f"# note: the lock was made on Python {locked_python}; this base image runs Python {base.python}")
+        lines.append(f"# note: the lock was made on Python {locked_python}; this base image runs Python {base.python}, "
+                     "so versions are capped at the locked ones rather than pinned")
     for dist, why in sorted(left_out.items()):
         lines.append(f"# not pip-installed: {dist} ({why})")
     lines += [
@@ -141,10 +163,29 @@ def render_dockerfile(
         lines += _continued("python -m pip install", pins)
     lines += [
         "COPY . /workspace",
-        "RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install --no-deps /workspace; fi",
+        "RUN if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install /workspace; fi",
         f"ENV HFLEET_IMAGE_LOCK_HASH={lock['hash']} \\",
         f"    HFLEET_IMAGE={tag}",
         f"LABEL io.hybridfleet.lock-hash=\"{lock['hash']}\" \\",
         f"      io.hybridfleet.framework=\"{base.framework} {base.version} {base.flavour}\"",
     ]
-    return RenderedImage("\n".join(lines) + "\n", tag, framework_pins + pins, left_out)
+    return RenderedImage("\n".join(lines) + "\n", tag, framework_pins + pins, left_out, image_python(lock, base))
+
+
+# Build context entries the image must not copy (written as <Dockerfile>.dockerignore, which
+# BuildKit reads next to the Dockerfile, or .dockerignore at the context root).
+DOCKERIGNORE = """\
+.git
+.venv
+.venv*/
+**/__pycache__
+*.pyc
+runs/
+k8s/
+.pytest_cache/
+*.egg-info/
+build/
+dist/
+certs/
+**/*.key
+"""

@@ -57,10 +57,13 @@ def base_version(version: str) -> str:
 
 
 def published(framework: str) -> list[str]:
-    """Every published combination for ``framework`` as ``"<ver> cpu"`` / ``"<ver> gpu cuda<X.Y>"``."""
+    """Every published combination for ``framework`` as ``"<ver> cpu"`` / ``"<ver> gpu cuda<X.Y>"``,
+    newest version first (compared as versions: 2.10.0 is newer than 2.5.1)."""
+    from packaging.version import Version
+
     entry = load_table()["frameworks"][framework]
     out = []
-    for version, flavours in entry["versions"].items():
+    for version, flavours in sorted(entry["versions"].items(), key=lambda item: Version(item[0]), reverse=True):
         if flavours.get("cpu"):
             out.append(f"{version} cpu")
         out.extend(f"{version} gpu cuda{cuda}" for cuda in flavours.get("gpu", {}))

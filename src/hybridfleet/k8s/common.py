@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridfleet.errors import SpecError
 from hybridfleet.spec.models import JobSpec
@@ -18,6 +19,30 @@ PS_BULK_PORT = 50052  # the shard's bulk data plane (tensor bytes over TLS)
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 Manifest = dict[str, Any]
+APIS = ("v1", "v2")
+SCHEDULERS = ("volcano",)
+
+if TYPE_CHECKING:
+    from hybridfleet.k8s.credentials import CredentialSource
+
+
+def _no_credentials() -> "CredentialSource":
+    from hybridfleet.k8s.credentials import CredentialSource
+
+    return CredentialSource()
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """How to render: image, Kubeflow API, which site's bundle, external shard names, credentials, scheduler."""
+
+    image: str | None = None
+    api: str = "v1"
+    site: str | None = None  # None: every site in one cluster
+    shard_site: str | None = None  # the site whose cluster runs the shards (per-site rendering)
+    external_names: tuple[str, ...] = ()  # one per shard: the name other sites dial
+    credentials: "CredentialSource" = field(default_factory=_no_credentials)
+    scheduler: str | None = None
 
 
 def dns_name(*parts: str) -> str:
@@ -35,12 +60,12 @@ def metadata(spec: JobSpec, name: str, role: str) -> dict[str, Any]:
     return {"name": name, "labels": labels(spec, role)}
 
 
-def resolve_image(spec: JobSpec, base_dir: Path) -> str:
+def resolve_image(spec: JobSpec, base_dir: Path) -> str | None:
     """``environment.image``, pinned as ``repo@sha256:...`` when the lock file records a digest.
 
     The lock (``environment.lock``, relative to the job file) may hold ``image`` and/or
-    ``image_digest``; a digest inside ``image`` counts too. Raises `SpecError` when no image
-    is named or the lock is unreadable.
+    ``image_digest``; a digest inside ``image`` counts too. None when neither names an
+    image; raises `SpecError` when the lock is unreadable.
     """
     lock: dict[str, Any] = {}
     if spec.environment.lock:
@@ -54,7 +79,7 @@ def resolve_image(spec: JobSpec, base_dir: Path) -> str:
             raise SpecError(f"environment.lock: {lock_path} is not JSON ({err})") from None
     image = spec.environment.image or lock.get("image")
     if not image:
-        raise SpecError("environment.image: k8s render needs an image (repo:tag); build one from `hfleet image render`")
+        return None
     repo, _, embedded = image.partition("@")
     digest = lock.get("image_digest") or embedded or None
     if digest is None:
@@ -67,16 +92,32 @@ def resolve_image(spec: JobSpec, base_dir: Path) -> str:
     return f"{'/'.join(last)}@{digest}"
 
 
-def resources(spec: JobSpec) -> dict[str, Any]:
-    """Requests = limits from ``resources`` (guaranteed QoS), plus ``nvidia.com/gpu`` when GPUs are asked."""
-    amounts: dict[str, Any] = {"cpu": _cpu(spec.resources.cpu), "memory": spec.resources.memory}
-    if spec.resources.gpus:
-        amounts["nvidia.com/gpu"] = spec.resources.gpus
+def resources(spec: JobSpec, gpus: int | None = None) -> dict[str, Any]:
+    """Requests = limits from ``resources`` (guaranteed QoS), plus ``nvidia.com/gpu`` when GPUs are asked.
+
+    ``gpus`` overrides ``resources.gpus`` (shards compute on the CPU and ask for none).
+    """
+    amounts: dict[str, Any] = {"cpu": cpu_quantity(spec.resources.cpu), "memory": spec.resources.memory}
+    wanted = spec.resources.gpus if gpus is None else gpus
+    if wanted:
+        amounts["nvidia.com/gpu"] = wanted
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _cpu(cores: float) -> str:
+def cpu_quantity(cores: float) -> str:
+    """Cores as a Kubernetes quantity: ``2`` or ``500m``."""
     return str(int(cores)) if float(cores).is_integer() else f"{int(round(cores * 1000))}m"
+
+
+def remote_store(spec: JobSpec) -> bool:
+    """True when ``checkpoint.store`` is a URL other than ``file://`` (it outlives the pod)."""
+    store = spec.checkpoint.store
+    return "://" in store and not store.startswith("file://")
+
+
+def store_secret_name(spec: JobSpec) -> str:
+    """The optional Secret holding the checkpoint store's credentials, read as environment."""
+    return dns_name(spec.name, "store")
 
 
 def config_map(spec: JobSpec, job_text: str) -> Manifest:
@@ -85,8 +126,8 @@ def config_map(spec: JobSpec, job_text: str) -> Manifest:
             "data": {"job.yaml": job_text}}
 
 
-def volumes(spec: JobSpec, certs: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(pod volumes, container mounts): the job file, /dev/shm in memory, and the certificates."""
+def volumes(spec: JobSpec, credentials: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts): the job file, /dev/shm in memory, and the Secret ``credentials``."""
     vols: list[dict[str, Any]] = [
         {"name": "job", "configMap": {"name": dns_name(spec.name, "job")}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm}},
@@ -95,17 +136,25 @@ def volumes(spec: JobSpec, certs: bool) -> tuple[list[dict[str, Any]], list[dict
         {"name": "job", "mountPath": JOB_MOUNT_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    if certs:
-        vols.append({"name": "certs", "secret": {"secretName": dns_name(spec.name, "certs")}})
+    if credentials:
+        vols.append({"name": "certs", "secret": {"secretName": credentials}})
         mounts.append({"name": "certs", "mountPath": CERTS_DIR, "readOnly": True})
     return vols, mounts
 
 
 def container(spec: JobSpec, image: str, name: str, command: list[str], mounts: list[dict[str, Any]],
-              env: list[dict[str, Any]] | None = None, ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One container running ``command`` with the job's image, resources and mounts."""
-    body: dict[str, Any] = {"name": name, "image": image, "command": command, "resources": resources(spec),
-                            "volumeMounts": mounts}
+              env: list[dict[str, Any]] | None = None, ports: list[dict[str, Any]] | None = None,
+              resources_override: dict[str, int] | None = None) -> dict[str, Any]:
+    """One container running ``command`` with the job's image, resources and mounts.
+
+    When the job's checkpoint store is remote (``s3://...``), the container also reads the
+    optional Secret `store_secret_name` as environment (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``).
+    """
+    body: dict[str, Any] = {"name": name, "image": image, "command": command,
+                            "resources": resources(spec, **(resources_override or {})), "volumeMounts": mounts}
+    if remote_store(spec):
+        body["envFrom"] = [{"secretRef": {"name": store_secret_name(spec), "optional": True}}]
     if env:
         body["env"] = env
     if ports:

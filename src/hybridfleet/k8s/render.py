@@ -8,13 +8,15 @@ import yaml
 
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
-from hybridfleet.k8s.common import Manifest, config_map, resolve_image
-from hybridfleet.k8s.ps import SECRET_HOWTO, render_ps
+from hybridfleet.k8s.common import APIS, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
+from hybridfleet.k8s.ps import dialled_hosts, render_ps
+from hybridfleet.k8s.scrape import add_scrape_annotations
 from hybridfleet.spec.load import parse_spec
+from hybridfleet.spec.models import JobSpec
 
 
-def render_job_file(job_path: Path) -> list[Manifest]:
-    """Every manifest for the job in ``job_path`` (validated first; errors name the field)."""
+def load_job(job_path: Path) -> tuple[JobSpec, str]:
+    """The validated spec and the file's text (errors name the field)."""
     if not job_path.is_file():
         raise SpecError(f"{job_path}: no such job file")
     job_text = job_path.read_text()
@@ -22,24 +24,98 @@ def render_job_file(job_path: Path) -> list[Manifest]:
         data = yaml.safe_load(job_text)
     except yaml.YAMLError as err:
         raise SpecError(f"{job_path}: not valid YAML: {err}") from None
-    spec = parse_spec(data, str(job_path))
-    image = resolve_image(spec, job_path.parent)
-    body = render_collective(spec, image) if spec.mode == "collective" else render_ps(spec, image)
-    return [config_map(spec, job_text), *body]
+    return parse_spec(data, str(job_path)), job_text
 
 
-def write_manifests(manifests: list[Manifest], out_dir: Path) -> list[Path]:
-    """Write ``NN-kind-name.yaml`` files into ``out_dir``; Secrets get a comment on how to fill them."""
+def image_for(spec: JobSpec, job_path: Path, options: RenderOptions) -> str:
+    """``--image``, else the job's image (pinned by the lock's digest), else the tag `hfleet image render` gives."""
+    if options.image:
+        return options.image
+    named = resolve_image(spec, job_path.parent)
+    if named:
+        return named
+    from hybridfleet.env.image_request import render_image_for
+
+    try:
+        return render_image_for(str(job_path)).tag
+    except SpecError as err:
+        raise SpecError(f"environment.image: not set, and the tag `hfleet image render` would give is unknown "
+                        f"({err}); pass --image TAG or set environment.image") from None
+
+
+def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
+    """``options`` completed (the shard site) and checked against the job; SpecError naming the flag otherwise."""
+    if options.api not in APIS:
+        raise SpecError(f"--api: must be one of {', '.join(APIS)} (got {options.api!r})")
+    if options.scheduler is not None and options.scheduler not in SCHEDULERS:
+        raise SpecError(f"--scheduler: must be one of {', '.join(SCHEDULERS)} (got {options.scheduler!r})")
+    if spec.mode == "collective":
+        if options.site or options.external_names:
+            raise SpecError("--site/--external-name: only parameter-server jobs (mode: ps) are rendered per site")
+        return options
+    if options.api == "v2":
+        raise SpecError("--api v2: only collective jobs become a TrainJob; PS jobs render as core objects")
+    shard_site = options.shard_site or ("cloud" if "cloud" in spec.sites else next(iter(spec.sites)))
+    for flag, site in (("--site", options.site), ("--shard-site", shard_site)):
+        if site is not None and site not in spec.sites:
+            raise SpecError(f"{flag}: {site!r} is not a site of the job ({', '.join(spec.sites)})")
+    if options.external_names and len(options.external_names) != spec.ps.shards:
+        raise SpecError(f"--external-name: give one per shard ({spec.ps.shards}), got {len(options.external_names)}")
+    if options.site is not None and len(spec.sites) > 1 and not options.external_names:
+        raise SpecError(f"--site {options.site}: other sites reach the shards from outside the cluster; "
+                        f"give --external-name once per shard (the DNS names of their LoadBalancers)")
+    return RenderOptions(**{**options.__dict__, "shard_site": shard_site})
+
+
+def _render(spec: JobSpec, job_text: str, job_path: Path, options: RenderOptions) -> list[Manifest]:
+    image = image_for(spec, job_path, options)
+    body = render_collective(spec, image, options) if spec.mode == "collective" else render_ps(spec, image, options)
+    return [config_map(spec, job_text), *add_scrape_annotations(body)]
+
+
+def render_job_file(job_path: Path, options: RenderOptions | None = None) -> list[Manifest]:
+    """Every manifest for the job in ``job_path`` under ``options`` (validated first; errors name the field)."""
+    spec, job_text = load_job(job_path)
+    return _render(spec, job_text, job_path, check_options(spec, options or RenderOptions()))
+
+
+def render_to_dir(job_path: Path, options: RenderOptions, out_dir: Path) -> list[Path]:
+    """Render and write the manifests; nothing is written when rendering fails."""
+    spec, job_text = load_job(job_path)
+    options = check_options(spec, options)
+    return write_manifests(_render(spec, job_text, job_path, options), out_dir, secret_howto(spec, options))
+
+
+def secret_howto(spec: JobSpec, options: RenderOptions) -> str:
+    """The comment written above a placeholder Secret: how to make the real one."""
+    from hybridfleet.k8s.credentials import certs_init_command
+
+    init = certs_init_command(spec, dialled_hosts(spec, options)) if spec.mode == "ps" else "hfleet certs init certs/"
+    return ("Placeholders: do not apply as is. Make the PKI with the names workers dial:\n"
+            f"  {init}\n"
+            "then render again with --certs certs/ (real values, one Secret per site).")
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes shared objects (a pod's labels in two places) in full, without YAML anchors."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def write_manifests(manifests: list[Manifest], out_dir: Path, howto: str = "") -> list[Path]:
+    """Write ``NN-kind-name.yaml`` files into ``out_dir``; placeholder Secrets get ``howto`` as a comment."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for index, manifest in enumerate(manifests):
         name = manifest["metadata"]["name"]
         path = out_dir / f"{index:02d}-{manifest['kind'].lower()}-{name}.yaml"
         header = ""
+        values = manifest.get("stringData", {}).values() if manifest["kind"] == "Secret" else ()
+        if any(str(v).startswith("REPLACE-with-") for v in values):
+            header = "".join(f"# {line}\n" for line in howto.splitlines())
+        path.write_text(header + yaml.dump(manifest, Dumper=_PlainDumper, sort_keys=False))
         if manifest["kind"] == "Secret":
-            role = manifest["metadata"]["labels"]["hybridfleet/role"]
-            header = "".join(f"# {line}\n" for line in SECRET_HOWTO[role].format(
-                name=name, from_files=" ".join(f"--from-file=certs/{f}" for f in manifest.get("stringData", {}))).splitlines())
-        path.write_text(header + yaml.safe_dump(manifest, sort_keys=False))
+            path.chmod(0o600)
         paths.append(path)
     return paths

@@ -46,7 +46,7 @@ class LaunchConfig:
     node_rank: int | None = None  # None: 0 on one node; paddle's master assigns it on several
     max_restarts: int = 0
     log_dir: Path = Path("runs/launch")
-    ckpt_dir: Path | None = None
+    ckpt_dir: str | None = None  # a directory or a store URL (s3://...)
     device: str = "auto"
     connect_timeout_s: float = 60.0
     python: str = sys.executable
@@ -85,7 +85,7 @@ def build_command(config: LaunchConfig, master: str, attempt_dir: Path) -> list[
     return cmd + [config.script, *config.script_args]
 
 
-def child_env(config: LaunchConfig, attempt: int, ckpt_dir: Path, launch_id: str) -> dict[str, str]:
+def child_env(config: LaunchConfig, attempt: int, ckpt_dir: str | Path, launch_id: str) -> dict[str, str]:
     """The environment of the framework launcher and, through it, of every rank."""
     env = dict(os.environ)
     env.update({
@@ -154,7 +154,7 @@ def launch(config: LaunchConfig, echo: Callable[[str], None] | None = None) -> L
     _validate(config)
     master = _resolve_master(config)
     log_dir = Path(config.log_dir)
-    ckpt_dir = Path(config.ckpt_dir) if config.ckpt_dir else log_dir / "ckpt"
+    ckpt_dir = config.ckpt_dir or str(log_dir / "ckpt")
     log_dir.mkdir(parents=True, exist_ok=True)
     failures: list[RankFailure] = []
     for attempt in range(config.max_restarts + 1):

@@ -3,7 +3,8 @@
 They read what the launchers put in the environment, so they work the same whichever
 framework the script imported, and outside a launcher they describe a single process.
 Checkpoints are `hybridfleet.ckpt` checkpoints in ``HFLEET_CKPT_DIR`` (safetensors +
-a manifest written last, so a checkpoint without a valid manifest does not exist).
+a manifest written last, so a checkpoint without a valid manifest does not exist); it is a
+directory or a store URL such as ``s3://bucket/prefix`` (a pod's own disk dies with it).
 """
 
 from __future__ import annotations
@@ -76,6 +77,29 @@ def finish(exit_code: int = 0) -> NoReturn:
     os._exit(exit_code)
 
 
+def report(step: int, **values: Any) -> None:
+    """Publish this rank's metrics (loss, accuracy, ...) at ``step``.
+
+    Every rank sets ``hybridfleet_reported_value{metric=NAME}`` on its metrics endpoint
+    (served from the first call when ``HFLEET_METRICS_PORT_BASE`` is set: port base +
+    local rank, so ranks of one machine never collide) and writes TensorBoard / VisualDL
+    scalars per ``HFLEET_SCALARS`` (see `hybridfleet.obs.scalars`); rank 0 also prints
+    the JSON line of `log_rank0` (event ``metrics``).
+    """
+    from hybridfleet.obs.metrics import ENV_PORT, serve_from_env
+    from hybridfleet.obs.scalars import record_report
+
+    base = os.environ.get("HFLEET_METRICS_PORT_BASE", "").strip()
+    if base and not os.environ.get(ENV_PORT):
+        try:
+            os.environ[ENV_PORT] = str(int(base) + dist_info()[2])
+        except ValueError:
+            raise ValueError(f"HFLEET_METRICS_PORT_BASE must be a port number (got {base!r})") from None
+    serve_from_env()
+    record_report(step, values, detect_framework())
+    log_rank0("metrics", step=step, **values)
+
+
 def restart_count() -> int:
     """How many times the launcher restarted the group before this attempt (``HFLEET_RESTART_COUNT``)."""
     return int(os.environ.get("HFLEET_RESTART_COUNT", "0"))
@@ -105,13 +129,25 @@ class Checkpoint:
 
     step: int
     state: dict[str, np.ndarray]
-    path: Path
+    path: Path | str  # a directory, or a URL for a remote store
+
+
+def _remote(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
 
 
 def ckpt_dir() -> Path | None:
-    """``HFLEET_CKPT_DIR`` as a path, or None when unset."""
+    """``HFLEET_CKPT_DIR`` as a path, or None when unset or a remote URL (see `ckpt_location`)."""
     value = os.environ.get("HFLEET_CKPT_DIR")
-    return Path(value) if value else None
+    return Path(value) if value and not _remote(value) else None
+
+
+def ckpt_location() -> str | None:
+    """``HFLEET_CKPT_DIR`` as a store URL (a local directory becomes its absolute path), or None when unset."""
+    value = os.environ.get("HFLEET_CKPT_DIR")
+    if not value:
+        return None
+    return value if _remote(value) else str(Path(value).resolve())
 
 
 def save_rank0(model_or_state: Any, step: int) -> Path | None:
@@ -127,25 +163,34 @@ def save_rank0(model_or_state: Any, step: int) -> Path | None:
         for name, value in model_or_state.items():
             if not isinstance(value, np.ndarray):
                 raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
-    directory = ckpt_dir()
-    if directory is None or not is_rank0():
+    location = ckpt_location()
+    if location is None or not is_rank0():
         return None
-    return _write_checkpoint(directory, model_or_state, step)
+    import time
+
+    from hybridfleet.obs.metrics import observe_checkpoint
+
+    started = time.perf_counter()
+    written, size_bytes = _write_checkpoint(location, model_or_state, step)
+    observe_checkpoint(time.perf_counter() - started, size_bytes)
+    return written
 
 
-def _write_checkpoint(directory: Path, model_or_state: Any, step: int) -> Path:
-    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) at ``step``, then retention."""
+def _write_checkpoint(location: str, model_or_state: Any, step: int) -> tuple[Path | str, int]:
+    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) at ``step``, then retention;
+    returns its path and size in bytes."""
     from hybridfleet.ckpt import gc, save_checkpoint, save_tensors_checkpoint
     from hybridfleet.ckpt.manifest import step_dir
 
-    directory.mkdir(parents=True, exist_ok=True)
-    url = str(directory.resolve())
+    if not _remote(location):
+        Path(location).mkdir(parents=True, exist_ok=True)
     if isinstance(model_or_state, dict):
-        save_tensors_checkpoint(url, step, {k: np.ascontiguousarray(v) for k, v in model_or_state.items()})
+        info = save_tensors_checkpoint(location, step, {k: np.ascontiguousarray(v) for k, v in model_or_state.items()})
     else:
-        save_checkpoint(url, step, model=model_or_state)
-    gc(url, keep_last=KEEP_LAST)
-    return directory / step_dir(step)
+        info = save_checkpoint(location, step, model=model_or_state)
+    gc(location, keep_last=KEEP_LAST)
+    path = f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
+    return path, info.size_bytes
 
 
 def latest_checkpoint() -> Checkpoint | None:
@@ -158,12 +203,14 @@ def latest_checkpoint() -> Checkpoint | None:
     from hybridfleet.errors import CheckpointError
     from hybridfleet.store import open_store
 
-    directory = ckpt_dir()
-    if directory is None or not directory.is_dir():
+    location = ckpt_location()
+    if location is None or (not _remote(location) and not Path(location).is_dir()):
         return None
     try:
-        manifest, _, groups = read_newest_valid(open_store(str(directory.resolve())), None)
+        manifest, _, groups = read_newest_valid(open_store(location), None)
     except CheckpointError:
         return None
+    step = manifest.step
     state = {name: np.array(arr) for name, arr in (groups.get("model") or groups.get("tensors") or {}).items()}
-    return Checkpoint(step=manifest.step, state=state, path=directory / step_dir(manifest.step))
+    path = f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
+    return Checkpoint(step=step, state=state, path=path)

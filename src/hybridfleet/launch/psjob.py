@@ -4,7 +4,11 @@ The run directory ``<run_dir>/<name>/<timestamp>/`` receives ``logs/`` (one file
 per process), ``events.jsonl`` (starts, exits, restarts), ``metrics.jsonl``
 (every ``metrics`` record the workers log), ``certs/`` (the job's dev CA, server
 and client certificates and token-signing key, when security is on) and
-``summary.json``.
+``summary.json``; ``run.json`` (job, pid, start time) is written first, so a run
+without ``summary.json`` is live while that pid runs and crashed otherwise. With
+metrics on, every process serves ``/metrics`` on its own port and
+``prometheus/targets.json`` lists them for Prometheus (file-based service discovery);
+``report.html`` is written at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from pathlib import Path
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
-from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
+from hybridfleet.obs.log import get_logger, redirect_log
+from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.spec.models import JobSpec
 
 log = get_logger("run")
@@ -159,6 +165,32 @@ def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list
             for site in spec.sites]
 
 
+def attach_metrics(spec: JobSpec, procs: list[ProcessSpec], host: str = "127.0.0.1") -> list[Target]:
+    """Give each process a metrics port (``HFLEET_METRICS_PORT``, kept across its restarts) and
+    return its Prometheus target with the labels job, site, role, rank and process."""
+    targets = []
+    for p in procs:
+        env = p.env or {}
+        port = free_port(host)
+        p.env = {**env, ENV_PORT: str(port)}
+        labels = {"job": spec.name, "role": p.role, "process": p.name}
+        if "HFLEET_SITE" in env:
+            labels["site"] = env["HFLEET_SITE"]
+        if p.role == "shard":
+            labels["rank"] = p.name.rsplit("-", 1)[-1]
+        elif "HFLEET_RANK" in env and p.role == "worker":
+            labels["rank"] = env["HFLEET_RANK"]
+        targets.append(Target(f"{host}:{port}", labels))
+    return targets
+
+
+def write_run_info(spec: JobSpec, run_dir: Path) -> None:
+    """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`)."""
+    info = {"job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "pid": os.getpid(),
+            "started": time.time(), "steps": spec.train.steps, "sites": list(spec.sites)}
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
 class MetricsCollector:
     """Appends every ``metrics`` log record of a process to metrics.jsonl and keeps the final ones."""
 
@@ -208,22 +240,6 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
         time.sleep(0.05)
     raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/",
                       hint=f"the shard logs in {layout.run_dir}/logs/ say where they stopped")
-
-
-def _progress_fn(spec: JobSpec, layout: RunLayout, collector: MetricsCollector):
-    """Progress from shard 0's version (one per applied round in BSP, one per push otherwise)."""
-    from hybridfleet.ps.worker.status import ShardStatusProbe
-
-    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
-                             insecure=spec.security.tls == "off")
-    total = spec.train.steps * (1 if spec.ps.sync == "bsp" else spec.num_workers)
-
-    def progress() -> tuple[float, float, str]:
-        version = probe.version()
-        done = len(collector.final)
-        return float(min(version, total)), float(total), f"{spec.name}: round {version} ({done} done)"
-
-    return progress, probe
 
 
 def _datasets_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict[str, str]]:
@@ -285,9 +301,16 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
 
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
-               on_started=None) -> dict:
+               on_started=None, metrics: bool = True, report: bool = True, stream=None,
+               log_to_file: bool = False) -> dict:
     """Run a whole PS job here; returns the summary (also written to ``summary.json``).
 
+    ``echo`` copies every process's log lines to stderr (they always go to ``logs/``);
+    ``show_progress`` shows the live view (`hybridfleet.obs.live`) on ``stream``
+    (default stderr); ``metrics`` serves Prometheus metrics from every process;
+    ``report`` writes ``report.html`` at the end (its path is ``summary["report"]``);
+    ``log_to_file`` sends this process's JSON-lines log to ``RUN_DIR/hfleet-run.log``
+    instead of stderr while the job runs.
     ``on_started(supervisor, layout)`` is called once every process runs (fault tests use it
     to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
@@ -296,35 +319,96 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
         raise LaunchError(f"entrypoint {spec.entrypoint!r} not found (relative paths start at {Path.cwd()})",
                           hint="fix entrypoint in the job file, or run from the folder it is relative to")
     run_dir = new_run_dir(spec, run_root)
+    write_run_info(spec, run_dir)
+    if log_to_file:
+        with (run_dir / "hfleet-run.log").open("a") as sink, redirect_log(sink):
+            return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+    return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream)
+
+
+def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress: bool, baselines: bool | None,
+         on_started, metrics: bool, report: bool, stream) -> dict:
     layout = prepare_security(spec, run_dir)
     collector = MetricsCollector(run_dir / "metrics.jsonl")
     started = time.monotonic()
+    exporter = None
+    targets: list[Target] = []
+    if metrics:
+        from hybridfleet.obs.metrics import serve_metrics
+
+        exporter = serve_metrics(0)
+        targets.append(Target(f"127.0.0.1:{exporter.server_port}",
+                              {"job": spec.name, "role": "supervisor", "process": "hfleet-run"}))
     with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup:
+        def start_all(procs: list[ProcessSpec]) -> None:
+            if metrics:
+                targets.extend(attach_metrics(spec, procs))
+                write_targets(run_dir, targets)
+            for p in procs:
+                sup.start(p)
+
         def body() -> dict:
-            for i in range(spec.ps.shards):
-                sup.start(shard_process(spec, job_path, layout, i))
+            if metrics:
+                write_scrape_config(run_dir, run_dir.parent.parent)
+            start_all([shard_process(spec, job_path, layout, i) for i in range(spec.ps.shards)])
             layout.shard_addresses = _wait_for_ports(layout, spec.ps.shards, sup)
             procs = worker_processes(spec, job_path, layout)
             if spec.train.site_baselines if baselines is None else baselines:
                 procs += baseline_processes(spec, job_path, layout)
-            for p in procs:
-                sup.start(p)
+            start_all(procs)
             log.info("job_started", job=spec.name, run_dir=str(run_dir), shards=layout.shard_addresses,
                      workers=spec.num_workers)
             if on_started is not None:
                 on_started(sup, layout)
-            progress, probe = _progress_fn(spec, layout, collector) if show_progress else (None, None)
-            try:
-                codes = sup.wait([p.name for p in procs], progress=progress)
-            finally:
-                if probe is not None:
-                    probe.close()
+            names = [p.name for p in procs]
+            if not show_progress:
+                codes = sup.wait(names)
+            else:
+                codes = _wait_with_view(spec, layout, sup, names, targets, stream)
             codes.update(sup.stop(grace_s=5.0))
             return codes
 
-        codes = run_supervised(sup, body)
+        try:
+            codes = run_supervised(sup, body)
+        finally:
+            if metrics:
+                retire_targets(run_dir)
+            if exporter is not None:
+                exporter.shutdown()
+                exporter.server_close()
     collector.close()
     summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if report:  # after summary.json, so the report shows the run as finished
+        summary["report"] = str(_write_report(run_dir))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info("job_finished", job=spec.name, status=summary["status"], test_accuracy=summary["test_accuracy"])
     return summary
+
+
+def _wait_with_view(spec: JobSpec, layout: RunLayout, sup: Supervisor, names: list[str], targets: list[Target],
+                    stream) -> dict[str, int]:
+    """Wait for ``names`` while the live view (a panel on a terminal, plain lines elsewhere) shows progress."""
+    from hybridfleet.obs.live import LiveDisplay, RunView
+    from hybridfleet.ps.worker.status import ShardStatusProbe
+
+    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens.get("admin"),
+                             insecure=spec.security.tls == "off")
+    total = float(spec.train.steps * (1 if spec.ps.sync == "bsp" else spec.num_workers))
+    view = RunView(spec.name, targets, lambda: (float(min(probe.version(), total)), total),
+                   lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"))
+    try:
+        with LiveDisplay(view, stream=stream) as display:
+            while True:
+                try:
+                    return sup.wait(names, timeout_s=1.0)
+                except TimeoutError:
+                    display.refresh()
+    finally:
+        probe.close()
+
+
+def _write_report(run_dir: Path) -> Path:
+    from hybridfleet.obs.report import write_report
+
+    return write_report(run_dir)

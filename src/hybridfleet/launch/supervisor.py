@@ -41,6 +41,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 from hybridfleet.errors import LaunchError
 from hybridfleet.launch.progress import ProgressFn, ProgressReporter
 from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.metrics import SupervisorMetrics, process_metrics
 
 __all__ = ["ProcessSpec", "Supervisor", "stop_on_signals", "run_supervised"]
 
@@ -201,6 +202,7 @@ class Supervisor:
         self._kill_now = threading.Event()
         self._events_file: IO[str] | None = None
         self._spawner: _SpawnThread | None = None
+        self._metrics = process_metrics().group(SupervisorMetrics)
 
     # ---- public interface -------------------------------------------------
 
@@ -523,11 +525,22 @@ class Supervisor:
             "pid": None if popen is None else popen.pid,
         }
         self.events.append(record)
+        self._count(managed.spec.role, event, returncode)
         self._open_events_file().write(json.dumps(record, separators=(",", ":")) + "\n")
         self._events_file.flush()
         level = "error" if event == "gave_up" else "warning" if event == "exit" and returncode else "info"
         fields = {k: v for k, v in record.items() if k not in ("ts", "event")}
         _log.log(level, event, **fields)
+
+
+    def _count(self, role: str, event: str, returncode: int | None) -> None:
+        if event == "start":
+            self._metrics.live.labels(role).inc()
+        elif event == "exit":
+            self._metrics.live.labels(role).dec()
+            self._metrics.exits.labels(role, "ok" if returncode == 0 else "failed").inc()
+        elif event == "restart":
+            self._metrics.restarts.labels(role).inc()
 
 
 class _Interrupted(BaseException):

@@ -7,12 +7,13 @@ from ``HFLEET_LOG_LEVEL`` (debug, info, warning, error; default info).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -29,6 +30,19 @@ def configure(sink: IO[str] | None = None, level: str | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"log level must be one of {sorted(LEVELS)} (got {level!r})")
         _min_level = LEVELS[level]
+
+
+@contextlib.contextmanager
+def redirect_log(sink: IO[str]) -> Iterator[None]:
+    """While active, log lines go to ``sink``; the previous sink is restored afterwards."""
+    global _sink
+    with _lock:
+        previous, _sink = _sink, sink
+    try:
+        yield
+    finally:
+        with _lock:
+            _sink = previous
 
 
 def _default(value: Any) -> Any:

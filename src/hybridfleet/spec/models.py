@@ -132,8 +132,6 @@ class CollectiveSpec(_Strict):
 
     nproc_per_node: int = Field(1, ge=1)
     nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="N or MIN:MAX for elastic")
-    master: str | None = Field(None, description="host:port of the rendezvous")
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
 class TrainSpec(_Strict):

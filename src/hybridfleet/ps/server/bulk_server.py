@@ -18,7 +18,9 @@ from hybridfleet.ps.wire.bulk import (
     _discard, _reject, _response, recv_exact,
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
+from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
+from hybridfleet.ps.wire.tls import remember_files, wrap
 
 log = get_logger("ps.bulk")
 
@@ -81,7 +83,7 @@ class BulkServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+                conn = wrap(self.ssl_context, conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
             token = self._hello(conn, who)
@@ -159,6 +161,8 @@ class BulkServer:
         except Reject as rej:
             log.warning("push_rejected" if op == OP_PUSH else "bulk_rejected", peer=who, code=rej.code,
                         reason=rej.message)
+            if op == OP_PUSH:
+                count_rejected_push(rej.code)
             conn.sendall(_response(rej.code, rej.message.encode()))
             return not getattr(rej, "close", False)
         except (OSError, EOFError, ssl.SSLError):
@@ -208,4 +212,4 @@ def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLCon
     if ca is not None:
         ctx.load_verify_locations(cafile=ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    return remember_files(ctx, certfile=cert, keyfile=key, cafile=ca)

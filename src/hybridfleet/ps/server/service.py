@@ -21,6 +21,7 @@ from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
 from hybridfleet.ps.wire.sharding import ParamSpec
 from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, METHOD_ROLES, SERVICE, WIRE_VERSION
@@ -148,6 +149,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             return self.push_payloads(header, payloads)
         except Reject as rej:
             log.warning("push_rejected", shard=self.state.shard, code=rej.code, reason=rej.message)
+            count_rejected_push(rej.code)
             self._abort(context, rej)
 
     def push_payloads(self, header: ps_pb2.PushHeader, payloads: dict, claims=None) -> ps_pb2.PushResponse:

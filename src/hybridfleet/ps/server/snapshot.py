@@ -17,6 +17,7 @@ import numpy as np
 
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.metrics import observe_snapshot
 from hybridfleet.ps.server.shard import Member, ShardState
 from hybridfleet.ps.wire.sharding import ShardingPlan
 
@@ -142,6 +143,7 @@ class Snapshotter:
         t0 = time.monotonic()
         save_tensors_checkpoint(self.url, version, tensors, meta)
         self._last_version, self._last_time = version, time.monotonic()
+        observe_snapshot(self._last_time - t0, sum(t.nbytes for t in tensors.values()))
         self.saved.append(version)
         log.info("snapshot_saved", shard=self.state.shard, version=version, seconds=round(time.monotonic() - t0, 3))
         try:

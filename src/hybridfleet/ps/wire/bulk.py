@@ -73,6 +73,10 @@ def _reject(code: str, message: str, close: bool = False):
 # ------------------------------------------------------------------ socket helpers
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``; EOFError when the peer closes first."""
+    whole_frame = getattr(sock, "recv_exact_into", None)
+    if whole_frame is not None:  # a native TLS connection (hybridfleet.ps.wire.tls) reads it in one call
+        whole_frame(view)
+        return
     got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)

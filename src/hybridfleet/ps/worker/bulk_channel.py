@@ -16,6 +16,7 @@ from hybridfleet.ps.wire.bulk import (
     BulkError, _frame, _read_response, _status, recv_exact, recv_exact_into,
 )
 from hybridfleet.ps.wire.protocol import WIRE_VERSION
+from hybridfleet.ps.wire.tls import remember_files, wrap
 
 
 def client_ssl_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
@@ -24,7 +25,8 @@ def client_ssl_context(ca: str, cert: str | None = None, key: str | None = None)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if cert and key:
         ctx.load_cert_chain(cert, key)
-    return ctx
+        return remember_files(ctx, certfile=cert, keyfile=key, cafile=ca)
+    return remember_files(ctx, cafile=ca)
 
 
 # -------------------------------------------------------------------------- client
@@ -54,7 +56,7 @@ class BulkChannel:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
-                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname)
+                sock = wrap(self.ssl_context, sock, server_side=False, server_hostname=self.server_hostname)
             hello = json.dumps({"magic": MAGIC, "wire_version": WIRE_VERSION, "token": self.token or ""}).encode()
             sock.sendall(_frame(bytes([OP_HELLO]), hello))
             status, body = _read_response(sock)

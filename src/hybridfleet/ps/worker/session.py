@@ -22,6 +22,8 @@ import numpy as np
 
 from hybridfleet.errors import ProtocolError, install_excepthook
 from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.metrics import StepTimer
+from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
@@ -104,6 +106,8 @@ class PSSession:
         self._local_opt = None
         self._block_index: tuple | None = None  # (plan, key -> block)
         self._started = time.monotonic()
+        self.timer = StepTimer()
+        self._raw_gradient_bytes: int | None = None
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
 
     def _privacy(self):
@@ -127,6 +131,11 @@ class PSSession:
     def start(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Join the shards; the first worker's values initialise them. Returns the job's current parameters."""
         self._check_names(params)
+        from hybridfleet.obs.metrics import serve_from_env
+        from hybridfleet.obs.psmetrics import watch_worker
+
+        serve_from_env()
+        watch_worker(self)
         if self.local:
             from hybridfleet.ps.server.optim import make_optimizer
 
@@ -209,6 +218,14 @@ class PSSession:
     # ------------------------------------------------------------------ step
     def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Send this step's gradients and return the parameters to train on next."""
+        self.timer.begin()
+        params = self._step(grads)
+        if self._raw_gradient_bytes is None:
+            self._raw_gradient_bytes = 0 if self.local or self.link is not None else self._numel() * DTYPE.itemsize
+        self.timer.end(self._raw_gradient_bytes)
+        return params
+
+    def _step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._check_names(grads)
         for k, g in grads.items():
             if not np.isfinite(g).all():
@@ -224,6 +241,7 @@ class PSSession:
 
             self.link.send(flatten(grads, self._names))
             self._receive_from_leader()
+            self.timer.mark("wait")
             return self.parameters()
         assert self.client is not None and self.plan is not None
         contributors = 1
@@ -233,9 +251,11 @@ class PSSession:
             self.hub.admit(flatten(self._flat, self._names), self.step_count)
             total, contributors = self.hub.gather(flatten(grads, self._names))
             grads = unflatten(total, self.shapes, self._names)
+            self.timer.mark("wait")
         if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
             grads = self.dp.apply(grads)
         payloads = self._encode(grads)
+        self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync == "bsp"
         try:
@@ -247,6 +267,7 @@ class PSSession:
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
                 wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            self.timer.mark("transfer")
             self.step_count = self.client.clock
             wait = None
             if wait_round:
@@ -258,6 +279,7 @@ class PSSession:
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
+        self.timer.mark("wait")
         if self.hub is not None:
             from hybridfleet.ps.worker.site import flatten
 
@@ -367,8 +389,10 @@ class PSSession:
                 if data.cache_stats():
                     metrics.setdefault("data_cache", data.cache_stats())
         c = self.config
+        record_report(self.step_count, metrics, self.framework)
         log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=self.step_count,
-                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved())
+                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved(),
+                 phase_s=self.timer.phase_totals())
 
     def close(self) -> None:
         if self.client is not None:

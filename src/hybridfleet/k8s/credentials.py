@@ -1,0 +1,128 @@
+"""What each rendered pod may hold: one Secret for the shards, one per site.
+
+Shards hold the CA certificate, the server certificate with its key and the token
+verification key. A site holds the CA certificate, its own token and, with mutual TLS,
+its own client certificate (``client-<site>.pem``); never the server key, never another
+site's credentials. The file names are those `hfleet certs init` writes, so a Secret
+mounted at ``/etc/hfleet/certs`` is a directory `--certs` reads as it is.
+
+`secret_files` is the one place that decides a role's files; `credential_secret` turns
+them into a Secret with real values from a certs directory, or with explicit
+placeholders when the caller asked for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridfleet.errors import AuthError, SpecError
+from hybridfleet.k8s.common import Manifest, dns_name, metadata
+from hybridfleet.spec.models import JobSpec
+
+TOKEN_FILE = "token"  # a site's bearer token, read by the worker from HFLEET_TOKEN
+SHARD_ROLE = "ps"
+
+
+@dataclass(frozen=True)
+class CredentialSource:
+    """Where Secret values come from: a `hfleet certs init` directory, or placeholders (explicit)."""
+
+    certs_dir: Path | None = None
+    placeholders: bool = False
+
+
+def tls_on(spec: JobSpec) -> bool:
+    return spec.security.tls != "off"
+
+
+def tokens_on(spec: JobSpec) -> bool:
+    return spec.security.tokens != "off"
+
+
+def secret_name(spec: JobSpec, owner: str) -> str:
+    """``<job>-creds-ps`` for the shards, ``<job>-creds-<site>`` for a site."""
+    return dns_name(spec.name, "creds", owner)
+
+
+def client_cert_name(site: str) -> str:
+    """The client certificate a site shows under mutual TLS (`hfleet certs init --client SITE`)."""
+    return site
+
+
+def secret_files(spec: JobSpec, owner: str) -> list[str]:
+    """The files of ``owner``'s Secret (``ps`` for the shards, else a site name)."""
+    from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX, SERVER_CERT, SERVER_KEY
+    from hybridfleet.security.tokens import VERIFY_KEY
+
+    files: list[str] = []
+    if owner == SHARD_ROLE:
+        if tls_on(spec):
+            files += [CA_CERT, SERVER_CERT, SERVER_KEY]
+        if tokens_on(spec):
+            files.append(VERIFY_KEY)
+        return files
+    if tls_on(spec):
+        files.append(CA_CERT)
+        if spec.security.mutual_tls:
+            name = client_cert_name(owner)
+            files += [f"{CLIENT_PREFIX}{name}.pem", f"{CLIENT_PREFIX}{name}.key"]
+    if tokens_on(spec):
+        files.append(TOKEN_FILE)
+    return files
+
+
+def certs_init_command(spec: JobSpec, hosts: list[str]) -> str:
+    """The `hfleet certs init` command that makes a directory every rendered Secret can be filled from."""
+    args = [f"--host {h}" for h in hosts]
+    if spec.security.mutual_tls:
+        args += [f"--client {client_cert_name(site)}" for site in spec.sites]
+    return " ".join(["hfleet certs init certs/", *args])
+
+
+def check_server_names(certs_dir: Path, hosts: list[str]) -> None:
+    """Refuse a server certificate that lacks a name the workers dial (they would fail TLS hostname checks)."""
+    from hybridfleet.security.certs import SERVER_CERT, describe_certificate
+
+    sans = set(describe_certificate("server", certs_dir / SERVER_CERT).sans)
+    missing = [h for h in hosts if h not in sans]
+    if missing:
+        raise AuthError(f"{certs_dir / SERVER_CERT} lacks the names workers dial: {', '.join(missing)} "
+                        f"(it has {', '.join(sorted(sans)) or 'none'}); remake it with --host for each")
+
+
+def credential_value(spec: JobSpec, owner: str, name: str, source: CredentialSource) -> str:
+    """The content of file ``name`` for ``owner``: read from the certs directory, a token issued from
+    its signing key, or a placeholder when there is no directory."""
+    if source.certs_dir is None:
+        return f"REPLACE-with-{name}-from-hfleet-certs"
+    if name == TOKEN_FILE:
+        from hybridfleet.security.tokens import TokenIssuer
+
+        issuer = TokenIssuer.from_dir(source.certs_dir)
+        return issuer.issue(job=spec.name, site=owner, role="worker", ttl_s=spec.security.token_ttl_s,
+                            subject=f"{owner}/workers")
+    path = source.certs_dir / name
+    if not path.is_file():
+        hint = (f"make it with `hfleet certs init {source.certs_dir} --client {client_cert_name(owner)} ...`"
+                if name.startswith("client-") else f"make the directory with `hfleet certs init {source.certs_dir}`")
+        raise AuthError(f"--certs {source.certs_dir}: missing {name}, needed by the {owner} Secret; {hint}")
+    return path.read_text()
+
+
+def credential_secret(spec: JobSpec, owner: str, source: CredentialSource) -> Manifest | None:
+    """``owner``'s Secret (None when the job needs no credentials), values from ``source``.
+
+    Raises SpecError when neither a certs directory nor explicit placeholders were given, and
+    AuthError when the certs directory lacks a file.
+    """
+    files = secret_files(spec, owner)
+    if not files:
+        return None
+    if source.certs_dir is None and not source.placeholders:
+        raise SpecError("k8s render: the job needs credentials; pass --certs DIR (from `hfleet certs init`) "
+                        "for real Secrets, or --placeholders to write REPLACE-with-... values to fill in later")
+    data = {name: credential_value(spec, owner, name, source) for name in files}
+    body = metadata(spec, secret_name(spec, owner), "credentials")
+    body["labels"]["hybridfleet/credentials-for"] = dns_name(owner)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": body, "stringData": data}

@@ -1,0 +1,204 @@
+"""The live view of `hfleet run`: rounds with ETA and, per site, step rate, bytes and accuracy.
+
+Its numbers come from the processes' own ``/metrics`` endpoints (the same series
+Prometheus scrapes) and from the supervisor's events. On a terminal it is a rich
+`Live` panel redrawn about once a second; anywhere else (CI, a log file) one plain
+line every ``plain_interval_s``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable
+
+from hybridfleet.obs.discovery import Target
+from hybridfleet.obs.log import get_logger
+from hybridfleet.obs.scrape import scrape_all
+
+_log = get_logger("obs.live")
+
+ACCURACY_KEYS = ("test_accuracy", "val_accuracy", "accuracy")
+
+
+@dataclass
+class SiteState:
+    """What the view shows for one site."""
+
+    workers: int = 0
+    workers_up: int = 0
+    steps: float = 0.0
+    steps_per_s: float = 0.0
+    uplink_bytes: float = 0.0
+    downlink_bytes: float = 0.0
+    accuracy: float | None = None
+
+
+@dataclass
+class Snapshot:
+    """One refresh of the view's numbers."""
+
+    rounds_done: float = 0.0
+    rounds_total: float = 0.0
+    rounds_per_s: float = 0.0
+    sites: dict[str, SiteState] = field(default_factory=dict)
+    restarts: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.rounds_per_s <= 0 or self.rounds_total <= 0:
+            return None
+        return max(0.0, self.rounds_total - self.rounds_done) / self.rounds_per_s
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class RunView:
+    """Collects a `Snapshot` from the run's worker targets, the round counter and the restart count."""
+
+    def __init__(self, job: str, targets: list[Target], read_rounds: Callable[[], tuple[float, float]],
+                 read_restarts: Callable[[], int]):
+        self.job = job
+        self.targets = [t for t in targets if t.labels.get("role") == "worker"]
+        self._read_rounds = read_rounds
+        self._read_restarts = read_restarts
+        self._started = time.monotonic()
+        self._last: tuple[float, dict[str, float], float] | None = None  # (time, site -> steps, rounds)
+        self._failure_logged = False
+        self._seen: dict[str, object] = {}  # address -> last answer, so a finished worker keeps its totals
+
+    def snapshot(self) -> Snapshot:
+        """Read everything now; a source that fails leaves its numbers at their defaults."""
+        now = time.monotonic()
+        snap = Snapshot(elapsed_s=now - self._started)
+        try:
+            snap.rounds_done, snap.rounds_total = self._read_rounds()
+        except Exception as err:  # a shard restarting must not break the view
+            if not self._failure_logged:
+                _log.warning("rounds_unavailable", error=repr(err))
+                self._failure_logged = True
+        snap.restarts = self._read_restarts()
+        for scraped in scrape_all(self.targets):
+            site = scraped.target.labels.get("site", "?")
+            st = snap.sites.setdefault(site, SiteState())
+            st.workers += 1
+            if scraped.up:
+                st.workers_up += 1
+                self._seen[scraped.target.address] = scraped
+            else:
+                scraped = self._seen.get(scraped.target.address)
+                if scraped is None:
+                    continue
+            st.steps += scraped.value("hybridfleet_worker_steps_total")
+            st.uplink_bytes += scraped.value("hybridfleet_worker_bytes_total", direction="uplink")
+            st.downlink_bytes += scraped.value("hybridfleet_worker_bytes_total", direction="downlink")
+            for key in ACCURACY_KEYS:
+                acc = scraped.value("hybridfleet_reported_value", default=float("nan"), metric=key)
+                if acc == acc:  # not NaN
+                    st.accuracy = acc if st.accuracy is None else min(st.accuracy, acc)
+                    break
+        if self._last is not None:
+            then, steps_then, rounds_then = self._last
+            dt = max(now - then, 1e-6)
+            snap.rounds_per_s = max(0.0, (snap.rounds_done - rounds_then) / dt)
+            for site, st in snap.sites.items():
+                st.steps_per_s = max(0.0, (st.steps - steps_then.get(site, st.steps)) / dt)
+        self._last = (now, {s: st.steps for s, st in snap.sites.items()}, snap.rounds_done)
+        return snap
+
+
+def plain_line(job: str, snap: Snapshot) -> str:
+    """One line for logs: ``digits: round 120/300 (40%) eta 0m12s | hospital 31.0 steps/s ... | restarts 0``."""
+    pct = f" ({100 * snap.rounds_done / snap.rounds_total:.0f}%)" if snap.rounds_total else ""
+    parts = [f"{job}: round {snap.rounds_done:g}/{snap.rounds_total:g}{pct} eta {_duration(snap.eta_s)}"]
+    for site, st in sorted(snap.sites.items()):
+        acc = "-" if st.accuracy is None else f"{st.accuracy:.3f}"
+        parts.append(f"{site} {st.steps_per_s:.1f} steps/s up {human_bytes(st.uplink_bytes)} "
+                     f"down {human_bytes(st.downlink_bytes)} acc {acc}")
+    parts.append(f"restarts {snap.restarts}")
+    return " | ".join(parts)
+
+
+def render(job: str, snap: Snapshot):
+    """The rich renderable of the terminal panel."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(f"round {snap.rounds_done:g}/{snap.rounds_total:g}   elapsed {_duration(snap.elapsed_s)}   "
+                f"ETA {_duration(snap.eta_s)}   restarts {snap.restarts}")
+    bar = ProgressBar(total=snap.rounds_total or None, completed=snap.rounds_done)
+    table = Table(expand=True)
+    for col, justify in (("site", "left"), ("workers", "right"), ("steps/s", "right"), ("uplink", "right"),
+                         ("downlink", "right"), ("accuracy", "right")):
+        table.add_column(col, justify=justify)
+    for site, st in sorted(snap.sites.items()):
+        table.add_row(site, f"{st.workers_up}/{st.workers}", f"{st.steps_per_s:.1f}", human_bytes(st.uplink_bytes),
+                      human_bytes(st.downlink_bytes), "-" if st.accuracy is None else f"{st.accuracy:.3f}")
+    return Panel(Group(head, bar, table), title=f"hfleet run {job}")
+
+
+class LiveDisplay:
+    """Shows a `RunView` on ``stream``: a rich live panel on a terminal, plain lines elsewhere."""
+
+    def __init__(self, view: RunView, stream: IO[str] | None = None, terminal: bool | None = None,
+                 plain_interval_s: float = 5.0):
+        self.view = view
+        self._stream = stream if stream is not None else sys.stderr
+        if terminal is None:
+            isatty = getattr(self._stream, "isatty", None)
+            terminal = bool(isatty and isatty())
+        self.terminal = terminal
+        self._plain_interval_s = plain_interval_s
+        self._last_plain = 0.0
+        self._live = None
+
+    def __enter__(self) -> "LiveDisplay":
+        if self.terminal:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(file=self._stream, force_terminal=True)
+            self._live = Live(render(self.view.job, self.view.snapshot()), console=console, auto_refresh=False,
+                              transient=False)
+            self._live.start(refresh=True)
+        else:
+            self._last_plain = time.monotonic()
+        return self
+
+    def refresh(self) -> None:
+        """Redraw the panel, or write a plain line when one is due."""
+        if self._live is not None:
+            self._live.update(render(self.view.job, self.view.snapshot()), refresh=True)
+        elif time.monotonic() - self._last_plain >= self._plain_interval_s:
+            self._write_plain()
+
+    def _write_plain(self) -> None:
+        self._last_plain = time.monotonic()
+        self._stream.write(plain_line(self.view.job, self.view.snapshot()) + "\n")
+        self._stream.flush()
+
+    def __exit__(self, *exc_info) -> None:
+        if self._live is not None:
+            self._live.update(render(self.view.job, self.view.snapshot()), refresh=True)
+            self._live.stop()
+            self._live = None
+        else:
+            self._write_plain()

@@ -1,0 +1,263 @@
+"""`hfleet report RUN_DIR`: one self-contained HTML page (and PNGs) for a run.
+
+Plots, each from the run's own files: loss and accuracy against step per site, the
+joint model against each site alone, bytes per site and direction, where a step's
+time goes (compute, encode, transfer, wait), stragglers (steps against time per
+worker) and restarts and other events on the time axis. The PNGs are embedded as
+data URIs, so ``report.html`` can be mailed or attached to a ticket as one file. A
+run still in progress is reported as live; a crashed or half-written one gives a
+partial report that lists what is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from hybridfleet.errors import ReportError
+from hybridfleet.obs.runinfo import RunData, load_run
+from hybridfleet.store.file import FileStore
+
+REPORT_FILE = "report.html"
+PLOTS_DIR = "report"
+PHASES = ("compute", "encode", "transfer", "wait")
+ACCURACY_KEYS = ("test_accuracy", "val_accuracy", "accuracy")
+_EVENT_STYLE = {"start": ("tab:green", "^"), "exit": ("tab:gray", "v"), "restart": ("tab:orange", "o"),
+                "gave_up": ("tab:red", "X"), "stop": ("black", "s")}
+
+
+def _workers(run: RunData) -> list[dict]:
+    return [r for r in run.metrics if str(r.get("process", "")).startswith("worker-")]
+
+
+def _baselines(run: RunData) -> list[dict]:
+    return [r for r in run.metrics if str(r.get("process", "")).startswith("baseline-")]
+
+
+def _accuracy(rec: dict) -> float | None:
+    for key in ACCURACY_KEYS:
+        if isinstance(rec.get(key), (int, float)):
+            return float(rec[key])
+    return None
+
+
+def _by_site_step(records: list[dict], value: Callable[[dict], float | None]) -> dict[str, list[tuple[int, float]]]:
+    """site -> [(step, mean over the site's workers)] sorted by step."""
+    acc: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        v = value(r)
+        if v is None or not isinstance(r.get("step"), int):
+            continue
+        acc[str(r.get("site", "?"))][r["step"]].append(v)
+    return {site: sorted((s, sum(vs) / len(vs)) for s, vs in steps.items()) for site, steps in sorted(acc.items())}
+
+
+def _last_per_process(records: list[dict]) -> dict[str, dict]:
+    last: dict[str, dict] = {}
+    for r in records:
+        last[str(r.get("process"))] = r
+    return last
+
+
+# ---------------------------------------------------------------------------------- plots
+# Each returns False when the run has no data for it (the section then says so).
+
+def _plot_loss(ax, run: RunData) -> bool:
+    series = _by_site_step(_workers(run), lambda r: r.get("loss") if isinstance(r.get("loss"), (int, float)) else None)
+    for site, points in series.items():
+        ax.plot(*zip(*points), marker=".", label=site)
+    ax.set(xlabel="step", ylabel="training loss")
+    return bool(series)
+
+
+def _plot_accuracy(ax, run: RunData) -> bool:
+    joint = _by_site_step([{**r, "site": "joint"} for r in _workers(run)], _accuracy)  # one model, all sites
+    alone = _by_site_step(_baselines(run), _accuracy)
+    for points in joint.values():
+        ax.plot(*zip(*points), marker=".", linewidth=2, label="joint model (all sites)")
+    for site, points in alone.items():
+        ax.plot(*zip(*points), linestyle="--", marker=".", label=f"{site} alone")
+    ax.set(xlabel="step", ylabel="test accuracy")
+    return bool(joint or alone)
+
+
+def _plot_bytes(ax, run: RunData) -> bool:
+    sent: dict[str, float] = defaultdict(float)
+    received: dict[str, float] = defaultdict(float)
+    for r in _last_per_process(_workers(run)).values():
+        sent[str(r.get("site", "?"))] += float(r.get("sent", 0))
+        received[str(r.get("site", "?"))] += float(r.get("received", 0))
+    sites = sorted(set(sent) | set(received))
+    if not sites or not any(sent.values()) and not any(received.values()):
+        return False
+    xs = range(len(sites))
+    ax.bar([x - 0.2 for x in xs], [sent[s] / 1e6 for s in sites], width=0.4, label="uplink (sent)")
+    ax.bar([x + 0.2 for x in xs], [received[s] / 1e6 for s in sites], width=0.4, label="downlink (received)")
+    ax.set_xticks(list(xs), sites)
+    ax.set(ylabel="MB over the WAN")
+    return True
+
+
+def _plot_phases(ax, run: RunData) -> bool:
+    last = {p: r for p, r in _last_per_process(_workers(run)).items() if isinstance(r.get("phase_s"), dict)}
+    if not last:
+        return False
+    names = sorted(last)
+    bottom = [0.0] * len(names)
+    for phase in PHASES:
+        vals = [float(last[n]["phase_s"].get(phase, 0.0)) for n in names]
+        ax.bar(names, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(ylabel="seconds (cumulative)")
+    ax.tick_params(axis="x", labelrotation=20)
+    return True
+
+
+def _plot_stragglers(ax, run: RunData) -> bool:
+    per: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for r in _workers(run):
+        if isinstance(r.get("elapsed_s"), (int, float)) and isinstance(r.get("step"), int):
+            per[str(r["process"])].append((float(r["elapsed_s"]), r["step"]))
+    for name, points in sorted(per.items()):
+        ax.plot(*zip(*sorted(points)), marker=".", label=name)
+    ax.set(xlabel="seconds since the worker started", ylabel="step")
+    return bool(per)
+
+
+def _plot_events(ax, run: RunData) -> bool:
+    events = [e for e in run.events if isinstance(e.get("ts"), (int, float)) and e.get("process")]
+    if not events:
+        return False
+    t0 = min(e["ts"] for e in events)
+    procs = sorted({e["process"] for e in events})
+    row = {p: i for i, p in enumerate(procs)}
+    for kind, (colour, marker) in _EVENT_STYLE.items():
+        pts = [(e["ts"] - t0, row[e["process"]]) for e in events if e.get("event") == kind]
+        if pts:
+            ax.scatter(*zip(*pts), c=colour, marker=marker, label=kind, s=40, zorder=3)
+    ax.set_yticks(range(len(procs)), procs)
+    ax.set(xlabel="seconds since the run started")
+    ax.grid(axis="x", alpha=0.3)
+    return True
+
+
+SECTIONS: list[tuple[str, str, Callable]] = [
+    ("loss", "Loss per site", _plot_loss),
+    ("accuracy", "Accuracy: joint model against each site alone", _plot_accuracy),
+    ("bytes", "Bytes per site and direction", _plot_bytes),
+    ("phases", "Round time breakdown", _plot_phases),
+    ("stragglers", "Stragglers: progress per worker", _plot_stragglers),
+    ("events", "Restarts and events", _plot_events),
+]
+
+
+def _render_png(draw: Callable, run: RunData) -> bytes | None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("hfleet report draws with matplotlib, which is not installed: "
+                          "pip install 'hybridfleet[report]'") from None
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    if not draw(ax, run):
+        return None
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _summary_rows(run: RunData) -> list[tuple[str, str]]:
+    s = run.summary or {}
+    rows = [("job", run.job), ("status", run.status), ("framework", str(s.get("framework") or run.info.get("framework", "-"))),
+            ("sync", str(s.get("sync") or run.info.get("sync", "-")))]
+    if run.info.get("started"):
+        rows.append(("started", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.info["started"]))))
+    if s:
+        rows.append(("joint test accuracy", str(s.get("test_accuracy"))))
+        for site, acc in (s.get("site_alone_accuracy") or {}).items():
+            rows.append((f"{site} alone", "-" if acc is None else f"{acc:.4f}"))
+        for site, n in (s.get("bytes_sent_by_site") or {}).items():
+            rows.append((f"bytes sent by {site}", f"{n:,}"))
+        rows.append(("restarts", str(s.get("restarts"))))
+        rows.append(("wall time (s)", str(s.get("wall_s"))))
+    else:
+        restarts = sum(1 for e in run.events if e.get("event") == "restart")
+        rows.append(("restarts so far", str(restarts)))
+        steps = [r["step"] for r in _workers(run) if isinstance(r.get("step"), int)]
+        rows.append(("latest reported step", str(max(steps)) if steps else "-"))
+    return rows
+
+
+_CSS = """body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse}td{padding:2px 12px 2px 0}td:first-child{color:#555}
+.status{display:inline-block;padding:2px 10px;border-radius:4px;color:#fff;font-weight:bold}
+.completed{background:#2a7}.degraded{background:#c80}.failed,.crashed{background:#c33}.live{background:#27c}
+.unknown{background:#888}.note{background:#fff4d6;padding:8px;border-left:4px solid #c80}
+img{max-width:100%}"""
+
+
+def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
+    """The report page for ``run`` with ``plots`` (section key -> PNG bytes, None when no data)."""
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run.job)} run report</title>",
+             f"<style>{_CSS}</style></head><body>",
+             f"<h1>Run report: {esc(run.job)} <span class='status {esc(run.status)}' id='status'>"
+             f"{esc(run.status.upper())}</span></h1>",
+             f"<p>{esc(str(run.path))}</p>"]
+    notes = []
+    if run.live:
+        notes.append("This run is still in progress: the figures show the data written so far.")
+    elif run.status == "crashed":
+        notes.append("This run stopped without writing summary.json (its supervisor is gone): a partial report.")
+    if run.missing:
+        notes.append("Missing: " + ", ".join(run.missing) + ".")
+    if run.bad_lines:
+        notes.append(f"{run.bad_lines} unreadable line(s) skipped (half-written?).")
+    for note in notes:
+        parts.append(f"<p class='note'>{esc(note)}</p>")
+    parts.append("<h2>Summary</h2><table>")
+    parts += [f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _summary_rows(run)]
+    parts.append("</table>")
+    for key, title, _ in SECTIONS:
+        parts.append(f"<h2 id='{key}'>{esc(title)}</h2>")
+        png = plots.get(key)
+        if png is None:
+            parts.append("<p class='note'>No data for this plot in this run.</p>")
+        else:
+            data = base64.b64encode(png).decode()
+            parts.append(f"<img alt='{esc(title)}' src='data:image/png;base64,{data}'>")
+    parts.append(f"<p><small>written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} "
+                 "by hfleet report</small></p></body></html>")
+    return "\n".join(parts)
+
+
+def build_report(run_dir: str | Path) -> tuple[RunData, str, dict[str, bytes | None]]:
+    """Load the run and draw every plot; returns (run, html, plots)."""
+    run = load_run(run_dir)
+    plots = {key: _render_png(draw, run) for key, _, draw in SECTIONS}
+    return run, render_html(run, plots), plots
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``report.html`` (default: in the run directory) and ``report/<plot>.png`` next to it; returns the
+    HTML path. Raises `ReportError` when ``run_dir`` is missing or not a run."""
+    run, page, plots = build_report(run_dir)
+    target = Path(out) if out is not None else run.path / REPORT_FILE
+    store = FileStore(target.parent)
+    for key, png in plots.items():
+        if png is not None:
+            store.put_bytes(f"{PLOTS_DIR}/{key}.png", png)
+    store.put_bytes(target.name, page.encode("utf-8"))
+    return target

@@ -1,0 +1,666 @@
+/* A TLS connection whose record loop runs in C: the bulk data plane's transport.
+ *
+ * Python's ssl module returns at most one TLS record (16 KiB) per recv call, so a
+ * 64 MB pull costs about 4,000 trips through the interpreter and the GIL, plus two
+ * read syscalls per record. Here a whole frame is read (or written) by one call
+ * with the GIL released: SSL_read_ex in a loop straight into the caller's buffer,
+ * with read-ahead so that one recv syscall fetches many records, and records to
+ * send collect in a BIO pair so that one send syscall carries many. The cipher, the
+ * handshake and the certificate checks are OpenSSL's, configured from the same
+ * files and settings as the Python ssl.SSLContext (see `hybridfleet.ps.wire.tls`);
+ * nothing here is a protocol of its own.
+ *
+ * Timeouts: ``settimeout(t)`` bounds each wait for progress (as a socket's timeout
+ * bounds each recv); ``deadline`` (time.monotonic() seconds) bounds a whole call.
+ * The socket is non-blocking underneath and waits happen in poll().
+ *
+ * Built optionally (see pyproject.toml); without it the Python ssl path is used.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+
+#if OPENSSL_VERSION_NUMBER < 0x30000000L /* OpenSSL 1.1.1 */
+#define SSL_get1_peer_certificate SSL_get_peer_certificate
+#endif
+#ifndef SSL_R_UNEXPECTED_EOF_WHILE_READING
+#define SSL_R_UNEXPECTED_EOF_WHILE_READING 294
+#endif
+
+#define WRITE_BUFFER_BYTES (256 * 1024) /* records sent per send syscall: ~16 instead of one */
+#ifndef READ_BUFFER_BYTES
+#define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
+#endif
+
+static PyObject *SSLError, *SSLCertVerificationError, *SSLEOFError;
+
+/* ------------------------------------------------------------------ Context */
+typedef struct {
+    PyObject_HEAD
+    SSL_CTX *ctx;
+    int server_side, check_hostname, hostname_checks_common_name;
+} ContextObject;
+
+static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname);
+
+static void Context_dealloc(ContextObject *self) {
+    SSL_CTX_free(self->ctx);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int tls_version(long v) { return v < 0 ? 0 : (int)v; } /* MINIMUM/MAXIMUM_SUPPORTED: no bound */
+
+static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"server_side", "cafile", "certfile", "keyfile", "verify_mode", "check_hostname",
+                             "hostname_checks_common_name", "options", "min_version", "max_version",
+                             "verify_flags", "ciphers", NULL};
+    int server_side, verify_mode, check_hostname, common_name;
+    const char *cafile, *certfile, *keyfile, *ciphers;
+    unsigned long long options;
+    long min_version, max_version;
+    unsigned long verify_flags;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "pzzzippKllkz", kwlist, &server_side, &cafile, &certfile, &keyfile,
+                                     &verify_mode, &check_hostname, &common_name, &options, &min_version,
+                                     &max_version, &verify_flags, &ciphers))
+        return -1;
+    ERR_clear_error();
+    SSL_CTX *ctx = SSL_CTX_new(server_side ? TLS_server_method() : TLS_client_method());
+    if (ctx == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL), -1;
+    SSL_CTX_clear_options(ctx, SSL_CTX_get_options(ctx));
+    SSL_CTX_set_options(ctx, (uint64_t)options);
+    if (!SSL_CTX_set_min_proto_version(ctx, tls_version(min_version)) ||
+        !SSL_CTX_set_max_proto_version(ctx, tls_version(max_version)) ||
+        (ciphers != NULL && *ciphers && !SSL_CTX_set_cipher_list(ctx, ciphers)) ||
+        (certfile != NULL && SSL_CTX_use_certificate_chain_file(ctx, certfile) != 1) ||
+        (keyfile != NULL && SSL_CTX_use_PrivateKey_file(ctx, keyfile, SSL_FILETYPE_PEM) != 1) ||
+        (certfile != NULL && keyfile != NULL && SSL_CTX_check_private_key(ctx) != 1) ||
+        (cafile != NULL && SSL_CTX_load_verify_locations(ctx, cafile, NULL) != 1)) {
+        raise_ssl_error(ERR_get_error(), NULL, NULL);
+        SSL_CTX_free(ctx);
+        return -1;
+    }
+    X509_VERIFY_PARAM *param = SSL_CTX_get0_param(ctx);
+    X509_VERIFY_PARAM_clear_flags(param, X509_VERIFY_PARAM_get_flags(param));
+    X509_VERIFY_PARAM_set_flags(param, verify_flags);
+    /* ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as the ssl module maps them */
+    SSL_CTX_set_verify(ctx, verify_mode == 0 ? SSL_VERIFY_NONE
+                            : SSL_VERIFY_PEER | (verify_mode == 2 ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), NULL);
+    SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY);
+    SSL_CTX_set_read_ahead(ctx, 1);
+    SSL_CTX_set_default_read_buffer_len(ctx, READ_BUFFER_BYTES);
+    if (self->ctx) SSL_CTX_free(self->ctx);
+    self->ctx = ctx;
+    self->server_side = server_side;
+    self->check_hostname = check_hostname;
+    self->hostname_checks_common_name = common_name;
+    return 0;
+}
+
+static PyTypeObject ContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hybridfleet.ps.wire._tls.Context",
+    .tp_doc = "OpenSSL settings for TLS connections: one side (client or server), its files and checks.",
+    .tp_basicsize = sizeof(ContextObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Context_init,
+    .tp_dealloc = (destructor)Context_dealloc,
+};
+
+/* --------------------------------------------------------------- Connection */
+typedef struct {
+    PyObject_HEAD
+    SSL *ssl;
+    int fd;
+    double timeout; /* < 0: wait forever for progress */
+    int busy, closed;
+    BIO *net; /* OpenSSL writes records into a BIO pair; this half sends them in large writes */
+    char *hostname; /* what the certificate is checked against, for error messages */
+} ConnObject;
+
+enum { ST_OK, ST_EOF, ST_TIMEOUT, ST_ERRNO, ST_SSL, ST_EINTR };
+
+typedef struct { /* one call's progress, kept across GIL round trips (EINTR) */
+    int result, saved_errno;
+    unsigned long ssl_err;
+    size_t done;
+    double last_progress;
+} Progress;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of Python's time.monotonic() */
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Wait until fd is readable/writable; ST_OK, ST_TIMEOUT, ST_ERRNO or ST_EINTR. */
+static int wait_fd(int fd, int for_write, double timeout, double deadline, Progress *p) {
+    double limit = -1;
+    if (timeout >= 0) limit = p->last_progress + timeout;
+    if (deadline > 0 && (limit < 0 || deadline < limit)) limit = deadline;
+    int ms = -1;
+    if (limit >= 0) {
+        double left = limit - now_s();
+        if (left <= 0) return ST_TIMEOUT;
+        ms = left * 1000 >= INT_MAX ? INT_MAX : (int)ceil(left * 1000);
+    }
+    struct pollfd pfd = {.fd = fd, .events = for_write ? POLLOUT : POLLIN};
+    int rc = poll(&pfd, 1, ms);
+    if (rc == 0) return ST_TIMEOUT;
+    if (rc < 0) {
+        p->saved_errno = errno;
+        return errno == EINTR ? ST_EINTR : ST_ERRNO;
+    }
+    return ST_OK;
+}
+
+/* After an SSL call returned <= 0: ST_OK to retry once the fd is ready (want_write set), or a final result. */
+static int classify(ConnObject *self, int ret, int *want_write, Progress *p) {
+    int e = SSL_get_error(self->ssl, ret);
+    switch (e) {
+    case SSL_ERROR_WANT_READ: *want_write = 0; return ST_OK;
+    case SSL_ERROR_WANT_WRITE: *want_write = 1; return ST_OK;
+    case SSL_ERROR_ZERO_RETURN: return ST_EOF;
+    case SSL_ERROR_SYSCALL:
+        if (errno == 0 || ERR_peek_error() != 0) {
+            p->ssl_err = ERR_peek_error();
+            return p->ssl_err ? ST_SSL : ST_EOF;
+        }
+        p->saved_errno = errno;
+        return errno == EINTR ? ST_EINTR : ST_ERRNO;
+    default: {
+        unsigned long err = ERR_peek_error();
+        if (ERR_GET_LIB(err) == ERR_LIB_SSL && ERR_GET_REASON(err) == SSL_R_UNEXPECTED_EOF_WHILE_READING) {
+            p->ssl_err = err;
+            return ST_EOF; /* a peer that closes without close_notify: end of stream, as ssl's recv says */
+        }
+        p->ssl_err = err;
+        return ST_SSL;
+    }
+    }
+}
+
+typedef enum { OP_HANDSHAKE, OP_READ_SOME, OP_READ_ALL, OP_WRITE_ALL } Op;
+
+/* Run one operation until it completes or fails; called without the GIL. */
+/* Send what OpenSSL wrote into the BIO pair; ST_OK once all of it is on the socket. */
+static int flush(ConnObject *self, double deadline, Progress *p) {
+    for (;;) {
+        char *ptr;
+        int avail = BIO_nread0(self->net, &ptr);
+        if (avail <= 0) return ST_OK;
+        ssize_t sent = send(self->fd, ptr, (size_t)avail, MSG_NOSIGNAL);
+        if (sent > 0) {
+            BIO_nread(self->net, &ptr, (int)sent);
+            p->last_progress = now_s();
+            continue;
+        }
+        if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd(self->fd, 1, self->timeout, deadline, p);
+            if (r != ST_OK) return r;
+            continue;
+        }
+        p->saved_errno = errno;
+        return errno == EINTR ? ST_EINTR : ST_ERRNO;
+    }
+}
+
+/* Run one operation until it completes or fails; called without the GIL. */
+static void run_op(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p) {
+    for (;;) {
+        int want_write = 0, ret, r;
+        size_t k = 0;
+        errno = 0;
+        if (op == OP_HANDSHAKE) {
+            ret = SSL_do_handshake(self->ssl);
+            if (ret == 1) { p->result = flush(self, deadline, p); return; }
+        } else if (op == OP_WRITE_ALL) {
+            if (p->done >= n) { p->result = flush(self, deadline, p); return; }
+            ret = SSL_write_ex(self->ssl, buf + p->done, n - p->done, &k);
+            if (ret == 1) { p->done += k; continue; } /* records pile up in the pair until it is full */
+        } else {
+            if (p->done >= n && n > 0) { p->result = ST_OK; return; }
+            ret = SSL_read_ex(self->ssl, buf + p->done, n - p->done, &k);
+            if (ret == 1) {
+                p->done += k;
+                p->last_progress = now_s();
+                if (op == OP_READ_SOME || p->done >= n) {
+                    p->result = BIO_ctrl_pending(self->net) ? flush(self, deadline, p) : ST_OK; /* e.g. a KeyUpdate reply */
+                    return;
+                }
+                continue;
+            }
+        }
+        r = classify(self, ret, &want_write, p);
+        if (r != ST_OK) {
+            if (r == ST_SSL) flush(self, deadline, p); /* the alert that tells the peer why, if it can go */
+            p->result = r;
+            return;
+        }
+        /* WANT_WRITE: the pair is full; WANT_READ: what was written must be sent before waiting for the answer */
+        r = flush(self, deadline, p);
+        if (r == ST_OK && !want_write) r = wait_fd(self->fd, 0, self->timeout, deadline, p);
+        if (r != ST_OK) { p->result = r; return; }
+    }
+}
+
+static void release(ConnObject *self) {
+    if (self->ssl) SSL_free(self->ssl);
+    if (self->net) BIO_free(self->net);
+    self->net = NULL;
+    if (self->fd >= 0) close(self->fd);
+    self->ssl = NULL;
+    self->fd = -1;
+}
+
+static int check_open(ConnObject *self) {
+    if (self->closed || self->ssl == NULL) {
+        errno = EBADF;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the TLS connection is in use by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static const char *lib_name(int lib) {
+    switch (lib) {
+    case ERR_LIB_SSL: return "SSL";
+    case ERR_LIB_X509: return "X509";
+    case ERR_LIB_X509V3: return "X509V3";
+    case ERR_LIB_PEM: return "PEM";
+    case ERR_LIB_ASN1: return "ASN1";
+    case ERR_LIB_EVP: return "EVP";
+    case ERR_LIB_SYS: return "SYS";
+    default: return "SSL";
+    }
+}
+
+/* "certificate verify failed" -> "CERTIFICATE_VERIFY_FAILED": OpenSSL's reason mnemonics, as ssl prints them. */
+static void mnemonic(const char *reason, char *out, size_t size) {
+    size_t i = 0;
+    for (; reason[i] && i + 1 < size; i++) out[i] = reason[i] == ' ' ? '_' : (char)toupper((unsigned char)reason[i]);
+    out[i] = 0;
+}
+
+static void set_attr(PyObject *obj, const char *name, PyObject *value) {
+    if (value != NULL) PyObject_SetAttrString(obj, name, value);
+    Py_XDECREF(value);
+    PyErr_Clear();
+}
+
+/* Raise the ssl module's exception for an OpenSSL error, with the text ssl would show. */
+static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname) {
+    const char *reason = err ? ERR_reason_error_string(err) : NULL;
+    char name[128], msg[512];
+    PyObject *cls = SSLError;
+    long verify_code = 0;
+    const char *verify_message = NULL;
+    char verify_text[256];
+    if (reason == NULL) reason = "unknown error";
+    mnemonic(reason, name, sizeof name);
+    if (ERR_GET_LIB(err) == ERR_LIB_SSL && ERR_GET_REASON(err) == SSL_R_CERTIFICATE_VERIFY_FAILED && ssl != NULL) {
+        cls = SSLCertVerificationError;
+        verify_code = SSL_get_verify_result(ssl);
+        if (verify_code == X509_V_ERR_HOSTNAME_MISMATCH || verify_code == X509_V_ERR_IP_ADDRESS_MISMATCH) {
+            snprintf(verify_text, sizeof verify_text, "%s mismatch, certificate is not valid for '%s'.",
+                     verify_code == X509_V_ERR_IP_ADDRESS_MISMATCH ? "IP address" : "Hostname",
+                     hostname ? hostname : "");
+            verify_message = verify_text;
+        } else {
+            verify_message = X509_verify_cert_error_string(verify_code);
+        }
+        snprintf(msg, sizeof msg, "[%s: %s] %s: %s", lib_name(ERR_GET_LIB(err)), name, reason, verify_message);
+    } else {
+        if (ERR_GET_LIB(err) == ERR_LIB_SSL && ERR_GET_REASON(err) == SSL_R_UNEXPECTED_EOF_WHILE_READING)
+            cls = SSLEOFError;
+        snprintf(msg, sizeof msg, "[%s: %s] %s", lib_name(ERR_GET_LIB(err)), name, reason);
+    }
+    ERR_clear_error();
+    PyObject *exc = PyObject_CallFunction(cls, "is", cls == SSLEOFError ? 8 : 1, msg);
+    if (exc == NULL) return -1;
+    set_attr(exc, "library", PyUnicode_FromString(lib_name(ERR_GET_LIB(err))));
+    set_attr(exc, "reason", PyUnicode_FromString(name));
+    if (cls == SSLCertVerificationError) {
+        set_attr(exc, "verify_code", PyLong_FromLong(verify_code));
+        set_attr(exc, "verify_message", PyUnicode_FromString(verify_message));
+    }
+    PyErr_SetObject(cls, exc);
+    Py_DECREF(exc);
+    return -1;
+}
+
+/* Run ``op`` with the GIL released; returns the Progress (result ST_OK/ST_EOF) or NULL-equivalent -1 with an exception. */
+static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p, const char *what) {
+    memset(p, 0, sizeof *p);
+    p->last_progress = now_s();
+    self->busy = 1;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        run_op(self, op, buf, n, deadline, p);
+        Py_END_ALLOW_THREADS
+        if (p->result != ST_EINTR) break;
+        if (PyErr_CheckSignals() < 0) { self->busy = 0; ERR_clear_error(); goto done_error; }
+    }
+    self->busy = 0;
+    switch (p->result) {
+    case ST_OK:
+    case ST_EOF:
+        ERR_clear_error();
+        if (self->closed) release(self); /* close() came from another thread meanwhile */
+        return 0;
+    case ST_TIMEOUT:
+        ERR_clear_error();
+        PyErr_Format(PyExc_TimeoutError, "The %s operation timed out", what);
+        break;
+    case ST_ERRNO:
+        ERR_clear_error();
+        errno = p->saved_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+        break;
+    default:
+        raise_ssl_error(p->ssl_err, self->ssl, self->hostname);
+    }
+done_error:
+    if (self->closed) release(self);
+    return -1;
+}
+
+static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"context", "fd", "server_hostname", NULL};
+    ContextObject *ctx;
+    int fd;
+    const char *host = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!i|z", kwlist, &ContextType, &ctx, &fd, &host)) return -1;
+    if (self->ssl != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "connection already initialised");
+        return -1;
+    }
+    ERR_clear_error();
+    SSL *ssl = SSL_new(ctx->ctx);
+    if (ssl == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL);
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+        SSL_free(ssl);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    BIO *sock_bio = BIO_new_socket(fd, BIO_NOCLOSE), *inner = NULL, *outer = NULL;
+    if (sock_bio == NULL || !BIO_new_bio_pair(&inner, WRITE_BUFFER_BYTES, &outer, 0)) {
+        BIO_free(sock_bio);
+        SSL_free(ssl);
+        return raise_ssl_error(ERR_get_error(), NULL, NULL);
+    }
+    SSL_set_bio(ssl, sock_bio, inner); /* reads straight from the socket, writes into the pair */
+    if (ctx->server_side) {
+        SSL_set_accept_state(ssl);
+    } else {
+        SSL_set_connect_state(ssl);
+        if (host != NULL && *host) {
+            X509_VERIFY_PARAM *param = SSL_get0_param(ssl);
+            int is_ip = X509_VERIFY_PARAM_set1_ip_asc(param, host) == 1;
+            ERR_clear_error();
+            if (!is_ip) SSL_set_tlsext_host_name(ssl, host); /* SNI carries names, never addresses */
+            if (ctx->check_hostname && !is_ip) {
+                X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS |
+                    (ctx->hostname_checks_common_name ? 0 : X509_CHECK_FLAG_NEVER_CHECK_SUBJECT));
+                if (X509_VERIFY_PARAM_set1_host(param, host, 0) != 1) {
+                    SSL_free(ssl);
+                    BIO_free(outer);
+                    return raise_ssl_error(ERR_get_error(), NULL, NULL);
+                }
+            } else if (!ctx->check_hostname && is_ip) {
+                X509_VERIFY_PARAM_set1_ip(param, NULL, 0);
+            }
+        } else if (ctx->check_hostname) {
+            SSL_free(ssl);
+            BIO_free(outer);
+            PyErr_SetString(PyExc_ValueError, "check_hostname requires server_hostname");
+            return -1;
+        }
+    }
+    if (host != NULL && (self->hostname = strdup(host)) == NULL) {
+        SSL_free(ssl);
+        BIO_free(outer);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->ssl = ssl;
+    self->net = outer;
+    self->fd = fd; /* owned from here on */
+    self->timeout = -1;
+    return 0;
+}
+
+static void Conn_dealloc(ConnObject *self) {
+    release(self);
+    free(self->hostname);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Conn_do_handshake(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    Progress p;
+    if (check_open(self) < 0 || perform(self, OP_HANDSHAKE, NULL, 0, 0, &p, "handshake") < 0) return NULL;
+    if (p.result == ST_EOF) {
+        PyObject *exc = PyObject_CallFunction(SSLEOFError, "is", 8, "EOF occurred in violation of protocol");
+        if (exc != NULL) PyErr_SetObject(SSLEOFError, exc);
+        Py_XDECREF(exc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static double parse_deadline(PyObject *obj) {
+    return obj == NULL || obj == Py_None ? 0 : PyFloat_AsDouble(obj);
+}
+
+static PyObject *Conn_recv_into(ConnObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"buffer", "nbytes", NULL};
+    Py_buffer view;
+    Py_ssize_t nbytes = 0;
+    Progress p;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*|n", kwlist, &view, &nbytes)) return NULL;
+    if (nbytes <= 0 || nbytes > view.len) nbytes = view.len;
+    if (nbytes == 0 || check_open(self) < 0 || perform(self, OP_READ_SOME, view.buf, nbytes, 0, &p, "read") < 0) {
+        PyBuffer_Release(&view);
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromSize_t(p.done);
+}
+
+static PyObject *Conn_recv(ConnObject *self, PyObject *args) {
+    Py_ssize_t n;
+    Progress p;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) return NULL;
+    if (n == 0) return out;
+    if (check_open(self) < 0 || perform(self, OP_READ_SOME, PyBytes_AS_STRING(out), n, 0, &p, "read") < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (_PyBytes_Resize(&out, p.done) < 0) return NULL;
+    return out;
+}
+
+/* recv_exact_into / sendall: move all of ``view`` (released here) or raise; an early end of stream is
+ * EOFError when reading and EPIPE when writing. */
+static PyObject *transfer_all(ConnObject *self, Py_buffer *view, PyObject *deadline_obj, Op op) {
+    Progress p = {0};
+    double deadline = parse_deadline(deadline_obj);
+    int failed = PyErr_Occurred() || (view->len > 0 && (check_open(self) < 0 ||
+        perform(self, op, view->buf, view->len, deadline, &p, op == OP_READ_ALL ? "read" : "write") < 0));
+    Py_ssize_t n = view->len;
+    PyBuffer_Release(view);
+    if (failed) return NULL;
+    if (n > 0 && p.result == ST_EOF) {
+        if (op == OP_READ_ALL)
+            return PyErr_Format(PyExc_EOFError, "connection closed after %zu of %zd bytes", p.done, n);
+        errno = EPIPE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Conn_recv_exact_into(ConnObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"buffer", "deadline", NULL};
+    Py_buffer view;
+    PyObject *deadline_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*|O", kwlist, &view, &deadline_obj)) return NULL;
+    return transfer_all(self, &view, deadline_obj, OP_READ_ALL);
+}
+
+static PyObject *Conn_sendall(ConnObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"data", "deadline", NULL};
+    Py_buffer view;
+    PyObject *deadline_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|O", kwlist, &view, &deadline_obj)) return NULL;
+    return transfer_all(self, &view, deadline_obj, OP_WRITE_ALL);
+}
+
+static PyObject *Conn_settimeout(ConnObject *self, PyObject *arg) {
+    if (arg == Py_None) {
+        self->timeout = -1;
+        Py_RETURN_NONE;
+    }
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (t < 0) {
+        PyErr_SetString(PyExc_ValueError, "Timeout value out of range");
+        return NULL;
+    }
+    self->timeout = t;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Conn_gettimeout(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->timeout < 0) Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->timeout);
+}
+
+static PyObject *Conn_fileno(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(self->closed ? -1 : self->fd);
+}
+
+static PyObject *Conn_shutdown(ConnObject *self, PyObject *args) {
+    int how;
+    if (!PyArg_ParseTuple(args, "i", &how)) return NULL;
+    if (self->closed || self->fd < 0 || shutdown(self->fd, how) < 0) {
+        if (self->closed || self->fd < 0) errno = EBADF;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Conn_close(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->closed) Py_RETURN_NONE;
+    self->closed = 1;
+    if (self->busy) {
+        shutdown(self->fd, SHUT_RDWR); /* wakes the thread inside; it frees the connection on its way out */
+    } else {
+        release(self);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Conn_peer_certificate(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->ssl == NULL) Py_RETURN_NONE;
+    X509 *cert = SSL_get1_peer_certificate(self->ssl);
+    if (cert == NULL) Py_RETURN_NONE;
+    unsigned char *der = NULL;
+    int len = i2d_X509(cert, &der);
+    X509_free(cert);
+    if (len < 0) return raise_ssl_error(ERR_get_error(), NULL, NULL), NULL;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)der, len);
+    OPENSSL_free(der);
+    return out;
+}
+
+static PyObject *Conn_version(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->ssl == NULL || !SSL_is_init_finished(self->ssl)) Py_RETURN_NONE;
+    return PyUnicode_FromString(SSL_get_version(self->ssl));
+}
+
+static PyObject *Conn_cipher(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    const SSL_CIPHER *c = self->ssl ? SSL_get_current_cipher(self->ssl) : NULL;
+    if (c == NULL) Py_RETURN_NONE;
+    return Py_BuildValue("(ssi)", SSL_CIPHER_get_name(c), SSL_CIPHER_get_version(c), SSL_CIPHER_get_bits(c, NULL));
+}
+
+static PyMethodDef Conn_methods[] = {
+    {"do_handshake", (PyCFunction)Conn_do_handshake, METH_NOARGS, "Complete the TLS handshake (checks the peer)."},
+    {"recv_into", (PyCFunction)(void (*)(void))Conn_recv_into, METH_VARARGS | METH_KEYWORDS,
+     "recv_into(buffer, nbytes=0) -> int: at least one byte, as a socket's; 0 at end of stream."},
+    {"recv", (PyCFunction)Conn_recv, METH_VARARGS, "recv(n) -> bytes: up to n bytes; b'' at end of stream."},
+    {"recv_exact_into", (PyCFunction)(void (*)(void))Conn_recv_exact_into, METH_VARARGS | METH_KEYWORDS,
+     "recv_exact_into(buffer, deadline=None): fill buffer; EOFError if the peer closes first, TimeoutError\n"
+     "when no byte arrives within the timeout or the whole call passes ``deadline`` (time.monotonic())."},
+    {"sendall", (PyCFunction)(void (*)(void))Conn_sendall, METH_VARARGS | METH_KEYWORDS,
+     "sendall(data, deadline=None): send every byte (same timeout and deadline rules as recv_exact_into)."},
+    {"settimeout", (PyCFunction)Conn_settimeout, METH_O, "settimeout(seconds|None): the longest wait for progress."},
+    {"gettimeout", (PyCFunction)Conn_gettimeout, METH_NOARGS, "The timeout set by settimeout (None: none)."},
+    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "The socket's file descriptor (-1 once closed)."},
+    {"shutdown", (PyCFunction)Conn_shutdown, METH_VARARGS, "shutdown(how): shut the TCP socket down (wakes waiters)."},
+    {"close", (PyCFunction)Conn_close, METH_NOARGS, "Close the connection (deferred while another thread is in it)."},
+    {"peer_certificate", (PyCFunction)Conn_peer_certificate, METH_NOARGS, "The peer's certificate (DER) or None."},
+    {"version", (PyCFunction)Conn_version, METH_NOARGS, "The negotiated protocol, e.g. 'TLSv1.3'."},
+    {"cipher", (PyCFunction)Conn_cipher, METH_NOARGS, "(name, protocol, secret bits) of the negotiated cipher."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ConnType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hybridfleet.ps.wire._tls.Connection",
+    .tp_doc = "Connection(context, fd, server_hostname=None): TLS over a connected socket it now owns.",
+    .tp_basicsize = sizeof(ConnObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Conn_init,
+    .tp_dealloc = (destructor)Conn_dealloc,
+    .tp_methods = Conn_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_tls", "TLS connections whose record loop runs in C (see hybridfleet.ps.wire.tls).", -1,
+};
+
+PyMODINIT_FUNC PyInit__tls(void) {
+    PyObject *ssl = PyImport_ImportModule("ssl");
+    if (ssl == NULL) return NULL;
+    SSLError = PyObject_GetAttrString(ssl, "SSLError");
+    SSLCertVerificationError = PyObject_GetAttrString(ssl, "SSLCertVerificationError");
+    SSLEOFError = PyObject_GetAttrString(ssl, "SSLEOFError");
+    Py_DECREF(ssl);
+    if (!SSLError || !SSLCertVerificationError || !SSLEOFError) return NULL;
+    ContextType.tp_new = PyType_GenericNew;
+    ConnType.tp_new = PyType_GenericNew;
+    if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&ConnType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&ContextType);
+    Py_INCREF(&ConnType);
+    if (PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
+        PyModule_AddObject(m, "Connection", (PyObject *)&ConnType) < 0 ||
+        PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,170 @@
+"""TLS for the bulk data plane: OpenSSL's record loop in C when built, Python's ssl module otherwise.
+
+Why: Python's ``SSLSocket.recv_into`` returns at most one TLS record (16 KiB), so
+reading a 64 MB frame takes ~4,000 interpreter round trips, each taking the GIL
+back and doing two read syscalls; on the PS benchmark that made TLS ~2x slower
+than plaintext although AES-GCM itself runs at several GB/s per core here.
+Options weighed (bench/ps_exchange.py measures the chosen one against both anchors):
+
+- **C extension against OpenSSL** (`hybridfleet.ps.wire._tls`, chosen): after
+  ``connect``/``accept`` it owns the socket, runs the standard TLS 1.3 handshake
+  with the same certificate, key and CA files and the same checks (chain, host
+  name or IP address, client certificate for mutual TLS), then reads a whole frame
+  into the caller's buffer (``recv_exact_into``) and writes a whole buffer
+  (``sendall``) in one call each with the GIL released, using read-ahead so one
+  syscall fetches many records and a write buffer so one syscall sends many. Same exceptions as the ssl module
+  (``ssl.SSLCertVerificationError`` with ``CERTIFICATE_VERIFY_FAILED`` ...,
+  ``TimeoutError``, ``OSError``, ``EOFError`` for a stream cut mid-frame), so the
+  bulk plane maps them to the same error codes.
+  Measured tuning: a 256 KiB read-ahead buffer cut receive CPU by ~25% against none
+  (64 KiB and 1 MiB did no better); writing records into a 256 KiB BIO pair and
+  sending them ~16 at a time instead of one ``send`` per record cut another ~20% on
+  both ends, where corking one-record writes (TCP_CORK) had changed nothing.
+  What is left per byte is OpenSSL's AES-GCM, one copy out of its record buffer and
+  the kernel's socket copies; on the shard the bigger win is that a whole frame
+  moves without the GIL, so two workers' connections no longer queue for it.
+- **Kernel TLS** (``ssl.OP_ENABLE_KTLS``, Python 3.12+): needs the kernel's ``tls``
+  module (``CONFIG_TLS``); absent on the machines this was measured on, so not used.
+- **Rust (rustls via PyO3)**: would need crates from crates.io at build time,
+  which installs cannot count on; OpenSSL's headers are one Debian package.
+
+The native connection is configured from the Python ``ssl.SSLContext`` (options,
+protocol versions, verify mode and flags, host-name rules, TLS 1.2 ciphers) plus
+the files it was loaded from, which the context builders record with
+`remember_files`. A context without recorded files, a missing extension, or
+``HFLEET_NATIVE_TLS=0`` in the environment selects the ssl module; both ends
+speak plain TLS, so either side may use either path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+from typing import Any
+
+try:  # the C extension built from _tls.c, when OpenSSL's headers were there at install time
+    from hybridfleet.ps.wire import _tls
+except ImportError:  # pragma: no cover - depends on the install
+    _tls = None
+
+ENV_SWITCH = "HFLEET_NATIVE_TLS"
+_FILES_ATTR = "_hfleet_tls_files"
+_NATIVE_ATTR = "_hfleet_native_context"
+
+
+def native_available() -> bool:
+    """True when the C extension is built and ``HFLEET_NATIVE_TLS`` does not switch it off."""
+    return _tls is not None and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def remember_files(ctx: ssl.SSLContext, *, certfile: str | None = None, keyfile: str | None = None,
+                   cafile: str | None = None) -> ssl.SSLContext:
+    """Record the files ``ctx`` was loaded from so native connections load the same ones; returns ``ctx``."""
+    setattr(ctx, _FILES_ATTR, (certfile, keyfile, cafile))
+    return ctx
+
+
+def _native_context(ctx: ssl.SSLContext, server_side: bool):
+    """The extension's context mirroring ``ctx`` (cached on it while its settings stay the same), or None."""
+    files = getattr(ctx, _FILES_ATTR, None)
+    if files is None or _tls is None:
+        return None
+    ciphers = ":".join(c["name"] for c in ctx.get_ciphers() if c["protocol"] != "TLSv1.3")
+    settings = (server_side, *files, int(ctx.verify_mode), ctx.check_hostname, ctx.hostname_checks_common_name,
+                int(ctx.options), int(ctx.minimum_version), int(ctx.maximum_version), int(ctx.verify_flags), ciphers)
+    cached = getattr(ctx, _NATIVE_ATTR, None)
+    if cached is not None and cached[0] == settings:
+        return cached[1]
+    certfile, keyfile, cafile = files
+    native = _tls.Context(server_side, cafile, certfile, keyfile, *settings[4:])
+    setattr(ctx, _NATIVE_ATTR, (settings, native))
+    return native
+
+
+def wrap(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool, server_hostname: str | None = None,
+         native: bool | None = None) -> "TLSConnection | ssl.SSLSocket":
+    """TLS over the connected ``sock``, handshake done within ``sock``'s timeout.
+
+    Returns a `TLSConnection` (which then owns the socket) when the native path is
+    available for ``ctx`` and wanted (``native``; None: unless ``HFLEET_NATIVE_TLS=0``),
+    else ``ctx.wrap_socket(sock, ...)``. Either raises what the ssl module raises for a
+    failed handshake.
+    """
+    wanted = native_available() if native is None else native
+    native_ctx = _native_context(ctx, server_side) if wanted else None
+    if native_ctx is None:
+        return ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname)
+    timeout = sock.gettimeout()
+    fd = sock.detach()
+    try:
+        conn = TLSConnection(native_ctx, fd, None if server_side else server_hostname)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        conn.settimeout(timeout)
+        conn.do_handshake()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+if _tls is not None:
+    class TLSConnection(_tls.Connection):
+        """A TLS connection whose reads and writes run in C; the socket surface the bulk plane uses.
+
+        ``recv_exact_into(buf, deadline=None)`` and ``sendall(data, deadline=None)``
+        move a whole frame per call; ``settimeout`` bounds each wait for progress and
+        ``deadline`` (a ``time.monotonic()`` value) the whole call. ``recv``,
+        ``recv_into``, ``shutdown``, ``close``, ``fileno`` and ``getpeercert`` behave as
+        an ``ssl.SSLSocket``'s do.
+        """
+
+        def getpeercert(self, binary_form: bool = False) -> dict[str, Any] | bytes | None:
+            """The verified peer certificate: DER with ``binary_form``, else the dict ``ssl`` returns."""
+            der = self.peer_certificate()
+            if der is None or binary_form:
+                return der
+            return _cert_dict(der)
+
+        def __enter__(self) -> "TLSConnection":
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.close()
+else:  # pragma: no cover - depends on the install
+    TLSConnection = None  # type: ignore[assignment,misc]
+
+
+def _even_hex(n: int) -> str:
+    digits = f"{n:X}"
+    return "0" * (len(digits) % 2) + digits  # whole bytes, as OpenSSL prints serial numbers
+
+
+def _cert_dict(der: bytes) -> dict[str, Any]:
+    """``ssl.SSLSocket.getpeercert()``'s dict for a DER certificate (subject, issuer, dates, SANs)."""
+    from cryptography import x509
+
+    cert = x509.load_der_x509_certificate(der)
+
+    def name(n: x509.Name) -> tuple:
+        return tuple(tuple((getattr(a.oid, "_name", a.oid.dotted_string), str(a.value)) for a in rdn) for rdn in n.rdns)
+
+    def when(t) -> str:  # OpenSSL's "Jan  5 09:34:43 2038 GMT"
+        return f"{t:%b} {t.day:2d} {t:%H:%M:%S %Y} GMT"
+
+    out: dict[str, Any] = {
+        "subject": name(cert.subject), "issuer": name(cert.issuer), "version": cert.version.value + 1,
+        "serialNumber": _even_hex(cert.serial_number),
+        "notBefore": when(cert.not_valid_before_utc), "notAfter": when(cert.not_valid_after_utc),
+    }
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return out
+    kinds = {x509.DNSName: "DNS", x509.IPAddress: "IP Address", x509.RFC822Name: "email",
+             x509.UniformResourceIdentifier: "URI"}
+    out["subjectAltName"] = tuple((kinds[type(g)], str(g.value)) for g in sans if type(g) in kinds)
+    return out

@@ -1,0 +1,1 @@
+"""Read-only web UI over runs and the model registry (`hfleet ui`)."""

@@ -1,0 +1,38 @@
+"""Headless Chromium for the report and UI tests: Debian's `chromium` driven by Playwright.
+
+Installed by `.ci/install-chromium.sh` (called from `.ci/run`); Playwright cannot
+download browsers here, so it runs /usr/bin/chromium. The tests skip with the install
+hint only where the binary or the package is truly absent.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from contextlib import contextmanager
+
+import pytest
+
+INSTALL_HINT = "Chromium is not installed: run .ci/install-chromium.sh (apt-get install chromium)"
+
+
+@contextmanager
+def chromium_page():
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip(INSTALL_HINT)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=binary, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            yield page
+        finally:
+            browser.close()
+
+
+def pixel_stddev(png: bytes) -> float:
+    """Standard deviation of the grey levels of a PNG: near 0 for a blank image."""
+    from PIL import Image, ImageStat
+
+    return ImageStat.Stat(Image.open(io.BytesIO(png)).convert("L")).stddev[0]
