@@ -212,6 +212,11 @@ MISTAKES = [
             EXIT_CODES["data"].code, "hfleet data pack"),
     Mistake("data: verify of a missing dataset", lambda c: ["data", "verify", str(c["tmp"] / "no-data")],
             EXIT_CODES["data"].code, "hfleet data pack", lambda c: c["tmp"] / "no-data"),
+    # report, ui
+    Mistake("report: run directory missing", lambda c: ["report", str(c["tmp"] / "no-run")], EXIT_CODES["report"].code,
+            "hfleet run"),
+    Mistake("ui: beyond loopback without a token", lambda c: ["ui", "--host", "0.0.0.0", "--port", "0"], LAUNCH,
+            "--token TOKEN"),
     # top level
     Mistake("unknown command", lambda c: ["trian", "job.yaml"], USAGE, "No such command"),
 ]
