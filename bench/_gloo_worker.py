@@ -1,7 +1,6 @@
 """torchrun worker of bench/ps_exchange.py: gloo all_reduce of the same tensors, timed per round."""
 
 import json
-import os
 import sys
 import time
 

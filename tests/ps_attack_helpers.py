@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from hybridfleet.codec import codec_for, get_codec
-from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.wire._proto import ps_pb2_grpc
 from hybridfleet.ps.wire.protocol import GRPC_OPTIONS
 from hybridfleet.security import load_pki
 from tests.ps_helpers import PARAMS, Cluster, raw

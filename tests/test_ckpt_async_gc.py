@@ -181,19 +181,54 @@ def test_cli_ls_show_verify_and_gc(tmp_path, capsys):
     gc_code, gc_out, _ = run_cli(["ckpt", "gc", str(tmp_path), "--keep-last", "1", "--best-metric", "acc"], capsys)
 
     assert (ls_code, show_code, verify_code, gc_code) == (0, 0, 0, 0)
-    assert [line.split()[0] for line in ls_out.splitlines()] == ["1", "2", "3"]
+    assert ls_out.splitlines()[0].split() == ["STEP", "FRAMEWORK", "SIZE", "AGE", "STATUS", "METRICS"]
+    assert [line.split()[0] for line in ls_out.splitlines()[1:]] == ["1", "2", "3"]
+    assert all(" ok " in line for line in ls_out.splitlines()[1:])
     shown = json.loads(show_out)
     assert shown["step"] == 2 and shown["metrics"] == {"acc": 0.8} and shown["tensors"]["w"]["shape"] == [32, 32]
     assert verify_out.split() == ["1", "ok", "2", "ok", "3", "ok"]
     assert "kept steps [2, 3]" in gc_out and "removed steps [1]" in gc_out
 
 
+def corrupt_newest(root) -> None:
+    """Replace the tensor file of the newest checkpoint under ``root`` with one byte."""
+    newest = list_checkpoints(root)[-1]
+    (root / next(f.path for f in newest.files if f.role == "tensors")).write_bytes(b"x")
+
+
 def test_cli_verify_of_corrupt_checkpoint_exits_with_checkpoint_code(tmp_path, capsys):
     save_series(tmp_path, 2, [0.5, 0.5])
-    newest = list_checkpoints(tmp_path)[-1]
-    (tmp_path / next(f.path for f in newest.files if f.role == "tensors")).write_bytes(b"x")
+    corrupt_newest(tmp_path)
 
     code, out, err = run_cli(["ckpt", "verify", str(tmp_path)], capsys)
 
     assert code == 11
-    assert "INVALID" in out and "1 of 2 checkpoints are invalid (steps [2]); newest valid: 1" in err
+    assert "INVALID" in out and "1 of 2 checkpoints are invalid (steps [2]); the newest valid one is step 1" in err
+
+
+def test_cli_verify_with_no_valid_checkpoint_says_so_in_words(tmp_path, capsys):
+    save_series(tmp_path, 1, [0.5])
+    corrupt_newest(tmp_path)
+
+    code, _, err = run_cli(["ckpt", "verify", str(tmp_path)], capsys)
+
+    assert code == 11 and "none is valid" in err and "None" not in err
+
+
+def test_cli_ls_marks_a_corrupt_step(tmp_path, capsys):
+    save_series(tmp_path, 2, [0.5, 0.5])
+    corrupt_newest(tmp_path)
+
+    code, out, _ = run_cli(["ckpt", "ls", str(tmp_path)], capsys)
+
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert " ok " in rows["1"] and "CORRUPT" in rows["2"]
+
+
+def test_cli_ls_of_a_missing_folder_fails_with_the_checkpoint_code(tmp_path, capsys):
+    code, out, err = run_cli(["ckpt", "ls", str(tmp_path / "nope")], capsys)
+
+    assert code == 11 and out == ""
+    assert "no checkpoints under" in err and "hint: check the path" in err
+    assert not (tmp_path / "nope").exists()

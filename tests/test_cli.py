@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import hybridfleet.errors as errors
+from hybridfleet.cli.app import main
 
 
 def test_help_lists_every_command_group():
@@ -27,8 +30,9 @@ def test_every_error_kind_has_an_exit_code_and_hint():
     kinds = {cls.kind for cls in vars(errors).values()
              if isinstance(cls, type) and issubclass(cls, errors.HfleetError)}
     assert kinds <= set(errors.EXIT_CODES)
-    codes = [c.code for c in errors.EXIT_CODES.values()]
+    codes = [c.code for k, c in errors.EXIT_CODES.items() if k != "usage"]
     assert len(codes) == len(set(codes))
+    assert errors.EXIT_CODES["usage"].code == 2  # click's own usage exit code, shared with job-file errors
     assert all(c.hint for k, c in errors.EXIT_CODES.items() if k != "ok")
 
 
@@ -75,3 +79,52 @@ def test_ps_serve_without_certs_or_explicit_plaintext_is_a_usage_error_and_serve
         assert bad.returncode == 2, bad.stderr
         assert message in bad.stderr and "Traceback" not in bad.stderr
         assert not port_file.exists()  # nothing started serving
+
+
+def test_the_exit_code_table_in_the_docs_is_the_one_in_errors():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (int(cells[1]), "" if cells[2] == "-" else cells[2])
+    assert rows == {kind: (c.code, c.hint) for kind, c in errors.EXIT_CODES.items()}
+
+
+def test_an_internal_error_is_one_line_and_its_traceback_goes_to_a_file(monkeypatch, capsys, tmp_path):
+    # Prepare: a bug inside a command (not a user mistake)
+    import re
+
+    from hybridfleet.cli import spec as spec_cli
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+
+    def broken(path):
+        return {}["missing"]
+
+    monkeypatch.setattr(spec_cli, "load_spec", broken)
+    # Execute
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "check", "job.yaml"])
+    # Assert
+    err = capsys.readouterr().err
+    assert exit_info.value.code == errors.EXIT_CODES["error"].code
+    assert "Traceback" not in err and "error: internal error: KeyError: 'missing'" in err
+    path = re.search(r"the full traceback is in (\S+);", err).group(1)
+    assert path.startswith(str(tmp_path)) and "Traceback" in open(path).read() and "broken" in open(path).read()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    from hybridfleet.cli import spec as spec_cli
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spec_cli, "load_spec", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "check", "job.yaml"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and err.startswith("error: interrupted by Ctrl-C") and "Traceback" not in err

@@ -128,3 +128,42 @@ def test_log_rank0_prints_one_json_line_on_rank0_only(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     helpers.log_rank0("epoch", epoch=4)
     assert capsys.readouterr().out == '{"event": "epoch", "epoch": 3}\n'
+
+
+@pytest.mark.parametrize(("framework", "to"), [("torch", "paddle"), ("paddle", "torch")])
+def test_model_saved_by_the_helpers_resumes_and_converts_to_the_other_framework(monkeypatch, tmp_path, framework, to):
+    # Prepare: what the README's `hfleet launch` examples do every epoch
+    from hybridfleet.ckpt import load_checkpoint
+    from hybridfleet.cli.app import main as cli_main
+    from tests.test_frameworks import make_model
+
+    monkeypatch.setenv("HFLEET_CKPT_DIR", str(tmp_path / "ckpt"))
+    model = make_model(framework, seed=3)
+    helpers.save_rank0(model, 6)
+    # Execute
+    found = helpers.latest_checkpoint()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "converted"), "--to", to])
+        raise SystemExit(0)
+    # Assert: resume sees the model's own state dict; convert writes a checkpoint the other framework loads
+    assert exit_info.value.code == 0
+    own = {k: np.asarray(v.detach().numpy() if framework == "torch" else v.numpy()) for k, v in model.state_dict().items()}
+    assert found.step == 6 and sorted(found.state) == sorted(own)
+    np.testing.assert_array_equal(found.state["0.weight"], own["0.weight"])
+    other = make_model(to, seed=99)
+    info = load_checkpoint(str(tmp_path / "converted"), model=other)
+    weight = other.state_dict()["0.weight"]
+    assert info.step == 6
+    np.testing.assert_array_equal(np.asarray(weight.detach().numpy() if to == "torch" else weight.numpy()).T, own["0.weight"])
+
+
+def test_finish_flushes_output_and_exits_with_the_code_without_teardown(tmp_path):
+    import subprocess
+    import sys
+
+    # an atexit handler stands for the interpreter teardown that finish() must skip
+    code = ("import atexit, sys\nfrom hybridfleet.launch.helpers import finish\n"
+            "atexit.register(lambda: print('teardown ran'))\nprint('final line', end='')\nfinish(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stdout == "final line"

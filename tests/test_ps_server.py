@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from hybridfleet.codec import get_codec
-from hybridfleet.errors import AuthError
+from hybridfleet.errors import AuthError, UnreachableError
 from hybridfleet.ps.wire._proto import ps_pb2
-from tests.ps_helpers import PARAMS, initial_values, join_and_init, raw, start_cluster
+from tests.ps_helpers import PARAMS, initial_values, join_and_init, start_cluster
 
 NONE = get_codec("none")
 
@@ -107,8 +107,9 @@ def test_plaintext_client_cannot_talk_to_tls_shard(cluster):
 
     client = PSClient(cluster.addresses, ClientSecurity(insecure=True, token=cluster.token()), "a-0", "a", 0,
                       retry_timeout_s=0.5)
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(UnreachableError, match="closed the connection during join") as err:
         client.join(PARAMS, cluster.spec.ps.block_size_bytes, "none", "torch")
+    assert "drop --insecure-plaintext" in err.value.hint
     client.close(leave=False)
 
 
@@ -363,3 +364,20 @@ def test_worker_holding_the_initial_values_skips_the_first_dense_pull(cluster):
     assert {e.key for e in b.pull(full=True, init_digests=other)} == {"fc.weight", "fc.bias"}
     a.close()
     b.close()
+
+
+def test_join_with_fewer_addresses_than_shards_is_refused_with_the_expected_count(two_shards):
+    # Prepare: a worker given only shard 0's address for a 2-shard job
+    from hybridfleet.ps.worker.client import ClientSecurity, PSClient
+    from hybridfleet.security import load_pki
+
+    sec = ClientSecurity.from_files(str(load_pki(two_shards.certs).ca_cert), token=two_shards.token("a"))
+    client = PSClient(two_shards.addresses[:1], sec, "a-0", "a", 0, retry_timeout_s=2.0, transport=two_shards.transport)
+    # Execute
+    with pytest.raises(grpc.RpcError) as err:
+        client.join(PARAMS, two_shards.spec.ps.block_size_bytes, "none", "torch")
+    client.close(leave=False)
+    # Assert: refused with the expected count, and the refused join changed nothing: no member, no plan
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the job has 2 shard(s) but the worker was given 1 shard address(es); expected 2" in err.value.details()
+    assert all(not s.state.status()["members"] and s.state.plan is None for s in two_shards.servers)

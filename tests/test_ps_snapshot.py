@@ -7,11 +7,9 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
-from hybridfleet.codec import get_codec
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.ps.server.snapshot import Snapshotter
 from tests.ps_helpers import join_and_init, start_cluster

@@ -57,7 +57,9 @@ def test_non_mapping_and_bad_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
-def test_cli_spec_check_prints_resolved_spec(tmp_path, capsys, framework):
+def test_cli_spec_check_prints_resolved_spec(tmp_path, capsys, framework, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the entrypoint train.py is relative to where the command runs
+    (tmp_path / "train.py").write_text("pass\n")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({**MINIMAL, "framework": framework}))
     main(["spec", "check", str(job)])

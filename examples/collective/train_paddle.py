@@ -76,7 +76,7 @@ for epoch in range(start_epoch, args.epochs + 1):
             os.kill(os.getpid(), signal.SIGKILL)
     log_rank0("epoch", epoch=epoch, loss=round(float(loss.item()), 4))
     if args.ckpt_every and epoch % args.ckpt_every == 0:
-        save_rank0({name: t.numpy() for name, t in net.state_dict().items()}, step=epoch)
+        save_rank0(net, step=epoch)  # with its layer layout: `hfleet ckpt convert` can turn it into torch
 
 # -- evaluation on the held-out split -----------------------------------------------
 net.eval()

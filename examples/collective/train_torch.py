@@ -23,7 +23,9 @@ from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hybridfleet.launch.helpers import dist_info, latest_checkpoint, log_rank0, restart_count, save_model, save_rank0
+from hybridfleet.launch.helpers import (
+    dist_info, finish, latest_checkpoint, log_rank0, restart_count, save_model, save_rank0,
+)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=30)
@@ -75,7 +77,7 @@ for epoch in range(start_epoch, args.epochs + 1):
             os.kill(os.getpid(), signal.SIGKILL)
     log_rank0("epoch", epoch=epoch, loss=round(loss.item(), 4))
     if args.ckpt_every and epoch % args.ckpt_every == 0:
-        save_rank0({name: t.detach().cpu().numpy() for name, t in net.state_dict().items()}, step=epoch)
+        save_rank0(net, step=epoch)  # with its layer layout: `hfleet ckpt convert` can turn it into paddle
 
 # -- evaluation on the held-out split -----------------------------------------------
 net.eval()
@@ -85,4 +87,6 @@ test_acc = float((predicted == y_test).mean())
 log_rank0("final", framework="torch", world_size=world_size, test_acc=test_acc)
 save_model(net, step=args.epochs, metrics={"test_acc": test_acc})  # the run's model, with lineage
 if world_size > 1:
+    dist.barrier()  # every rank is past its last collective before any tears the group down
     dist.destroy_process_group()
+finish()  # leave without interpreter teardown, where torch's native destructors can abort a finished rank

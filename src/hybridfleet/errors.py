@@ -3,7 +3,9 @@
 Every error a user can cause is a subclass of `HfleetError` (and of the builtin
 that fits, so callers may catch `ValueError` or `ImportError` as usual). The CLI
 maps each class to the exit code and the one-line hint kept in `EXIT_CODES`, so
-the codes and hints cannot drift apart.
+the codes and hints cannot drift apart. An error may carry a ``hint`` written
+for its own case (``LaunchError("no such script", hint="check the path")``);
+it replaces the table's hint, never the exit code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ class HfleetError(Exception):
     """Base of every error hybridfleet raises for bad input or a bad environment."""
 
     kind = "error"
+
+    def __init__(self, *args: object, hint: str | None = None):
+        super().__init__(*args)
+        self.hint = hint
 
 
 class SpecError(HfleetError, ValueError):
@@ -95,6 +101,30 @@ class StoreError(HfleetError, OSError):
     kind = "store"
 
 
+class UsageError(HfleetError, ValueError):
+    """A command-line value is wrong (a flag, a path, a choice)."""
+
+    kind = "usage"
+
+
+class PortInUseError(HfleetError, OSError):
+    """A port this process must bind is held by another process."""
+
+    kind = "port_in_use"
+
+
+class UnreachableError(HfleetError, ConnectionError):
+    """A peer (shard, master, endpoint) does not answer at its address."""
+
+    kind = "unreachable"
+
+
+class InterruptedByUserError(HfleetError):
+    """Ctrl-C or SIGTERM stopped the command (after its processes were stopped)."""
+
+    kind = "interrupted"
+
+
 class DataError(HfleetError, ValueError):
     """A packed dataset is missing, corrupt, or does not fit its cache; or a worker asked for another site's data."""
 
@@ -164,6 +194,10 @@ EXIT_CODES: dict[str, ExitCode] = {
     "lock": ExitCode(13, "regenerate the lock with `hfleet env lock -o PATH`"),
     "data": ExitCode(14, "check the dataset URL with `hfleet data verify URL`; pack it with `hfleet data pack SRC DEST`"),
     "report": ExitCode(15, "give a run directory written by `hfleet run` (runs/<job>/<timestamp>)"),
+    "usage": ExitCode(2, "see `hfleet COMMAND --help` for the accepted values"),
+    "port_in_use": ExitCode(16, "stop the process holding the port, or choose another port (0 takes any free one)"),
+    "unreachable": ExitCode(17, "check the address, that the peer is running, and that no firewall blocks the port"),
+    "interrupted": ExitCode(130, "interrupted; run the command again to start over"),
     "error": ExitCode(20, "unexpected error; rerun with HFLEET_LOG_LEVEL=debug"),
     "registry": ExitCode(21, "see `hfleet registry --help`; references are NAME@ALIAS or NAME@VERSION"),
     "registry_not_found": ExitCode(22, "list what exists with `hfleet registry ls` or `hfleet registry show NAME`"),
@@ -175,6 +209,48 @@ EXIT_CODES: dict[str, ExitCode] = {
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The exit code and hint for an exception (unknown ones map to `error`)."""
+    """The exit code and hint for an exception (unknown ones map to `error`); an error's own hint wins."""
     kind = getattr(exc, "kind", "error") if isinstance(exc, HfleetError) else "error"
-    return EXIT_CODES.get(kind, EXIT_CODES["error"])
+    code = EXIT_CODES.get(kind, EXIT_CODES["error"])
+    own_hint = getattr(exc, "hint", None) if isinstance(exc, HfleetError) else None
+    return ExitCode(code.code, own_hint) if own_hint else code
+
+
+def print_error(message: str, hint: str, stream=None) -> None:
+    """Print ``error: <message>`` and, when there is one, ``hint: <hint>`` on ``stream`` (stderr)."""
+    import sys
+
+    out = stream if stream is not None else sys.stderr
+    out.write(f"error: {message}\n")
+    if hint:
+        out.write(f"hint: {hint}\n")
+    out.flush()
+
+
+def report(exc: BaseException, stream=None) -> int:
+    """Print ``exc`` as `print_error` does, with the hint of its kind (or its own); return its exit code."""
+    code = exit_code_for(exc)
+    print_error(str(exc), code.hint, stream)
+    return code.code
+
+
+def install_excepthook() -> None:
+    """Make an uncaught `HfleetError` end this process with one line, its hint and its exit code.
+
+    For processes hybridfleet runs user code in (a PS worker's training script): a
+    refused join or an unreachable shard reads like a CLI error, not a traceback.
+    Any other exception keeps Python's usual traceback.
+    """
+    import os
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, HfleetError):
+            code = report(exc)
+            sys.stdout.flush()
+            os._exit(code)  # skip interpreter teardown: worker threads may still hold the gRPC channels
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridfleet.ckpt.manifest import MANIFEST_NAME, Manifest, step_dir
-from hybridfleet.ckpt.reader import list_steps, read_checkpoint, read_manifest
+from hybridfleet.ckpt.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir
+from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.store import BLOB_PREFIX, Store, open_store
@@ -36,6 +36,30 @@ def _best_step(manifests: dict[int, Manifest], metric: str, mode: str) -> int | 
     return (max if mode == "max" else min)(scored)[1]
 
 
+class _Validity:
+    """Whether a checkpoint's files all pass their size and CRC-32 checks, each file read once."""
+
+    def __init__(self, store: Store, manifests: dict[int, Manifest]):
+        self.store, self.manifests = store, manifests
+        self.known: dict[int, bool] = {}
+        self._files: dict[tuple[str, int, str | None, str], bool] = {}
+
+    def _file_ok(self, entry: FileEntry) -> bool:
+        key = (entry.path, entry.size_bytes, entry.crc32, entry.sha256)
+        if key not in self._files:
+            try:
+                read_verified(self.store, entry)
+                self._files[key] = True
+            except CheckpointError:
+                self._files[key] = False
+        return self._files[key]
+
+    def __call__(self, step: int) -> bool:
+        if step not in self.known:
+            self.known[step] = all(self._file_ok(f) for f in self.manifests[step].files)
+        return self.known[step]
+
+
 def gc(
     url: str | Store,
     keep_last: int | None = None,
@@ -46,8 +70,10 @@ def gc(
 ) -> GcResult:
     """Remove checkpoints outside the last ``keep_last`` and the best by ``best_metric``.
 
-    With neither given, only leftovers are removed (folders without a manifest older
-    than the newest valid checkpoint, and blobs no manifest references). The newest
+    Only valid checkpoints (every file passes its size and CRC-32 check) are kept or
+    counted among the last N; an invalid one is removed. With neither given, only
+    leftovers are removed (invalid checkpoints, folders without a manifest older than
+    the newest valid checkpoint, and blobs no kept manifest references). The newest
     valid checkpoint is always kept. ``dry_run`` reports without removing.
     """
     if keep_last is not None and keep_last < 1:
@@ -62,26 +88,26 @@ def gc(
             manifests[step] = read_manifest(store, step)
         except CheckpointError:
             pass
-    newest_valid = None
-    for step in sorted(manifests, reverse=True):
-        try:
-            read_checkpoint(store, step)
-            newest_valid = step
-            break
-        except CheckpointError:
-            continue
+    is_valid = _Validity(store, manifests)
+    newest_first = sorted(manifests, reverse=True)
+    newest_valid = next((s for s in newest_first if is_valid(s)), None)
 
-    keep = set(manifests) if keep_last is None and best_metric is None else set()
+    if keep_last is None and best_metric is None:
+        keep = {s for s in manifests if is_valid(s)}
+    else:
+        keep = set()
     if keep_last is not None:
-        keep.update(sorted(manifests)[-keep_last:])
+        keep.update([s for s in newest_first if is_valid(s)][:keep_last])
     if best_metric is not None:
-        best = _best_step(manifests, best_metric, best_mode)
+        best = _best_step({s: m for s, m in manifests.items() if is_valid(s)}, best_metric, best_mode)
         if best is not None:
             keep.add(best)
     if newest_valid is not None:
         keep.add(newest_valid)
+    invalid = sorted(s for s in is_valid.known if not is_valid.known[s])
+    if invalid:
+        log.warning("gc_invalid_checkpoints", url=store.url, steps=invalid, reason="failed size/CRC-32 checks; never kept")
     in_flight = [s for s in steps if s not in manifests and (newest_valid is None or s > newest_valid)]
-    keep.update(s for s in manifests if newest_valid is not None and s > newest_valid)  # unverified newer ones stay for `verify`
     doomed = [s for s in steps if s not in keep and s not in in_flight]
 
     result = GcResult(kept_steps=sorted(keep), removed_steps=doomed)

@@ -55,7 +55,7 @@ def _write_files(store: Store, jobs: list[tuple[str, str, dict[str, np.ndarray]]
         for (role, name, parts), digest_future in zip(encoded, digests):
             digest, crc, size = digest_future.result()
             entry = FileEntry(name=name, path=blob_path(digest), role=role, size_bytes=size, sha256=digest, crc32=crc)
-            uploads.append((entry, writers.submit(put_blob, store, parts, digest)))
+            uploads.append((entry, writers.submit(put_blob, store, parts, digest, crc)))
         return [(entry, future.result()) for entry, future in uploads]
 
 

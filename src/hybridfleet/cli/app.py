@@ -6,14 +6,25 @@ Each module under `hybridfleet.cli` exposes ``register(app)``; nothing else live
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import tempfile
+import time
+import traceback
 
 import typer
 
-from hybridfleet.errors import HfleetError, exit_code_for
+from hybridfleet import __version__
+from hybridfleet.errors import EXIT_CODES, HfleetError, print_error, report
 
 # command name -> the module under hybridfleet.cli that registers it
 COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt", "data", "report", "ui", "registry"]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"hfleet {__version__}")
+        raise typer.Exit()
 
 
 def build_app(only: str | None = None) -> typer.Typer:
@@ -32,11 +43,18 @@ def build_app(only: str | None = None) -> typer.Typer:
     )
 
     @app.callback()
-    def _group() -> None:
+    def _group(
+        version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                     help="print the hybridfleet version and exit"),
+    ) -> None:
         """hybridfleet: train from a laptop to a private cluster and the cloud, PaddlePaddle and PyTorch."""
 
     for name in COMMAND_MODULES if only is None else [only]:
         importlib.import_module(f"hybridfleet.cli.{name}").register(app)
+    # Plain click help: flags read `--dry-run`, not `--dry-run <bool>` (rich help shows a type for every option).
+    app.rich_markup_mode = None
+    for info in app.registered_groups:
+        info.typer_instance.rich_markup_mode = None
     return app
 
 
@@ -47,28 +65,47 @@ def __getattr__(name: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; an `HfleetError` becomes its message, a hint and its exit code.
+    """Entry point: run the app; every failure becomes one line, a hint and an exit code from `EXIT_CODES`.
 
-    Returns normally on success (exit 0); raises SystemExit with the code otherwise.
+    An `HfleetError` prints its message and its hint; Ctrl-C prints one line (exit 130);
+    any other exception is a bug: one line, and the full traceback goes to a file
+    whose path is printed. Returns normally on success (exit 0); raises SystemExit otherwise.
     """
     args = sys.argv[1:] if argv is None else list(argv)
-    app = build_app(only=args[0] if args and args[0] in COMMAND_MODULES else None)
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # gRPC's C core would print its own lines next to ours
     try:
+        app = build_app(only=args[0] if args and args[0] in COMMAND_MODULES else None)
         app(args=args, prog_name="hfleet")  # standalone mode: usage errors exit 2 with click's message
     except SystemExit as ex:
         if ex.code in (0, None):
             return
+        if ex.code in (130, 143):  # Ctrl-C / SIGTERM, turned into an exit by click or by a supervised run
+            print_error(f"interrupted by {'Ctrl-C' if ex.code == 130 else 'SIGTERM'}", EXIT_CODES["interrupted"].hint)
         raise
     except HfleetError as err:
-        from rich.console import Console
-
-        code = exit_code_for(err)
-        console = Console(stderr=True)
-        console.print("[red]error:[/red] ", end="")
-        console.print(str(err), markup=False, highlight=False, soft_wrap=True)
-        if code.hint:
-            console.print(f"hint: {code.hint}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(report(err))
+    except KeyboardInterrupt:
+        code = EXIT_CODES["interrupted"]
+        print_error("interrupted (Ctrl-C)", code.hint)
         sys.exit(code.code)
+    except Exception as err:  # a bug, not a user mistake: keep the traceback, out of the user's way
+        path = _write_traceback(err)
+        code = EXIT_CODES["error"]
+        print_error(f"internal error: {type(err).__name__}: {err}".rstrip(": "),
+                f"the full traceback is in {path}; please report it with that file" if path else code.hint)
+        sys.exit(code.code)
+
+
+def _write_traceback(err: BaseException) -> str | None:
+    """Write ``err``'s traceback to a new file under the temp dir; its path (None if it cannot be written)."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    try:
+        fd, path = tempfile.mkstemp(prefix=time.strftime("hfleet-traceback-%Y%m%d-%H%M%S-"), suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"hfleet {__version__}: {' '.join(sys.argv)}\n{text}")
+        return path
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ from pathlib import Path
 import typer
 
 from hybridfleet.errors import AuthError
+from hybridfleet.ps.wire.protocol import METHOD_ROLES
 from hybridfleet.security import certs, tokens
+
+# the roles a shard accepts for some call (see hybridfleet.ps.wire.protocol.METHOD_ROLES)
+TOKEN_ROLES = tuple(sorted(set().union(*METHOD_ROLES.values())))
 
 group = typer.Typer(help="TLS certificates and signed tokens for real deployments.", no_args_is_help=True)
 
@@ -30,7 +34,9 @@ def init(
     key_files = [directory / tokens.SIGNING_KEY, directory / tokens.VERIFY_KEY]
     existing = [str(path) for path in key_files if path.exists()]
     if existing and not force:  # checked first so a refusal leaves DIRECTORY untouched
-        raise AuthError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace the PKI")
+        raise AuthError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace the PKI",
+                        hint=f"choose a new directory, or pass --force to replace the PKI in {directory} "
+                             "(tokens and certificates made from it stop working)")
     try:
         pki = certs.make_dev_pki(directory, hosts=host, clients=client, valid_days=valid_days, overwrite=force)
     except ValueError as err:
@@ -48,13 +54,16 @@ def token(
     directory: Path = typer.Argument(..., help="PKI directory holding token-signing.key"),
     job: str = typer.Option(..., "--job", help="job the token is valid for"),
     site: str = typer.Option(..., "--site", help="site of the caller"),
-    role: str = typer.Option(..., "--role", help="role of the caller (e.g. worker, shard, admin)"),
+    role: str = typer.Option(..., "--role", help=f"role of the caller: {', '.join(TOKEN_ROLES)}"),
     ttl_s: float = typer.Option(24 * 3600, "--ttl-s", help="seconds until the token expires"),
     subject: str | None = typer.Option(None, "--subject", help="optional subject, e.g. hospital/worker-0"),
     worker: str | None = typer.Option(None, "--worker", help="the worker id the token is bound to, SITE-RANK "
                                                             "(shards refuse worker tokens without one)"),
 ) -> None:
     """Print a signed token for JOB/SITE/ROLE on stdout."""
+    if role not in TOKEN_ROLES:
+        raise typer.BadParameter(f"must be one of {', '.join(TOKEN_ROLES)} (got {role!r}); shards accept no other role",
+                                 param_hint="--role")
     issuer = tokens.TokenIssuer.from_dir(directory)
     try:
         signed = issuer.issue(job=job, site=site, role=role, ttl_s=ttl_s, subject=subject, worker=worker)

@@ -22,13 +22,29 @@ def _options(endpoint_url: Optional[str]) -> dict:
 @group.command("ls")
 def ls(url: str = typer.Argument(..., help="checkpoint root: a path, file:///dir or s3://bucket/prefix"),
        endpoint_url: Optional[str] = typer.Option(None, help=ENDPOINT_HELP)) -> None:  # fmt: skip
-    """List checkpoints with a manifest: step, framework, size, age and metrics."""
+    """List checkpoints: step, framework, size, age, whether every file passes its size/CRC-32 check, metrics."""
     from hybridfleet.ckpt import list_checkpoints
+    from hybridfleet.ckpt.reader import list_steps, read_verified
+    from hybridfleet.store import open_store
 
-    for info in list_checkpoints(url, **_options(endpoint_url)):
+    store = open_store(url, **_options(endpoint_url))
+    infos = list_checkpoints(store)
+    if not list_steps(store):
+        raise CheckpointError(f"no checkpoints under {url} (the folder is missing or empty)",
+                              hint="check the path or URL; checkpoints are the step-* folders a save writes")
+    typer.echo(f"{'STEP':>10}  {'FRAMEWORK':<9} {'SIZE':>16}  {'AGE':>11}  {'STATUS':<7}  METRICS")
+    for info in infos:
+        status = "ok"
+        for entry in info.files:
+            try:
+                read_verified(store, entry)
+            except CheckpointError:
+                status = "CORRUPT"
+                break
         metrics = " ".join(f"{k}={v:g}" for k, v in sorted(info.metrics.items()))
         age_s = time.time() - info.created_s
-        typer.echo(f"{info.step:>10}  {info.framework or '-':<7} {info.size_bytes:>14,d} B  {age_s:>9.0f} s ago  {metrics}")
+        typer.echo(f"{info.step:>10}  {info.framework or '-':<9} {info.size_bytes:>14,d} B  {age_s:>7.0f} s ago"
+                   f"  {status:<7}  {metrics}".rstrip())
 
 
 @group.command("show")
@@ -61,10 +77,13 @@ def verify(url: str = typer.Argument(..., help="checkpoint root"),
         typer.echo(f"{r.step:>10}  {'ok' if r.ok else 'INVALID'}  {r.problem}".rstrip())
     bad = [r.step for r in results if not r.ok]
     if not results:
-        raise CheckpointError(f"no checkpoint folders under {url}")
+        raise CheckpointError(f"no checkpoint folders under {url}",
+                              hint="check the path or URL; checkpoints are the step-* folders a save writes")
     if bad:
         newest_ok = max((r.step for r in results if r.ok), default=None)
-        raise CheckpointError(f"{len(bad)} of {len(results)} checkpoints are invalid (steps {bad}); newest valid: {newest_ok}")
+        newest = f"the newest valid one is step {newest_ok}" if newest_ok is not None else "none is valid"
+        raise CheckpointError(f"{len(bad)} of {len(results)} checkpoints are invalid (steps {bad}); {newest}",
+                              hint="`hfleet ckpt gc URL` removes the invalid ones; a load uses the newest valid one")
 
 
 @group.command("convert")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -14,7 +15,7 @@ from hybridfleet.env.check import check_environment, raise_for_problems
 from hybridfleet.env.diff import diff_locks, summarize
 from hybridfleet.env.lock import DEFAULT_LOCK_FILE, make_lock, read_lock, write_lock
 from hybridfleet.env.smoke import SMOKE_TIMEOUT_S
-from hybridfleet.errors import EnvDriftError
+from hybridfleet.errors import EnvDriftError, UsageError
 
 group = typer.Typer(help="Environment: check this machine, lock its fingerprint, diff two locks.", no_args_is_help=True)
 
@@ -90,6 +91,9 @@ def lock(
     image: Optional[str] = typer.Option(None, "--image", help="container image reference or digest (else $HFLEET_IMAGE)"),
 ) -> None:
     """Write this environment's fingerprint (versions, CUDA, every package, a content hash)."""
+    if not Path(output).parent.is_dir():
+        raise UsageError(f"--output {output}: the folder {Path(output).parent} does not exist",
+                         hint="create the folder first, or pass --output a path in an existing folder")
     data = make_lock(image=image)
     path = write_lock(data, output)
     typer.echo(f"wrote {path} (sha256 {data['hash'][:12]}..., {len(data['distributions'])} distributions)")

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from hybridfleet.errors import UsageError
 from hybridfleet.spec import load_spec
 
 group = typer.Typer(help="Parameter-server shards (one per machine in real clusters).", no_args_is_help=True)
@@ -20,7 +21,7 @@ def serve(
     job: str = typer.Argument(..., help="the job file"),
     shard: int = typer.Option(..., help="this shard's index, 0..ps.shards-1"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
-    port: int = typer.Option(50051, help="port to bind (0: any free port)"),
+    port: int = typer.Option(50051, help="port to bind (0: any free port; a restarted shard takes the one in --port-file)"),
     bulk_port: int = typer.Option(0, help="port of the bulk data plane for tensor bytes (0: any free port; "
                                          "workers learn it when they join)"),
     certs: Optional[Path] = typer.Option(None, help="directory from `hfleet certs init` (TLS + token key)"),
@@ -31,6 +32,7 @@ def serve(
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
+    from hybridfleet.launch.helpers import restart_count
     from hybridfleet.ps.alloc import tune_allocator
     from hybridfleet.ps.server.serve import server_security, start_shard
 
@@ -43,6 +45,8 @@ def serve(
     if not 0 <= shard < spec.ps.shards:
         raise typer.BadParameter(f"must be in 0..{spec.ps.shards - 1} for a job of {spec.ps.shards} shard(s) "
                                  f"(got {shard})", param_hint="--shard")
+    if port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file():
+        port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
     server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
     from hybridfleet.obs.metrics import serve_from_env
     from hybridfleet.obs.psmetrics import watch_shard
@@ -67,13 +71,23 @@ def status(
     token: Optional[str] = typer.Option(None, envvar="HFLEET_TOKEN", help="bearer token (role admin/monitor/worker)"),
     insecure_plaintext: bool = typer.Option(False, "--insecure", "--insecure-plaintext",
                                             help="connect without TLS; the token then travels unencrypted"),
+    status_timeout_s: float = typer.Option(5.0, "--timeout-s", help="how long to wait for the shard's answer"),
 ) -> None:
     """Print one shard's status as JSON (over TLS: --certs DIR; plaintext only with --insecure)."""
+    import grpc
+
+    from hybridfleet.ps.worker.rpc_errors import explain
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
+    if certs is None and not insecure_plaintext:
+        raise UsageError("--certs DIR is required to check the shard's TLS certificate",
+                         hint="pass --certs DIR (the directory from `hfleet certs init`), or --insecure "
+                              "for a shard served without TLS (a token then travels unencrypted)")
     probe = ShardStatusProbe(address, certs, token, insecure=insecure_plaintext)
     try:
-        typer.echo(json.dumps(probe.status(), indent=2))
+        typer.echo(json.dumps(probe.status(timeout_s=status_timeout_s), indent=2))
+    except grpc.RpcError as err:
+        raise explain(err, address, "status", token_given=bool(token)) or err from None
     finally:
         probe.close()
 

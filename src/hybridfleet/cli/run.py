@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import typer
 from rich.console import Console
@@ -14,7 +13,7 @@ from hybridfleet.spec import load_spec
 
 def run(
     job: str = typer.Argument(..., help="the job file"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no live view, only the summary"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no live view and no event lines, only the summary (and warnings)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="also echo every process's log lines "
                                  "(they always go to RUN_DIR/logs/)"),
     metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="serve Prometheus metrics from every process "
@@ -27,9 +26,14 @@ def run(
                                                                 "it for the worker's own training rows"),
 ) -> None:
     """Run JOB here with everything on 127.0.0.1; writes runs/<name>/<timestamp>/summary.json."""
+    if quiet:  # the processes' own lines and the supervisor's JSON events; warnings and errors still show
+        from hybridfleet.obs import log
+
+        log.configure(level="warning")
     spec = load_spec(job)
     if spec.mode != "ps":
-        raise LaunchError("hfleet run starts parameter-server jobs; for mode: collective use `hfleet launch`")
+        raise LaunchError("hfleet run starts parameter-server jobs; for mode: collective use `hfleet launch`",
+                          hint="run `hfleet launch --framework F --nproc-per-node N SCRIPT` for a collective job")
     import os
 
     from hybridfleet.launch.psjob import run_ps_job
@@ -44,7 +48,8 @@ def run(
     if not verbose and summary["status"] != "completed":
         _print_failed_logs(summary)
     if summary["status"] == "failed":
-        raise LaunchError(f"job {spec.name} failed; exit codes {summary['exit_codes']}; logs in {summary['run_dir']}/logs")
+        raise LaunchError(f"job {spec.name} failed; exit codes {summary['exit_codes']}; logs in {summary['run_dir']}/logs",
+                          hint=f"the failing process's log in {summary['run_dir']}/logs ends with its error")
 
 
 def _print_summary(summary: dict) -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from hybridfleet.errors import UsageError
 from hybridfleet.spec import load_spec
 
 
@@ -24,7 +25,9 @@ def worker(
     token_file: Optional[Path] = typer.Option(None, envvar="HFLEET_TOKEN_FILE",
                                               help="file holding this worker's token, re-read when it changes "
                                                    "(renewal); wins over --token"),
-    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext"),
+    retry_s: float = typer.Option(60.0, "--retry-s", help="how long to keep retrying a shard that does not answer"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext",
+                                            help="dial the shards without TLS (only for shards served with --insecure-plaintext)"),
 ) -> None:
     """Run the job's entrypoint as one worker; it reaches the shards at SERVERS."""
     spec = load_spec(job)
@@ -33,11 +36,23 @@ def worker(
     if not 0 <= site_rank < spec.sites[site].workers:
         raise typer.BadParameter(f"must be in 0..{spec.sites[site].workers - 1} for site {site!r} (got {site_rank})",
                                  param_hint="--site-rank")
+    addresses = [s for s in servers.split(",") if s.strip()]
+    if len(addresses) != spec.ps.shards:
+        raise UsageError(f"--servers lists {len(addresses)} address(es) but job {spec.name!r} has ps.shards: {spec.ps.shards}",
+                         hint=f"give all {spec.ps.shards} shard addresses host:port, comma-separated, in shard order")
+    if certs is None and not insecure_plaintext:
+        raise UsageError("--certs DIR is required: workers check the shards' TLS certificates",
+                         hint="pass --certs DIR with the job's CA (from `hfleet certs init`), or --insecure-plaintext "
+                              "for shards served without TLS")
+    if not token and spec.security.tokens != "off" and not insecure_plaintext:
+        raise UsageError(f"a token is required: job {spec.name!r} has security.tokens: {spec.security.tokens}",
+                         hint=f"pass --token or set HFLEET_TOKEN; make one with `hfleet certs token DIR --job {spec.name} "
+                              f"--site {site} --role worker`")
     if rank is None:
         names = list(spec.sites)
         rank = sum(spec.sites[s].workers for s in names[:names.index(site)]) + site_rank
     env = dict(os.environ, HFLEET_JOB=str(Path(job).resolve()), HFLEET_SITE=site, HFLEET_RANK=str(rank),
-               HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers)
+               HFLEET_SITE_RANK=str(site_rank), HFLEET_SERVERS=servers, HFLEET_SHARD_RETRY_S=str(retry_s))
     if token:
         env["HFLEET_TOKEN"] = token
     if token_file is not None:

@@ -134,7 +134,8 @@ def read_lock(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     fix = f"regenerate it with `hfleet env lock -o {p}`"
     if not p.is_file():
-        raise LockFileError(f"{p}: no such lock file; create one with `hfleet env lock -o {p}`")
+        raise LockFileError(f"{p}: no such lock file; create one with `hfleet env lock -o {p}`",
+                            hint=f"check the path, or write the lock first with `hfleet env lock -o {p}`")
     try:
         lock = json.loads(p.read_text())
     except UnicodeDecodeError:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hybridfleet.errors import LaunchError
+from hybridfleet.errors import InterruptedByUserError, LaunchError
 from hybridfleet.launch import preflight
 from hybridfleet.launch.failure import RankFailure, diagnose
 from hybridfleet.obs.log import get_logger
@@ -112,20 +112,25 @@ def child_env(config: LaunchConfig, attempt: int, ckpt_dir: str | Path, launch_i
 def _validate(config: LaunchConfig) -> None:
     preflight.check_framework(config.framework)
     if config.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node must be >= 1 (got {config.nproc_per_node})")
+        raise LaunchError(f"--nproc-per-node must be >= 1 (got {config.nproc_per_node})", hint="pass --nproc-per-node 1 or more")
     if config.max_restarts < 0:
-        raise LaunchError(f"--max-restarts must be >= 0 (got {config.max_restarts})")
+        raise LaunchError(f"--max-restarts must be >= 0 (got {config.max_restarts})", hint="pass --max-restarts 0 or more")
     low, high = preflight.parse_nnodes(config.nnodes)
     if config.node_rank is not None and not 0 <= config.node_rank < high:
-        raise LaunchError(f"--node-rank must be in 0..{high - 1} for --nnodes {config.nnodes} (got {config.node_rank})")
+        raise LaunchError(f"--node-rank must be in 0..{high - 1} for --nnodes {config.nnodes} (got {config.node_rank})",
+                          hint=f"pass --node-rank 0..{high - 1}: 0 on the master node, one distinct rank per node")
     if config.framework == "torch" and low == high > 1 and config.node_rank is None:
-        raise LaunchError("torch with --nnodes > 1 needs --node-rank (0 on the master node)")
+        raise LaunchError("torch with --nnodes > 1 needs --node-rank (0 on the master node)",
+                          hint="pass --node-rank 0 on the master node and 1, 2, ... on the others")
     if config.framework == "paddle" and low != high and not (config.master or "").startswith("etcd://"):
-        raise LaunchError("paddle elastic --nnodes MIN:MAX needs an etcd master: --master etcd://host:port")
+        raise LaunchError("paddle elastic --nnodes MIN:MAX needs an etcd master: --master etcd://host:port",
+                          hint="pass --master etcd://host:port, or a fixed --nnodes N")
     if not Path(config.script).is_file():
-        raise LaunchError(f"training script {config.script!r} does not exist")
+        raise LaunchError(f"training script {config.script!r} does not exist",
+                          hint=f"check the script path (relative paths start at {Path.cwd()})")
     if high > 1 and config.master is None:
-        raise LaunchError("--nnodes > 1 needs --master host:port (the address of node rank 0)")
+        raise LaunchError("--nnodes > 1 needs --master host:port (the address of node rank 0)",
+                          hint="pass --master host:port of node rank 0 on every node")
     visible = preflight.count_visible_gpus() if config.device == "gpu" else 0
     preflight.check_devices(config.device, config.nproc_per_node, visible)
 
@@ -185,25 +190,35 @@ def run_group(
     """
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
-    reader = threading.Thread(target=_pump, args=(proc.stdout, attempt_dir / "launcher.log", lines, echo), daemon=True)
+    muted = threading.Event()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, attempt_dir / "launcher.log", lines, echo, muted),
+                              daemon=True)
     reader.start()
     try:
         code = proc.wait()
-    finally:  # also on KeyboardInterrupt: the group must not outlive us
+    except KeyboardInterrupt:
+        # The launchers answer our SIGTERM with a traceback per process; they go to the log, not the terminal.
+        muted.set()
+        _stop_group(proc.pid, launch_id)
+        proc.wait()
+        reader.join(timeout=STOP_GRACE_S)
+        raise InterruptedByUserError(f"interrupted; every rank was stopped (logs in {attempt_dir})") from None
+    finally:  # the group must not outlive us, whatever happened
         _stop_group(proc.pid, launch_id)
         code = proc.wait()
         reader.join(timeout=STOP_GRACE_S)
     return code, "".join(lines)
 
 
-def _pump(stream, log_path: Path, lines: list[str], echo: Callable[[str], None] | None) -> None:
+def _pump(stream, log_path: Path, lines: list[str], echo: Callable[[str], None] | None,
+          muted: threading.Event) -> None:
     with open(log_path, "a", encoding="utf-8") as sink:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             lines.append(line)
             sink.write(line)
             sink.flush()
-            if echo is not None:
+            if echo is not None and not muted.is_set():
                 echo(line)
     stream.close()
 

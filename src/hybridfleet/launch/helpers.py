@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -60,6 +60,21 @@ def log_rank0(event: str, **fields: Any) -> None:
     """On rank 0 only, print one JSON line ``{"event": ..., **fields}`` to stdout."""
     if is_rank0():
         print(json.dumps({"event": event, **fields}, default=float), flush=True)
+
+
+def finish(exit_code: int = 0) -> NoReturn:
+    """End this rank now, after the script tore its process group down: flush output, skip interpreter teardown.
+
+    A torch gloo rank that returns normally runs Python's and C++'s exit-time destructors,
+    and one of torch's native objects can then find a thread of its still joinable and
+    abort the process (SIGABRT, "terminate called without an active exception") after
+    the training finished: about one short launch in fourteen here. Everything a
+    script writes through hybridfleet (checkpoints, logs) is complete when its calls
+    return, so nothing is lost by leaving without that teardown.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def report(step: int, **values: Any) -> None:
@@ -135,16 +150,19 @@ def ckpt_location() -> str | None:
     return value if _remote(value) else str(Path(value).resolve())
 
 
-def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | None:
-    """On rank 0, write the state atomically to ``HFLEET_CKPT_DIR``; return its path.
+def save_rank0(model_or_state: Any, step: int) -> Path | None:
+    """On rank 0, write a checkpoint of a torch / paddle model (or of numpy arrays) to ``HFLEET_CKPT_DIR``.
 
-    Returns None on other ranks and when ``HFLEET_CKPT_DIR`` is unset (a plain
-    ``python train.py`` run keeps no checkpoints). Raises ValueError when a value is not
-    a numpy array.
+    A model is saved with its framework and layer layout, so `hfleet ckpt convert` can
+    turn it into the other framework's layout; a dict of numpy arrays is saved as raw
+    tensors (no layout: loadable, not convertible). Returns the checkpoint's path, or
+    None on other ranks and when ``HFLEET_CKPT_DIR`` is unset (a plain ``python train.py``
+    run keeps no checkpoints). Raises ValueError when a dict value is not a numpy array.
     """
-    for name, value in state_dict_numpy.items():
-        if not isinstance(value, np.ndarray):
-            raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
+    if isinstance(model_or_state, dict):
+        for name, value in model_or_state.items():
+            if not isinstance(value, np.ndarray):
+                raise ValueError(f"state_dict_numpy[{name!r}] must be a numpy array (got {type(value).__name__})")
     location = ckpt_location()
     if location is None or not is_rank0():
         return None
@@ -153,21 +171,26 @@ def save_rank0(state_dict_numpy: dict[str, np.ndarray], step: int) -> Path | Non
     from hybridfleet.obs.metrics import observe_checkpoint
 
     started = time.perf_counter()
-    written = _write_checkpoint(location, state_dict_numpy, step)
-    observe_checkpoint(time.perf_counter() - started, sum(v.nbytes for v in state_dict_numpy.values()))
+    written, size_bytes = _write_checkpoint(location, model_or_state, step)
+    observe_checkpoint(time.perf_counter() - started, size_bytes)
     return written
 
 
-def _write_checkpoint(location: str, state: dict[str, np.ndarray], step: int) -> Path | str:
-    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) of ``state`` at ``step``."""
-    from hybridfleet.ckpt import gc, save_tensors_checkpoint
+def _write_checkpoint(location: str, model_or_state: Any, step: int) -> tuple[Path | str, int]:
+    """A `hybridfleet.ckpt` checkpoint (safetensors + manifest written last) at ``step``, then retention;
+    returns its path and size in bytes."""
+    from hybridfleet.ckpt import gc, save_checkpoint, save_tensors_checkpoint
     from hybridfleet.ckpt.manifest import step_dir
 
     if not _remote(location):
         Path(location).mkdir(parents=True, exist_ok=True)
-    save_tensors_checkpoint(location, step, {k: np.ascontiguousarray(v) for k, v in state.items()})
+    if isinstance(model_or_state, dict):
+        info = save_tensors_checkpoint(location, step, {k: np.ascontiguousarray(v) for k, v in model_or_state.items()})
+    else:
+        info = save_checkpoint(location, step, model=model_or_state)
     gc(location, keep_last=KEEP_LAST)
-    return f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
+    path = f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
+    return path, info.size_bytes
 
 
 def save_model(model: Any, step: int, metrics: dict[str, float] | None = None, keep_best: str | None = None) -> Path | None:
@@ -193,17 +216,23 @@ def save_model(model: Any, step: int, metrics: dict[str, float] | None = None, k
 
 
 def latest_checkpoint() -> Checkpoint | None:
-    """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty)."""
-    from hybridfleet.ckpt import load_tensors_checkpoint
+    """The newest valid checkpoint in ``HFLEET_CKPT_DIR`` (None when unset or empty).
+
+    ``state`` holds the model's weights as saved (a model's state dict, or the raw arrays).
+    """
+    from hybridfleet.ckpt.checkpoint import read_newest_valid
     from hybridfleet.ckpt.manifest import step_dir
     from hybridfleet.errors import CheckpointError
+    from hybridfleet.store import open_store
 
     location = ckpt_location()
     if location is None or (not _remote(location) and not Path(location).is_dir()):
         return None
     try:
-        step, tensors, _ = load_tensors_checkpoint(location)
+        manifest, _, groups = read_newest_valid(open_store(location), None)
     except CheckpointError:
         return None
+    step = manifest.step
+    state = {name: np.array(arr) for name, arr in (groups.get("model") or groups.get("tensors") or {}).items()}
     path = f"{location.rstrip('/')}/{step_dir(step)}" if _remote(location) else Path(location) / step_dir(step)
-    return Checkpoint(step=step, state=tensors, path=path)
+    return Checkpoint(step=step, state=state, path=path)

@@ -29,7 +29,8 @@ def check_framework(framework: str) -> None:
     Looks the module up without importing it, so the launcher stays light.
     """
     if framework not in FRAMEWORK_MODULES:
-        raise LaunchError(f"--framework must be one of {sorted(FRAMEWORK_MODULES)} (got {framework!r})")
+        raise LaunchError(f"--framework must be one of {sorted(FRAMEWORK_MODULES)} (got {framework!r})",
+                          hint="pass --framework torch or --framework paddle")
     if importlib.util.find_spec(FRAMEWORK_MODULES[framework]) is None:
         raise FrameworkMissingError(
             f"framework {framework!r} is not installed in {sys.executable}; {INSTALL_HINTS[framework]}"
@@ -40,7 +41,8 @@ def parse_master(master: str) -> tuple[str, int]:
     """Split ``host:port`` into its parts; raise `LaunchError` naming the bad value."""
     host, sep, port_text = master.rpartition(":")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise LaunchError(f"--master must be host:port with a port in 1..65535 (got {master!r})")
+        raise LaunchError(f"--master must be host:port with a port in 1..65535 (got {master!r})",
+                          hint="write --master as host:port, e.g. --master 127.0.0.1:29500")
     return host.strip("[]"), int(port_text)
 
 
@@ -48,10 +50,10 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
     """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX); raise `LaunchError` on anything else."""
     parts = nnodes.split(":")
     if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
-        raise LaunchError(f"--nnodes must be N or MIN:MAX (got {nnodes!r})")
+        raise LaunchError(f"--nnodes must be N or MIN:MAX (got {nnodes!r})", hint="e.g. --nnodes 2, or --nnodes 1:4 (elastic)")
     low, high = int(parts[0]), int(parts[-1])
     if low < 1 or high < low:
-        raise LaunchError(f"--nnodes needs 1 <= MIN <= MAX (got {nnodes!r})")
+        raise LaunchError(f"--nnodes needs 1 <= MIN <= MAX (got {nnodes!r})", hint="e.g. --nnodes 2, or --nnodes 1:4 (elastic)")
     return low, high
 
 
@@ -91,7 +93,8 @@ def wait_reachable(host: str, port: int, timeout_s: float) -> None:
         if time.monotonic() >= deadline:
             raise LaunchError(
                 f"master {host}:{port} is unreachable after {timeout_s:g}s ({last_error}); "
-                f"start node rank 0 first and check the address and firewall"
+                f"start node rank 0 first and check the address and firewall",
+                hint="start `hfleet launch --node-rank 0` on the master first; check --master and that its port is open",
             )
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
@@ -115,7 +118,8 @@ def resolve_master(master: str, nnodes: str, node_rank: int, connect_timeout_s: 
         if _is_local(host) or _is_this_host(host):
             if port_in_use(host, port):
                 raise LaunchError(
-                    f"master port {port} on {host} is already in use; free it or choose another with --master"
+                    f"master port {port} on {host} is already in use; free it or choose another with --master",
+                    hint="stop the process holding the port, or pass --master host:OTHER_PORT on every node",
                 )
         return f"{host}:{port}"
     wait_reachable(host, port, connect_timeout_s)
@@ -146,7 +150,7 @@ def count_visible_gpus() -> int:
 def check_devices(device: str, nproc_per_node: int, visible_gpus: int) -> None:
     """On ``device == "gpu"`` there must be one visible GPU per process; cpu and auto need nothing."""
     if device not in ("auto", "cpu", "gpu"):
-        raise LaunchError(f"--device must be auto, cpu or gpu (got {device!r})")
+        raise LaunchError(f"--device must be auto, cpu or gpu (got {device!r})", hint="pass --device auto, cpu or gpu")
     if device != "gpu":
         return
     if visible_gpus == 0:
@@ -154,5 +158,6 @@ def check_devices(device: str, nproc_per_node: int, visible_gpus: int) -> None:
     if nproc_per_node > visible_gpus:
         raise LaunchError(
             f"--nproc-per-node {nproc_per_node} is more than the {visible_gpus} visible GPU(s); "
-            f"use --nproc-per-node {visible_gpus} or fewer"
+            f"use --nproc-per-node {visible_gpus} or fewer",
+            hint=f"pass --nproc-per-node {visible_gpus} or fewer (one process per GPU)",
         )

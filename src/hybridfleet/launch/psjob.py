@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridfleet.errors import LaunchError
+from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
@@ -142,9 +142,14 @@ def model_root(run_dir: Path) -> Path:
 
 
 def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) -> ProcessSpec:
-    """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``."""
-    # a fixed port, so that a restarted shard is found where its workers left it
-    port = spec.ps.base_port + shard if spec.ps.base_port else free_port(spec.ps.host)
+    """The `hfleet ps serve` process of one shard; it writes its bound port to ``run_dir/shard-N.port``.
+
+    The shard binds its own port (0: the kernel picks, nothing is picked and released
+    here for another process to take); a restarted shard binds the port its port file
+    names, where its workers left it. A shard that cannot have its port exits with the
+    `port_in_use` code and is not restarted: retrying cannot free the port.
+    """
+    port = spec.ps.base_port + shard if spec.ps.base_port else 0
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
             "--host", spec.ps.host, "--port", str(port),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
@@ -157,7 +162,7 @@ def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) 
     if spec.security.tokens == "off":
         argv.append("--no-auth")
     return ProcessSpec(name=f"shard-{shard}", argv=argv, role="shard", max_restarts=spec.max_restarts,
-                       env={"OMP_NUM_THREADS": "1"})
+                       env={"OMP_NUM_THREADS": "1"}, final_exit_codes=(EXIT_CODES["port_in_use"].code,))
 
 
 def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank: int, site_rank: int,
@@ -278,9 +283,15 @@ def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list
         for i in range(num_shards):
             rc = sup.returncode(f"shard-{i}")
             if rc is not None and rc != 0:
-                raise LaunchError(f"shard {i} exited with code {rc} before serving; see {layout.run_dir}/logs/shard-{i}.log")
+                log_path = layout.run_dir / "logs" / f"shard-{i}.log"
+                if rc == EXIT_CODES["port_in_use"].code:
+                    raise PortInUseError(f"shard {i} could not bind its port; see {log_path}",
+                                         hint="free the port, or leave ps.base_port unset so each shard takes a free one")
+                raise LaunchError(f"shard {i} exited with code {rc} before serving; see {log_path}",
+                                  hint=f"the shard's own error is at the end of {log_path}")
         time.sleep(0.05)
-    raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/")
+    raise LaunchError(f"shards did not start within {SHARD_START_TIMEOUT_S:.0f} s; see {layout.run_dir}/logs/",
+                      hint=f"the shard logs in {layout.run_dir}/logs/ say where they stopped")
 
 
 def _datasets_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict[str, str]]:
@@ -393,7 +404,8 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     job_path = Path(job_path).resolve()
     for entry in dict.fromkeys(spec.site_entrypoint(site) for site in spec.sites):
         if not Path(entry).is_file():
-            raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})")
+            raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})",
+                              hint="fix entrypoint in the job file, or run from the folder it is relative to")
     run_dir = new_run_dir(spec, run_root)
     write_run_info(spec, run_dir)
     if log_to_file:

@@ -70,6 +70,7 @@ class ProcessSpec:
     max_restarts: int = 0
     restart_delay_s: float = 0.5
     role: str = "worker"
+    final_exit_codes: tuple[int, ...] = ()  # exits a restart cannot mend (e.g. the port is taken): never restarted
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -465,7 +466,8 @@ class Supervisor:
         with self._lock:
             managed.popen = None
             self._record(managed, "exit", rc)
-            restart = rc != 0 and not self._stopping and managed.attempt <= spec.max_restarts
+            restart = (rc != 0 and rc not in spec.final_exit_codes and not self._stopping
+                       and managed.attempt <= spec.max_restarts)
             if not restart:
                 if rc != 0 and not self._stopping:
                     self._record(managed, "gave_up", rc)

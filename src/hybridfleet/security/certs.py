@@ -286,7 +286,9 @@ def load_pki(directory: str | os.PathLike[str]) -> Pki:
     """
     root = Path(directory)
     if not root.is_dir():
-        raise AuthError(f"TLS directory {root} does not exist; create it with `hfleet certs init {root}`")
+        raise AuthError(f"TLS directory {root} does not exist; create it with `hfleet certs init {root}`",
+                        hint=f"pass the directory that holds the job's certificates, or create one with "
+                             f"`hfleet certs init {root}`")
     for name in (CA_CERT, SERVER_CERT, SERVER_KEY):
         if not (root / name).is_file():
             raise AuthError(f"TLS directory {root} is missing {name} (expected at {root / name})")

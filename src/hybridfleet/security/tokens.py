@@ -102,7 +102,9 @@ def _as_bytes(pem: bytes | str) -> bytes:
 def _read_key_file(directory: str | os.PathLike[str], name: str) -> bytes:
     path = Path(directory) / name
     if not path.is_file():
-        raise AuthError(f"token key {path} does not exist; create it with `hfleet certs init {directory}`")
+        raise AuthError(f"token key {path} does not exist; create it with `hfleet certs init {directory}`",
+                        hint=f"pass the directory `hfleet certs init` wrote (it holds {path.name}), "
+                             f"or create one with `hfleet certs init {directory}`")
     return path.read_bytes()
 
 

@@ -49,7 +49,8 @@ def format_errors(err: ValidationError) -> list[str]:
 def parse_spec(data: Any, source: str = "<job>") -> JobSpec:
     """Validate a mapping as a job spec; raise `SpecError` listing every problem."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: a job file is a YAML mapping (got {type(data).__name__})")
+        raise SpecError(f"{source}: a job file is a YAML mapping (got {type(data).__name__})",
+                        hint="pass the job file (name, framework, entrypoint, mode, sites ...); see examples/*.yaml")
     try:
         return JobSpec.model_validate(data)
     except ValidationError as err:
@@ -61,9 +62,10 @@ def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML job file."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError(f"{p}: no such job file")
+        raise SpecError(f"{p}: no such job file",
+                        hint=f"check the path (relative paths start at {Path.cwd()}); the shipped examples are in examples/")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
-        raise SpecError(f"{p}: not valid YAML: {err}") from None
+        raise SpecError(f"{p}: not valid YAML: {err}", hint="fix the YAML syntax at the line and column above") from None
     return parse_spec(data, str(p))

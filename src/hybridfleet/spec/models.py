@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -192,6 +192,13 @@ class SecuritySpec(_Strict):
     mutual_tls: bool = False
     tokens: Literal["auto", "off"] = "auto"
     token_ttl_s: float = Field(3600, gt=0, description="token lifetime; `hfleet run` renews at half of it")
+
+    @field_validator("tls", "tokens", mode="before")
+    @classmethod
+    def _off_is_a_string(cls, value: object, info) -> object:
+        if isinstance(value, bool):  # YAML reads an unquoted off/on/no/yes as a boolean
+            raise ValueError(f'write {info.field_name}: "off" (quoted); unquoted, YAML reads it as the boolean {value}')
+        return value
 
 
 class RegistrySpec(_Strict):

@@ -14,9 +14,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hybridfleet.errors import StoreError
+from hybridfleet.obs.log import get_logger
 from hybridfleet.store.base import Buffer, Store
 
 BLOB_PREFIX = "blobs/sha256"
+log = get_logger("store.blobs")
 DOWNLOAD_CHUNK_BYTES = 8 << 20
 _HASH_SLICE_BYTES = 64 << 20  # hashlib releases the GIL per update; slices keep memory views small
 # Both digests of a slice are taken while it is still in the core's L2 cache.
@@ -77,17 +79,37 @@ def file_digests(parts: Iterable[Buffer]) -> tuple[str, str, int]:
     return digest.hexdigest(), f"{crc:08x}", total
 
 
-def put_blob(store: Store, parts: list[Buffer], sha256_hex: str) -> int:
-    """Store ``parts`` as blob ``sha256_hex`` unless present; returns the payload bytes uploaded (0 if skipped).
+def put_blob(store: Store, parts: list[Buffer], sha256_hex: str, crc32_hex: str | None = None) -> int:
+    """Store ``parts`` as blob ``sha256_hex`` unless a sound copy is present; returns the payload bytes uploaded.
 
-    The caller supplies the digest (computed with `sha256_parts`) so it is hashed once.
+    The caller supplies the digests (computed with `file_digests`) so the parts are hashed once.
+    A blob already in the store is reused only after its size and CRC-32 (or, without
+    ``crc32_hex``, its sha256) match ``parts``: a flipped byte or a truncated upload is
+    rewritten instead of being referenced by one more checkpoint.
     """
     path = blob_path(sha256_hex)
-    if store.exists(path):
+    size = sum(memoryview(p).nbytes for p in parts)
+    if store.exists(path) and _stored_blob_matches(store, path, size, sha256_hex, crc32_hex):
         return 0
     store.put_parts(path, parts)
     # not a difference of store.bytes_written: other blobs may be uploading in parallel
-    return sum(memoryview(p).nbytes for p in parts)
+    return size
+
+
+def _stored_blob_matches(store: Store, path: str, size: int, sha256_hex: str, crc32_hex: str | None) -> bool:
+    """True when the blob at ``path`` has ``size`` bytes and the expected CRC-32 (else sha256)."""
+    try:
+        if store.size(path) != size:
+            stored = None
+        else:
+            buffer = store.read_buffer(path)
+            stored = crc32_parts([buffer])[0] if crc32_hex is not None else sha256_parts([buffer])[0]
+    except StoreError:
+        return False  # removed between the two calls: write it
+    ok = stored == (crc32_hex if crc32_hex is not None else sha256_hex)
+    if not ok:
+        log.warning("blob_rewritten", url=store.url, path=path, reason="stored copy does not match its digest")
+    return ok
 
 
 def download_verified(

@@ -144,4 +144,5 @@ def bind(host: str, port: int) -> socket.socket:
 def check_exposure(host: str, token: str | None) -> None:
     """Refuse to serve beyond loopback without a token."""
     if host not in LOOPBACK and not token:
-        raise LaunchError(f"--host {host} exposes the UI beyond this machine: give --token TOKEN (or HFLEET_UI_TOKEN)")
+        raise LaunchError(f"--host {host} exposes the UI beyond this machine: give --token TOKEN (or HFLEET_UI_TOKEN)",
+                          hint="pass --token TOKEN (or set HFLEET_UI_TOKEN), or keep --host 127.0.0.1")

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hybridfleet.errors import PortInUseError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire._proto import ps_pb2
 from hybridfleet.ps.wire.bulk import (
@@ -117,7 +118,10 @@ class BulkServer:
         self._push, self._pull = push, pull
         self._admit = admit or (lambda header, claims, peer_site: nullcontext())
         self.max_connections = max_connections
-        self._listener = socket.create_server((host, port), backlog=64)
+        try:
+            self._listener = socket.create_server((host, port), backlog=64)
+        except OSError as err:
+            raise PortInUseError(f"cannot serve the bulk data plane on {host}:{port}: {err.strerror}") from err
         self.port = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
         self._open = 0        # connections with a serving thread

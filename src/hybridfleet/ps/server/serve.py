@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hybridfleet.ps.server.service import ServerSecurity, ShardServer, method_roles
 from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.errors import UsageError
 from hybridfleet.spec.models import JobSpec
 
 
@@ -16,8 +17,9 @@ def server_security(job: JobSpec, certs_dir: str | Path | None, insecure_plainte
     creds, interceptors, ssl_context, verifier = None, (), None, None
     if not insecure_plaintext or not no_auth:
         if certs_dir is None:
-            raise ValueError("--certs DIR is required (make one with `hfleet certs init DIR`), "
-                             "unless both --insecure-plaintext and --no-auth are given")
+            raise UsageError("--certs DIR is required: the shard serves TLS and checks tokens",
+                             hint="make one with `hfleet certs init DIR --host <this machine's name>` and pass "
+                                  "--certs DIR (or, explicitly, both --insecure-plaintext and --no-auth)")
     if not insecure_plaintext:
         from hybridfleet.security import load_pki, server_credentials
 
@@ -42,7 +44,8 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
     returns the running server (``.port`` is the bound port, ``.bulk`` the bulk data plane or None,
     ``.snapshotter`` the snapshotter or None). ``bulk_port`` 0 takes any free port."""
     if not 0 <= shard < job.ps.shards:
-        raise ValueError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})")
+        raise UsageError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})",
+                         hint=f"pass --shard 0..{job.ps.shards - 1}, or change ps.shards in the job file")
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers,
                        sites={name: site.workers for name, site in job.sites.items()})
     snapshotter = None

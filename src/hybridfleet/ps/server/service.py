@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from hybridfleet.errors import PortInUseError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.codec.frame import MAX_NDIM
 from hybridfleet.ps.wire import fastwire
@@ -263,12 +264,17 @@ class ShardServer:
                                    admit=self.servicer.admit_push, max_connections=2 * threads)
             self.servicer.bulk_port = self.bulk.port
         address = f"{host}:{port}"
-        if security.server_credentials is not None:
-            self.port = self.server.add_secure_port(address, security.server_credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if security.server_credentials is not None:
+                self.port = self.server.add_secure_port(address, security.server_credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            if self.bulk is not None:
+                self.bulk.stop()
+            raise PortInUseError(f"cannot serve gRPC on {address}: the address is in use or not on this machine")
         self.host = host
         self.snapshotter = None  # set by hybridfleet.ps.server.serve.start_shard when the job snapshots
         self._stop = threading.Event()

@@ -118,8 +118,9 @@ class ShardState:
         if codec != self.codec_name:
             raise Reject("FAILED_PRECONDITION",
                          f"codec {codec!r} does not match this job's codec {self.codec_name!r}")
-        if not 0 <= self.shard < num_shards:
-            raise Reject("INVALID_ARGUMENT", f"shard {self.shard} is not in a plan of {num_shards} shard(s)")
+        if num_shards != self.spec.shards:  # before any state changes: the worker was given too few or too many addresses
+            raise Reject("INVALID_ARGUMENT", f"the job has {self.spec.shards} shard(s) but the worker was given "
+                                             f"{num_shards} shard address(es); expected {self.spec.shards}")
         try:
             self.codec()
         except ValueError as err:

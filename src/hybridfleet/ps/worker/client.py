@@ -22,6 +22,7 @@ import grpc
 
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch, is_untrusted_certificate
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
@@ -183,6 +184,7 @@ class PSClient:
         """Run ``fn(stub)`` with retries on UNAVAILABLE for up to ``retry_timeout_s`` after the first
         failure (a call may legitimately wait long before it); map auth failures to AuthError."""
         deadline: float | None = None
+        first_failure_s = None
         delay = 0.1
         rejoin = False
         while True:
@@ -195,10 +197,13 @@ class PSClient:
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
+                if is_name_mismatch(err) or is_untrusted_certificate(err):  # retrying cannot change a certificate
+                    raise explain(err, self.servers[shard], what) from None
                 if rejoin and code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     code = grpc.StatusCode.UNAVAILABLE  # the Join timed out: still unreachable
                 if code in RETRYABLE and deadline is None:
                     deadline = time.monotonic() + self.retry_timeout_s
+                    first_failure_s = time.time()
                 if code in RETRYABLE and time.monotonic() < deadline:
                     log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay, reason=err.details())
                     time.sleep(delay)
@@ -207,6 +212,8 @@ class PSClient:
                     continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise AuthError(f"shard {self.servers[shard]} refused {what}: {err.details()}") from None
+                if code in RETRYABLE:  # retried until the deadline: say which shard, since when, what to check
+                    raise explain(err, self.servers[shard], what, since_s=first_failure_s) from None
                 raise
 
     def _each_shard(self, fn):

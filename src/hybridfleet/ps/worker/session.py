@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from hybridfleet.errors import ProtocolError
+from hybridfleet.errors import ProtocolError, install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
 from hybridfleet.obs.scalars import record_report
@@ -150,12 +150,14 @@ class PSSession:
             self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
             return self.parameters()
         cfg = self.config
+        install_excepthook()  # a refused join or an unreachable shard ends the script with one line, not a traceback
         from hybridfleet.ps.alloc import tune_allocator
 
         tune_allocator(trim_bytes=256 << 20)  # gradient frames and buffers are reused round after round
         if cfg.aggregates and cfg.site_rank > 0:
             return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
+                               retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
                                transport=cfg.job.ps.transport)
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
