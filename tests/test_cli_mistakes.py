@@ -217,6 +217,12 @@ MISTAKES = [
             "hfleet run"),
     Mistake("ui: beyond loopback without a token", lambda c: ["ui", "--host", "0.0.0.0", "--port", "0"], LAUNCH,
             "--token TOKEN"),
+    # registry (the session's private registry: see tests/conftest.py)
+    Mistake("registry: unknown model", lambda c: ["registry", "show", "nosuch"], EXIT_CODES["registry_not_found"].code,
+            "hfleet registry ls"),
+    Mistake("registry: a gate that does not parse",
+            lambda c: ["registry", "promote", "m", "1", "--alias", "prod", "--require", "acc>>0.9"],
+            EXIT_CODES["registry"].code, "METRIC OP NUMBER"),
     # top level
     Mistake("unknown command", lambda c: ["trian", "job.yaml"], USAGE, "No such command"),
 ]

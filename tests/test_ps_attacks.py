@@ -215,8 +215,8 @@ def test_join_cannot_reshape_the_model_and_the_plan_comes_from_the_job(tmp_path)
              "join declares a model of 4398046511104 bytes; this job allows at most 1048576 (ps.max_model_bytes)"),
             (_join_request("a-0", "a", many, spec=spec), "RESOURCE_EXHAUSTED",
              "join declares 5000 tensors; this job allows at most 100 (ps.max_tensors)"),
-            (_join_request("a-0", "a", PARAMS, shards=4, spec=spec), "FAILED_PRECONDITION",
-             "join names 4 shard(s); this job has 1"),
+            (_join_request("a-0", "a", PARAMS, shards=4, spec=spec), "INVALID_ARGUMENT",
+             "the job has 1 shard(s) but the worker was given 4 shard address(es); expected 1"),
             (_deep_join(spec), "INVALID_ARGUMENT", "tensor 'w' has 100000 dimensions; at most 32 are allowed"),
         ]
         with RssWatch() as watch:

@@ -144,7 +144,8 @@ def test_ps_status_refuses_plaintext_unless_told_insecure():
     result = subprocess.run([sys.executable, "-m", "hybridfleet", "ps", "status", "127.0.0.1:1"],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "HFLEET_TOKEN": "secret"})
     assert result.returncode != 0
-    assert "plaintext, which sends the token unencrypted, needs --insecure" in result.stderr + result.stdout
+    assert "--certs DIR is required to check the shard's TLS certificate" in result.stderr
+    assert "or --insecure for a shard served without TLS (a token then travels unencrypted)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

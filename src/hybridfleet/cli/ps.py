@@ -38,13 +38,7 @@ def serve(
 
     tune_allocator()
     spec = load_spec(job)
-    try:
-        security = server_security(spec, certs, insecure_plaintext, no_auth)
-    except ValueError as err:  # a missing --certs: say which flags, not a traceback
-        raise typer.BadParameter(str(err), param_hint="--certs") from None
-    if not 0 <= shard < spec.ps.shards:
-        raise typer.BadParameter(f"must be in 0..{spec.ps.shards - 1} for a job of {spec.ps.shards} shard(s) "
-                                 f"(got {shard})", param_hint="--shard")
+    security = server_security(spec, certs, insecure_plaintext, no_auth)  # UsageError naming the flags
     if port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file():
         port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
     server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)

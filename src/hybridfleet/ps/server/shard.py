@@ -169,8 +169,6 @@ class ShardState:
     def _check_model(self, params: list[ParamSpec], num_shards: int, block_size_bytes: int) -> None:
         """The job, not the joiner, sets the plan's shape: shard count, block size and caps."""
         spec = self.spec
-        if num_shards != spec.shards:
-            raise Reject("FAILED_PRECONDITION", f"join names {num_shards} shard(s); this job has {spec.shards}")
         if block_size_bytes != spec.block_size_bytes:
             raise Reject("FAILED_PRECONDITION", f"join asks for blocks of {block_size_bytes} bytes; this job's "
                                                 f"ps.block_size_bytes is {spec.block_size_bytes}")
