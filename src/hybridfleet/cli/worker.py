@@ -44,10 +44,11 @@ def worker(
         raise UsageError("--certs DIR is required: workers check the shards' TLS certificates",
                          hint="pass --certs DIR with the job's CA (from `hfleet certs init`), or --insecure-plaintext "
                               "for shards served without TLS")
-    if not token and spec.security.tokens != "off" and not insecure_plaintext:
+    if not token and token_file is None and spec.security.tokens != "off" and not insecure_plaintext:
         raise UsageError(f"a token is required: job {spec.name!r} has security.tokens: {spec.security.tokens}",
-                         hint=f"pass --token or set HFLEET_TOKEN; make one with `hfleet certs token DIR --job {spec.name} "
-                              f"--site {site} --role worker`")
+                         hint=f"pass --token or --token-file (or set HFLEET_TOKEN / HFLEET_TOKEN_FILE); make one with "
+                              f"`hfleet certs token DIR --job {spec.name} --site {site} --role worker "
+                              f"--worker {site}-{site_rank}`")
     if rank is None:
         names = list(spec.sites)
         rank = sum(spec.sites[s].workers for s in names[:names.index(site)]) + site_rank
