@@ -204,12 +204,39 @@ def test_models_page_lists_models_versions_and_alias_history(tmp_path):
     assert "better accuracy" in aliases and "production" in aliases
 
 
-def test_without_the_registry_package_the_models_page_is_left_out(tmp_path):
-    from hybridfleet.ui.registry_view import registry_available, registry_source
+def test_the_models_page_reads_the_real_registry(tmp_path):
+    # Prepare: a real registry (SQLite) with one version of a real checkpoint and an alias move
+    import numpy as np
 
-    if registry_available():
-        pytest.skip("the registry package is installed here; its page is served")
-    with in_process_ui(tmp_path, registry_source(None)) as url:
+    from hybridfleet.ckpt import save_checkpoint
+    from hybridfleet.ui.registry_view import registry_source
+
+    save_checkpoint(f"file://{tmp_path / 'ckpt'}", 300, tensors={"w": np.ones(4, np.float32)},
+                    metrics={"test_accuracy": 0.97})
+    db = f"sqlite:///{tmp_path / 'registry.db'}"
+    from hybridfleet.registry import Registry
+
+    registry = Registry(db, store=f"file://{tmp_path / 'store'}")
+    registry.create_model("digits")
+    registry.register("digits", f"file://{tmp_path / 'ckpt'}")
+    registry.move_alias("digits", "production", 1, reason="better accuracy")
+    # Execute
+    with in_process_ui(tmp_path / "runs", registry_source(db)) as url, chromium_page() as page:
+        page.goto(url + "/")
+        page.click("text=Models")
+        page.click("text=digits")
+        versions = page.locator("#versions").inner_text()
+        aliases = page.locator("#aliases").inner_text()
+    # Assert
+    assert "0.97" in versions
+    assert "better accuracy" in aliases and "production" in aliases
+
+
+def test_without_the_registry_package_the_models_page_is_left_out(tmp_path, monkeypatch):
+    from hybridfleet.ui import registry_view
+
+    monkeypatch.setattr(registry_view, "registry_available", lambda: False)  # as where the package is not installed
+    with in_process_ui(tmp_path, registry_view.registry_source(None)) as url:
         body = urllib.request.urlopen(url + "/", timeout=5).read().decode()
         redirected = urllib.request.urlopen(url + "/models", timeout=5)
         assert "/models" not in body

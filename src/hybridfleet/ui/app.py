@@ -112,7 +112,7 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistrySour
         def models() -> str:
             return pages.page("Models", pages.models_page(registry.models()), registry=True)
 
-        @app.get("/models/{name}", response_class=HTMLResponse)
+        @app.get("/models/{name:path}", response_class=HTMLResponse)  # names are namespace/model
         def model(name: str) -> str:
             return pages.page(f"Model {name}", pages.model_page(registry.versions(name), registry.aliases(name)),
                               registry=True)

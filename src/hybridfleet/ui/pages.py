@@ -107,6 +107,7 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> str:
 
 def model_page(versions: list[dict[str, Any]], aliases: list[dict[str, Any]]) -> str:
     vkeys = sorted({k for v in versions for k in v if k in ("version", "created", "step", "metrics", "tags")}) or ["version"]
-    akeys = sorted({k for a in aliases for k in a if k in ("alias", "version", "at", "reason", "revision")}) or ["alias"]
+    shown = ("alias", "action", "version", "from_version", "to_version", "at", "actor", "reason", "revision")
+    akeys = sorted({k for a in aliases for k in a if k in shown}) or ["alias"]
     return (f"<h2>Versions</h2><table id='versions'>{_cells(versions, vkeys)}</table>"
             f"<h2>Aliases</h2><table id='aliases'>{_cells(aliases, akeys)}</table>")
