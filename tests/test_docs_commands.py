@@ -62,10 +62,8 @@ def bash_blocks(path: Path) -> list[Block]:
 ALL_BLOCKS = [b for p in doc_files() for b in bash_blocks(p)]
 
 
-@pytest.fixture(scope="module")
-def fresh_checkout(tmp_path_factory) -> Path:
+def _fresh_checkout(root: Path) -> Path:
     """The tracked files of the repository (as a fresh clone has them), with this environment as .venv."""
-    root = tmp_path_factory.mktemp("checkout")
     tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                              capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, tracked):
@@ -78,10 +76,24 @@ def fresh_checkout(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def checkout_for(tmp_path_factory):
+    """One fresh checkout per document: a reader follows one document's blocks in order, in one folder."""
+    made: dict[Path, Path] = {}
+
+    def get(doc: Path) -> Path:
+        if doc not in made:
+            made[doc] = _fresh_checkout(tmp_path_factory.mktemp("checkout"))
+        return made[doc]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.skip_reason is None], ids=lambda b: b.id)
-def test_documented_commands_run_as_written(block, fresh_checkout):
+def test_documented_commands_run_as_written(block, checkout_for):
     # Prepare: hfleet and python of this environment, the copy's sources first
+    fresh_checkout = checkout_for(block.path)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=str(fresh_checkout / "src"), OMP_NUM_THREADS="1")
     # Execute

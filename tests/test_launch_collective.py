@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,10 @@ def test_group_pids_finds_tagged_processes_only_while_they_live(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             env=_env(HFLEET_LAUNCH_ID="tag-under-test"))
     try:
-        # Execute / Assert
+        # Execute / Assert: once the child has exec'd (before that /proc shows the parent's environment)
+        deadline = time.monotonic() + 10
+        while group_pids("tag-under-test") != [proc.pid] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert group_pids("tag-under-test") == [proc.pid]
     finally:
         proc.kill()

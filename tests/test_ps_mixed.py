@@ -45,7 +45,8 @@ def shards(tmp_path):
     issuer = TokenIssuer.from_dir(certs)
 
     def config(site: str, rank: int) -> WorkerConfig:
-        sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert), token=issuer.issue(spec.name, site, "worker", 600))
+        token = issuer.issue(spec.name, site, "worker", 600, worker=f"{site}-0")  # the worker id of site rank 0
+        sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert), token=token)
         return WorkerConfig(job=spec, site=site, rank=rank, servers=[s.address for s in servers], security=sec)
 
     yield config, servers
