@@ -103,6 +103,7 @@ def test_bench_rejects_bad_settings_before_starting_anything(script, args, messa
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the bench trains or exchanges with torch
 def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_run():
     # Prepare / Execute: a 4 MB parameter set, 2 rounds per side
     proc = run_bench("ps_exchange.py", "--mb", "4", "--rounds", "2")
@@ -118,6 +119,7 @@ def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_r
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the bench trains or exchanges with torch
 def test_obs_overhead_bench_ends_with_overhead_and_scrape_p95():
     # Prepare / Execute
     proc = run_bench("obs_overhead.py", "--quick")

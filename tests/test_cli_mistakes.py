@@ -27,6 +27,8 @@ from hybridfleet.ckpt import save_tensors_checkpoint
 from hybridfleet.cli.app import main
 from hybridfleet.errors import EXIT_CODES
 
+pytestmark = pytest.mark.torch  # the catalogue's job is the torch example
+
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "examples" / "digits-hybrid.yaml"
 TABLE_CODES = {c.code for c in EXIT_CODES.values()}

@@ -90,6 +90,7 @@ def checkout_for(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the documented jobs and launches use the torch examples
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.skip_reason is None], ids=lambda b: b.id)
 def test_documented_commands_run_as_written(block, checkout_for):
     # Prepare: hfleet and python of this environment, the copy's sources first

@@ -15,7 +15,7 @@ import pytest
 
 from tests.obs_fixtures import demo_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch]  # runs the torch demo
 REPO = Path(__file__).resolve().parents[1]
 
 

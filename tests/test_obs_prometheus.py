@@ -10,7 +10,7 @@ import pytest
 from hybridfleet.obs.discovery import read_targets
 from tests.obs_fixtures import promtool_check
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch]  # the session's demo runs include the torch one
 
 
 def test_prometheus_discovers_every_process_of_the_run_with_identity_labels(demo_run):

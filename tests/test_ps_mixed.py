@@ -18,6 +18,8 @@ from hybridfleet.ps.worker.session import WorkerConfig
 from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
 from hybridfleet.spec import load_spec, parse_spec
 
+pytestmark = pytest.mark.torch  # a job with torch and paddle workers
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "digits"))
 

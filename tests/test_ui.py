@@ -74,6 +74,7 @@ def test_click_from_runs_to_a_finished_run_and_its_report(demo_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the live run is the torch demo
 def test_click_to_a_live_run_shows_live_progress_per_site(tmp_path):
     # Prepare: a long job, stopped once seen
     runs = tmp_path / "runs"
