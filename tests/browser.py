@@ -12,6 +12,7 @@ import shutil
 from contextlib import contextmanager
 
 import pytest
+from tests.needs import missing
 
 INSTALL_HINT = "Chromium is not installed: run .ci/install-chromium.sh (apt-get install chromium)"
 
@@ -20,7 +21,7 @@ INSTALL_HINT = "Chromium is not installed: run .ci/install-chromium.sh (apt-get 
 def chromium_page():
     binary = shutil.which("chromium")
     if binary is None:
-        pytest.skip(INSTALL_HINT)
+        missing(INSTALL_HINT)
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=binary, args=["--no-sandbox"])

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.prom_harness import Prometheus
+from tests.needs import missing
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"torch": "digits-hybrid.yaml", "paddle": "digits-hybrid-paddle.yaml"}
@@ -92,7 +93,7 @@ def demo_run(request, tmp_path_factory) -> DemoRun:
 def promtool() -> str:
     binary = shutil.which("promtool")
     if binary is None:
-        pytest.skip("promtool is not installed: run .ci/install-prometheus.sh (apt-get install prometheus)")
+        missing("promtool is not installed: run .ci/install-prometheus.sh (apt-get install prometheus)")
     return binary
 
 

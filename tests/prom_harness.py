@@ -14,10 +14,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.obs.discovery import scrape_config, targets_glob
+from tests.needs import missing
 
 INSTALL_HINT = "Prometheus is not installed: run .ci/install-prometheus.sh (apt-get install prometheus)"
 
@@ -25,7 +25,7 @@ INSTALL_HINT = "Prometheus is not installed: run .ci/install-prometheus.sh (apt-
 def require_prometheus() -> str:
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip(INSTALL_HINT)
+        missing(INSTALL_HINT)
     return binary
 
 

@@ -18,6 +18,7 @@ from hybridfleet.data import GlobalOrder, SiteCache, open_dataset, pack, read_ma
 from hybridfleet.data.pack import pack_arrays
 from hybridfleet.errors import DataError
 from hybridfleet.store import open_store
+from tests.needs import missing
 
 pytest_plugins = ["tests.seaweed"]
 REPO = Path(__file__).resolve().parents[1]
@@ -337,7 +338,7 @@ def test_a_full_disk_during_fetch_publishes_nothing(remote, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root; CI runs as root")
+        missing("mounting a tmpfs needs root; CI runs as root")
     try:
         cache = SiteCache(mount / "cache", budget_bytes=10 << 20)
         shard = max(manifest.shards, key=lambda s: s.bytes)

@@ -26,8 +26,9 @@ import pytest
 import yaml
 
 from netlab import NetLab, unavailable_reason
+from tests.needs import only_outside_ci
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None,
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(only_outside_ci(unavailable_reason()),
                                                    reason=f"network namespaces: {unavailable_reason()}")]
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.obs_fixtures import demo_job
+from tests.needs import missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]  # runs the torch demo
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def _tmux(*args: str) -> str:
 def test_live_panel_on_a_tty_shows_rounds_sites_and_the_report_path(tmp_path):
     # Prepare
     if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed (apt-get install tmux)")
+        missing("tmux is not installed (apt-get install tmux)")
     job = demo_job(tmp_path, "torch", steps=150)
     session = f"hf-{uuid.uuid4().hex[:8]}"
     done = tmp_path / "done"

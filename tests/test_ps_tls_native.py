@@ -24,8 +24,9 @@ from hybridfleet.ps.wire import tls
 from hybridfleet.ps.wire.bulk import recv_exact_into
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import make_dev_pki
+from tests.needs import only_outside_ci
 
-needs_native = pytest.mark.skipif(tls.TLSConnection is None,
+needs_native = pytest.mark.skipif(only_outside_ci(None if tls.TLSConnection else "no _tls"),
                                   reason="the _tls extension is not built (OpenSSL headers were missing at install)")
 BOTH = [pytest.param(True, id="native"), pytest.param(False, id="python-ssl")]
 
