@@ -62,6 +62,20 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
+    def targets_of(self, job: str, settle_s: float = 30.0) -> list[dict]:
+        """The active targets labelled ``job`` once discovery has caught up with the targets files.
+
+        File discovery re-reads on inotify events and every refresh interval; on a loaded machine
+        the change lands a few seconds after the file does, so the list is read until it is empty
+        or ``settle_s`` has passed, and whatever is left then is returned.
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            found = [t for t in self.api("targets")["activeTargets"] if t["labels"].get("job") == job]
+            if not found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.5)
+
     def query(self, expr: str, at: float | None = None) -> list[dict]:
         params = {"query": expr}
         if at is not None:

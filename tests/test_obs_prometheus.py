@@ -19,11 +19,11 @@ def test_prometheus_discovers_every_process_of_the_run_with_identity_labels(demo
     job = demo_run.summary["job"]
     # Execute
     ours = demo_run.active_targets  # while the run was live
-    after = demo_run.prometheus.api("targets")["activeTargets"]
+    after = demo_run.prometheus.targets_of(job)
     # Assert
     assert {t.labels["process"] for t in targets} >= {"hfleet-run", "shard-0", "shard-1", "worker-hospital-0",
                                                       "worker-cloud-1", "baseline-hospital"}
-    assert not [t for t in after if t["labels"].get("job") == job]  # retired when the run ended
+    assert not after  # retired when the run ended
     assert {t["labels"]["process"] for t in ours} == {t.labels["process"] for t in targets}
     worker = next(t for t in ours if t["labels"]["process"] == "worker-hospital-1")
     assert worker["labels"]["site"] == "hospital" and worker["labels"]["role"] == "worker"
