@@ -11,6 +11,7 @@ import hashlib
 import os
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hybridfleet.errors import StoreError
@@ -139,13 +140,19 @@ def download_verified(
         f.seek(0)
         while chunk := f.read(chunk_bytes):  # re-hash what an earlier attempt fetched
             digest.update(chunk)
-        while have < total:
-            chunk = store.get_bytes(path, have, min(total, have + chunk_bytes))
-            if not chunk:
-                raise StoreError(f"{store.url}/{path}: download stopped at byte {have} of {total}")
-            f.write(chunk)
-            digest.update(chunk)
-            have += len(chunk)
+        # the next range is requested while this one is written and hashed (both release the GIL)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfleet-download") as pool:
+            ahead = pool.submit(store.get_bytes, path, have, min(total, have + chunk_bytes)) if have < total else None
+            while ahead is not None:
+                chunk = ahead.result()
+                if not chunk:
+                    raise StoreError(f"{store.url}/{path}: download stopped at byte {have} of {total}")
+                following = have + len(chunk)
+                ahead = (pool.submit(store.get_bytes, path, following, min(total, following + chunk_bytes))
+                         if following < total else None)
+                f.write(chunk)
+                digest.update(chunk)
+                have = following
         f.flush()
         if durable:
             os.fsync(f.fileno())
