@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select
+from sqlalchemy import Connection, and_, bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
@@ -29,6 +29,16 @@ from hybridfleet.registry.schema import (
     versions,
 )
 from hybridfleet.store import Store, open_store
+
+# The hot path's statements are built once: SQLAlchemy then reuses their compiled form, so a
+# resolve costs the database round trips and little Python.
+_VERSION_OF_MODEL = (select(versions).join(models, models.c.id == versions.c.model_id)
+                     .where(and_(models.c.namespace == bindparam("namespace"), models.c.name == bindparam("name"))))  # fmt: skip
+_BY_NUMBER = _VERSION_OF_MODEL.where(versions.c.version == bindparam("version"))
+_BY_ALIAS = _VERSION_OF_MODEL.join(aliases, and_(aliases.c.model_id == models.c.id, aliases.c.alias == bindparam("alias"),
+                                                 aliases.c.version == versions.c.version))  # fmt: skip
+_NEWEST = _VERSION_OF_MODEL.order_by(versions.c.version.desc()).limit(1)
+_TAGS_OF_VERSION = select(version_tags.c.key, version_tags.c.value).where(version_tags.c.version_id == bindparam("version_id"))
 
 STORE_ENV = "HFLEET_REGISTRY_STORE"
 REGISTER_RETRIES = 5
@@ -219,21 +229,20 @@ class Registry:
 
         ref = parse_ref(ref_text)
         self.actor.require("reader", ref.namespace, ref.name, "read versions")
-        query = (select(versions).join(models, models.c.id == versions.c.model_id)
-                 .where(and_(models.c.namespace == ref.namespace, models.c.name == ref.name)))  # fmt: skip
+        params = {"namespace": ref.namespace, "name": ref.name}
         if ref.version is not None:
-            query = query.where(versions.c.version == ref.version)
+            query, params["version"] = _BY_NUMBER, ref.version
         elif ref.alias is not None:
-            query = query.join(aliases, and_(aliases.c.model_id == models.c.id, aliases.c.alias == ref.alias,
-                                             aliases.c.version == versions.c.version))  # fmt: skip
+            query, params["alias"] = _BY_ALIAS, ref.alias
         else:
-            query = query.order_by(versions.c.version.desc()).limit(1)
+            query = _NEWEST
         with self.engine.connect() as conn:
-            row = conn.execute(query).first()  # one query on the hot path; the slow path names what is missing
+            row = conn.execute(query, params).first()  # one query on the hot path; the slow path names what is missing
             if row is None:
                 model_id = self._model_id(conn, ref.namespace, ref.name)
                 row = self._version_row(conn, model_id, ref, resolve_number(conn, model_id, ref, None))
-            return _version_info(ref.full_name, row, self._tags(conn, [row.id])[row.id])
+            tags = {t.key: t.value for t in conn.execute(_TAGS_OF_VERSION, {"version_id": row.id})}
+            return _version_info(ref.full_name, row, tags)
 
     def list_versions(self, name: str) -> list[VersionInfo]:
         """Every version of a model, oldest first; reader."""
