@@ -8,10 +8,10 @@ model. Measured: p95 of resolve-by-alias (ours `get_version("m@prod")`, MLflow
 `get_model_version_by_alias`; both return the full version with its tags) and of a search by
 3 tags (ours `search`, MLflow `search_model_versions("tags.a = .. AND ..")`); p95 of our
 resolve over REST (`hfleet registry serve` in its own process, uvicorn, a token); and
-registering a checkpoint of ``--ckpt-mb`` into a file:// store and one of ``--s3-mb`` into an
-s3:// (SeaweedFS) store vs a plain copy of the same bytes (``cp`` + fsync; s3fs ``put``), plus
-the bytes copied when the checkpoint is already in the store. The s3 size is smaller because
-the SeaweedFS test server (tests/seaweed.py) holds 512 MiB. MLflow comes from the ``bench`` extra (mlflow-skinny).
+registering a checkpoint of ``--ckpt-mb`` into a file:// store and one of ``--s3-mb`` (default the
+same) into an s3:// (SeaweedFS, started here with room for both copies) store vs a plain copy of
+the same bytes (``cp`` + fsync; s3fs ``put``), plus the bytes copied when the checkpoint is
+already in the store. MLflow comes from the ``bench`` extra (mlflow-skinny).
 The JSON line's ratios are MLflow / ours (higher is better) and plain copy time / ours.
 """
 
@@ -137,7 +137,7 @@ def start_seaweed(work: Path):
     if binary is None:
         return None, None
     (work / "seaweed").mkdir()
-    proc, port = seaweed._start(binary, work / "seaweed")
+    proc, port = seaweed._start(binary, work / "seaweed", volume_mb=512, volumes=8)  # room for two 1 GiB copies
     endpoint = f"http://127.0.0.1:{port}"
     seaweed._wait_ready(proc, endpoint, work / "seaweed")
     env = {"endpoint_url": endpoint, "key": seaweed.ACCESS_KEY, "secret": seaweed.SECRET_KEY, "bucket": seaweed.BUCKET}
@@ -178,11 +178,12 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20000)
     parser.add_argument("--ckpt-mb", type=int, default=1024)
     parser.add_argument("--no-s3", action="store_true", help="skip the s3:// store (SeaweedFS)")
-    # tests/seaweed.py's server holds 8 volumes of 64 MiB: the plain copy and ours must fit in 512 MiB
-    parser.add_argument("--s3-mb", type=int, default=192, help="checkpoint size for the s3:// store")
+    parser.add_argument("--s3-mb", type=int, default=None, help="checkpoint size for the s3:// store (default: --ckpt-mb)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.versions, args.ckpt_mb, args.no_s3 = 20, 200, 32, True
+    if args.s3_mb is None:
+        args.s3_mb = args.ckpt_mb
     logging.disable(logging.INFO)
     os.environ.setdefault("HFLEET_LOG_LEVEL", "warning")
     from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore

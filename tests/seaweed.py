@@ -62,7 +62,8 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _start(binary: str, data_dir: Path) -> tuple[subprocess.Popen, int]:
+def _start(binary: str, data_dir: Path, volume_mb: int = 64, volumes: int = 8) -> tuple[subprocess.Popen, int]:
+    """``weed server`` with S3 on free loopback ports; it holds ``volumes`` x ``volume_mb`` MiB (benches ask for more)."""
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
     config = data_dir / "s3.json"
     identity = {"name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -71,7 +72,7 @@ def _start(binary: str, data_dir: Path) -> tuple[subprocess.Popen, int]:
     args = [
         binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data_dir}",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64", "-volume.max=8",
+        f"-master.volumeSizeLimitMB={volume_mb}", f"-volume.max={volumes}",
         f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
         f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}", f"-filer.localSocket={data_dir}/filer.sock",
         "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}",
