@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 
@@ -233,3 +234,27 @@ def test_cli_refuses_an_older_schema_with_exit_19_then_migrates_it(db_url, tmp_p
     assert code == 0 and "0001 -> 0002" in out
     code, _ = cli("registry", "init", "--registry", db_url, "--store", str(tmp_path / "a"))
     assert code == 0 and db.current_revision(engine) == db.head_revision()
+
+
+def test_cli_imports_a_hub_model_into_a_server_and_a_reader_is_refused(served, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    from tests.test_registry_hub import COMMIT, hf_cache
+
+    owner, server, tokens = served
+    weights = {"linear.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "linear.bias": np.ones(3, np.float32)}
+    cache = hf_cache(tmp_path / "hf", weights)
+    before = table_counts(owner)
+    code, _ = cli("registry", "import", "hf:org/tiny@main", "--as", "ci/tiny", "--cache-dir", str(cache), "--offline",
+                  "--registry", server.url, "--token", tokens["ann"])
+    assert code != 0 and table_counts(owner) == before  # a reader may not import
+    code, out = cli("registry", "import", "hf:org/tiny@main", "--as", "ci/tiny", "--cache-dir", str(cache), "--offline",
+                    "--registry", server.url, "--token", tokens["ci"])
+    assert code == 0, out
+    assert f"imported hf:org/tiny@main (revision {COMMIT}) as ci/tiny v1" in out
+    info = owner.get_version("ci/tiny@1")
+    assert info.lineage["hub"]["resolved_revision"] == COMMIT
+    assert not (tmp_path / "artifacts" / "imports").exists() or not any((tmp_path / "artifacts" / "imports").iterdir())
+    pulled = owner.pull("ci/tiny@1", "torch", "safetensors", str(tmp_path / "out"))
+    from safetensors.numpy import load_file
+
+    np.testing.assert_array_equal(load_file(pulled["path"])["linear.weight"], weights["linear.weight"])

@@ -210,10 +210,7 @@ def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscop
     """Import a hub model pinned to the resolved revision, verified complete, as a new version."""
     from hybridfleet.registry.hub import import_model
 
-    reg = _open(registry, token)
-    if not hasattr(reg, "engine"):
-        raise RegistryError("import runs against the registry database (--registry sqlite:///... or postgresql://...)")
-    info = import_model(reg, source, name, cache_dir, offline)
+    info = import_model(_open(registry, token), source, name, cache_dir, offline)
     typer.echo(f"imported {source} (revision {info.lineage['hub']['resolved_revision']}) as {info.name} v{info.version}")
 
 

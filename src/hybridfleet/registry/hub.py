@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,21 +189,33 @@ def import_model(reg: Any, source_text: str, name: str | None = None, cache_dir:
     source = parse_source(source_text)
     target = name or f"hub/{source.repo.split('/')[-1].lower()}"
     namespace, short = parse_name(target)
-    reg.actor.require("writer", namespace, short, "import a model")
+    if hasattr(reg, "actor"):  # a local registry checks before downloading; a server checks on register
+        reg.actor.require("writer", namespace, short, "import a model")
     snapshot = download(source, cache_dir, offline)
     files = verify_snapshot(source, snapshot, offline)
     framework, weights = load_weights(snapshot, files)
     pinned = snapshot.name
     hub = {"source": str(source), "hub": source.hub, "repo": source.repo, "requested_revision": source.revision,
            "resolved_revision": pinned, "files": files}  # fmt: skip
-    work = Path(tempfile.mkdtemp(prefix="hfleet-hub-"))
-    try:
-        snap = Snapshot(step=0, framework=framework, groups={"model": weights}, state={"layouts": {}, "hub": hub})
-        write_checkpoint(open_store(str(work)), snap)
-        info = reg.register(f"{namespace}/{short}", str(work), description=description or f"imported from {source}",
-                            tags={"hub": source.hub, "repo": source.repo, "revision": pinned},
-                            lineage={"hub": hub, "framework": framework})  # fmt: skip
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    snap = Snapshot(step=0, framework=framework, groups={"model": weights}, state={"layouts": {}, "hub": hub})
+    details = dict(description=description or f"imported from {source}",
+                   tags={"hub": source.hub, "repo": source.repo, "revision": pinned},
+                   lineage={"hub": hub, "framework": framework})  # fmt: skip
+    if hasattr(reg, "engine"):  # the registry's own database: register from a local folder
+        work = Path(tempfile.mkdtemp(prefix="hfleet-hub-"))
+        try:
+            write_checkpoint(open_store(str(work)), snap)
+            info = reg.register(f"{namespace}/{short}", str(work), **details)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    else:  # a server reads only its artifact store: stage the checkpoint there, register it, drop the staging copy
+        store = open_store(reg.store_url)
+        staging = f"imports/{uuid.uuid4().hex}"
+        staged_url = f"{store.url.rstrip('/')}/{staging}"
+        try:
+            write_checkpoint(open_store(staged_url), snap)
+            info = reg.register(f"{namespace}/{short}", staged_url, **details)
+        finally:
+            store.rm(staging, recursive=True)
     log.info("hub_imported", source=str(source), revision=pinned, name=info.name, version=info.version)
     return info
