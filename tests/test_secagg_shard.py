@@ -161,7 +161,15 @@ def test_a_pusher_that_drops_before_pushing_is_unmasked_out_from_pair_seeds(clus
     s = pushers[0].settings
     mean = (us[0]["b"] + us[1]["b"]) / 2
     assert np.max(np.abs((before["b"] - after["b"]) - mean)) <= 2 * s.clip / s.limit + 1e-6
-    assert "c-0" not in state.secagg.roster  # evicted: it may come back only with a fresh key
+    assert "c-0" not in state.secagg.roster and "c-0" not in state.secagg.keys  # evicted
+    # it comes back (a new process: Join again) with a fresh key and is in the next round's roster
+    old_key = c.secure.maskers[0].keypair.public
+    back = Pusher(cluster, "c")
+    back.client.pull(full=True)
+    assert back.secure.maskers[0].keypair.public != old_key
+    run_round([*pushers[:2], back], updates(3, 4))
+    assert state.secagg.last_unmask["survivors"] == ("a-0", "b-0", "c-0") and state.secagg.epoch == 3
+    assert state.secagg.roster["c-0"] == back.secure.maskers[0].keypair.public
 
 
 def test_a_pusher_that_drops_after_pushing_is_recovered_from_shares_and_stays_masked(cluster):
@@ -283,3 +291,42 @@ def test_a_spec_refuses_what_cannot_be_masked():
     with pytest.raises(SpecError, match="has 1 pusher; secure aggregation hides one update among others"):
         parse_spec(job)
     assert AuthError  # imported for the identity tests' error family
+
+
+def test_shared_seed_randomk_masks_only_the_coordinates_every_pusher_keeps(tmp_path):
+    from hybridfleet.ps.secagg.server import kept_indices
+
+    cluster = start_cluster(tmp_path, expected_workers=3, sites=SITES, secure_aggregation=True,
+                            compression={"codec": "randomk", "ratio": 0.25}, optimizer={"name": "sgd", "lr": 1.0})
+    try:
+        pushers = [Pusher(cluster, s) for s in "abc"]
+        init(cluster, pushers)
+        sizes = []
+        push = pushers[0].client.push
+        pushers[0].client.push = lambda payloads, **kw: sizes.append(sum(map(len, payloads.values()))) or \
+            push(payloads, **kw)
+        us = updates(3, 5)
+        run_round(pushers, us)
+        b = -cluster.params()["b"]
+        kept = kept_indices("b", 0, 64, 0.25)
+        assert kept.size == 16 and sizes == [4 * (16 + 1024)]  # only the kept coordinates travel (32-bit ring)
+        s = pushers[0].settings
+        assert np.max(np.abs(b[kept] - sum(u["b"] for u in us)[kept] / 3)) <= s.clip / s.limit + 1e-6
+        assert not np.delete(b, kept).any()
+    finally:
+        cluster.stop()
+
+
+def test_norm_clip_bounds_each_pusher_before_masking(tmp_path):
+    cluster = start_cluster(tmp_path, expected_workers=3, sites=SITES, secure_aggregation=True,
+                            aggregate={"rule": "norm_clip", "clip_norm": 0.1}, optimizer={"name": "sgd", "lr": 1.0})
+    try:
+        pushers = [Pusher(cluster, s) for s in "abc"]
+        init(cluster, pushers)
+        attack = {"w": np.full((64, 64), 1000.0, np.float32), "b": np.full(64, 1000.0, np.float32)}
+        run_round(pushers, [attack, *updates(2, 6)])
+        params = cluster.params()
+        moved = np.sqrt(sum(float(np.dot(v, v)) for v in params.values()))
+        assert moved <= 0.1 + 1e-3  # the mean of three updates each of norm <= 0.1 on this shard
+    finally:
+        cluster.stop()
