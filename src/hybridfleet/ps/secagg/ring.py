@@ -40,7 +40,7 @@ def quantise(x: np.ndarray, clip: float, limit: int, bits: int, rng: np.random.G
     scaled = np.clip(np.asarray(x, dtype=np.float64), -clip, clip)
     scaled *= limit / clip
     low = np.floor(scaled)
-    low += rng.random(scaled.shape) < (scaled - low)
+    low += rng.random(scaled.shape, dtype=np.float32) < (scaled - low)  # round up with the fraction's odds
     return low.astype(np.int64).astype(RING_DTYPES[bits][0])  # two's complement wrap into the ring
 
 
