@@ -1,7 +1,7 @@
 """Secure aggregation vs plaintext pushes: one round's wall time, bytes per pusher, a dropout.
 
-    python bench/secagg.py            # N = 3, 10, 30 pushers, 3 rounds each
-    python bench/secagg.py --quick    # N = 3, 10, 1 round each (under a minute)
+    python bench/secagg.py            # N = 3, 10, 30 pushers, median of 5 rounds each
+    python bench/secagg.py --quick    # N = 3, 10, median of 3 rounds (under a minute)
 
 Thresholds: the default floor(2N/3)+1, and 2 for N = 3. N simulated pushers are in-process `PSClient`s (one thread each) against ONE real
 shard on 127.0.0.1 (gRPC control plane + bulk TLS data plane, tokens on). Each
@@ -177,11 +177,11 @@ def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropou
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N = 3 and 10, one timed round each")
+    ap.add_argument("--quick", action="store_true", help="N = 3 and 10, three timed rounds each (default: 5)")
     ap.add_argument("--n", type=int, nargs="*", default=None, help="pusher counts (default 3 10 30)")
     args = ap.parse_args()
     ns = args.n or ([3, 10] if args.quick else [3, 10, 30])
-    rounds = 1 if args.quick else 3
+    rounds = 3 if args.quick else 5
     from hybridfleet.obs.log import configure
 
     configure(level="error")

@@ -90,6 +90,18 @@ def test_pairwise_masks_cancel_in_the_sum_and_self_masks_come_off_with_their_see
     assert np.array_equal(total, sum(x))
 
 
+def test_a_mask_is_the_aes_256_ctr_keystream_across_chunk_boundaries():
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    seed, count = os.urandom(32), 3_000_001  # > one 4 MiB chunk of uint32
+    stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(4 * count))
+    assert np.array_equal(prg(seed, count, np.uint32), np.frombuffer(stream, np.uint32))
+    acc = np.arange(count, dtype=np.uint32)
+    add_mask(acc, seed)
+    add_mask(acc, seed, -1)
+    assert np.array_equal(acc, np.arange(count, dtype=np.uint32))
+
+
 def test_both_ends_of_a_pair_derive_the_same_secret_bound_to_shard_and_ids():
     a, b = KeyPair(), KeyPair()
     s_ab = a.pair_secret("a", "b", b.public, shard=1)

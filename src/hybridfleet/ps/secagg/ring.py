@@ -36,12 +36,14 @@ def check_resolution(bits: int, pushers: int) -> int:
 
 
 def quantise(x: np.ndarray, clip: float, limit: int, bits: int, rng: np.random.Generator) -> np.ndarray:
-    """``x`` (float) as ring elements: clipped, scaled by ``limit / clip``, stochastically rounded."""
-    scaled = np.clip(np.asarray(x, dtype=np.float64), -clip, clip)
-    scaled *= limit / clip
-    low = np.floor(scaled)
-    low += rng.random(scaled.shape, dtype=np.float32) < (scaled - low)  # round up with the fraction's odds
-    return low.astype(np.int64).astype(RING_DTYPES[bits][0])  # two's complement wrap into the ring
+    """``x`` (float) as ring elements: clipped, scaled by ``limit / clip``, stochastically rounded
+    (``floor(v + U)``, U uniform in [0, 1): up with the odds of v's fraction, so unbiased)."""
+    scaled = np.multiply(np.asarray(x).reshape(-1), limit / clip, dtype=np.float64)
+    np.clip(scaled, -limit, limit, out=scaled)
+    scaled += rng.random(scaled.size)
+    np.floor(scaled, out=scaled)
+    unsigned, signed = RING_DTYPES[bits]
+    return scaled.astype(signed).view(unsigned)  # two's complement: negatives wrap into the ring
 
 
 def dequantise(ring: np.ndarray, clip: float, limit: int, bits: int) -> np.ndarray:

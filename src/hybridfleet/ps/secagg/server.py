@@ -276,8 +276,7 @@ class SecAggServer:
 
     def _unmask(self, rnd: int, sr: SecRound, total: np.ndarray) -> np.ndarray:
         shard = self.state.shard
-        total = total.copy()
-        self_seeds = {}
+        self_seeds = {}  # the round's sum is unmasked in place: the round ends here either way
         for p in sr.survivors:
             points = {sr.x_of(q): shares[p] for q, (shares, _) in sr.reveals.items()}
             self_seeds[p] = shamir.reconstruct(points, sr.threshold)
