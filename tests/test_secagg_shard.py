@@ -330,3 +330,28 @@ def test_norm_clip_bounds_each_pusher_before_masking(tmp_path):
         assert moved <= 0.1 + 1e-3  # the mean of three updates each of norm <= 0.1 on this shard
     finally:
         cluster.stop()
+
+
+def test_bad_shares_are_refused_with_the_reason_and_change_nothing(cluster):
+    from hybridfleet.ps.wire.reject import Reject
+
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    run_round(pushers, updates(3, 7))  # a roster (epoch 1) and one round
+    state = cluster.servers[0].state
+    blob = bytes(94)
+    good = [("b-0", blob), ("c-0", blob)]
+    cases = [
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob)]), "INVALID_ARGUMENT", "each other roster member once"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("z-0", blob)]), "INVALID_ARGUMENT", "each other roster"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("c-0", bytes(10))]), "INVALID_ARGUMENT", "is not 94 bytes"),
+        (dict(rnd=1, epoch=7, shares=good), "FAILED_PRECONDITION", "the roster is at epoch 1"),
+        (dict(rnd=0, epoch=1, shares=good), "FAILED_PRECONDITION", "shares for round 0; round 1 is open"),
+    ]
+    for kw, code, message in cases:
+        with state.cond, pytest.raises(Reject) as rej:
+            state.secagg.shares("a-0", kw["rnd"], kw["epoch"], kw["shares"])
+        assert rej.value.code == code and message in rej.value.message, (kw, rej.value.message)
+        assert state.secagg.rounds == {} and state.version == 1
+    with state.cond, pytest.raises(Reject, match="send the round-1 shares"):
+        state.secagg.admit_push("a-0", 1)

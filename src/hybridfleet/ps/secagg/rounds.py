@@ -80,8 +80,14 @@ class SecureRounds:
             known = r.epoch
 
     def _current_epoch(self, shard: int) -> tuple[int, bytes | None]:
-        r = self._rpc(shard, "Roster", pb.RosterRequest(worker_id=self.client.worker_id, known_epoch=-1,
-                                                        timeout_s=5), 5)
+        """The shard's roster epoch and this worker's key in it; (0, None) when it has none (e.g. it restarted)."""
+        try:
+            r = self._rpc(shard, "Roster", pb.RosterRequest(worker_id=self.client.worker_id, known_epoch=-1,
+                                                            timeout_s=0.1), 5)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return 0, None
         return r.epoch, next((bytes(e.public_key) for e in r.entries if e.worker_id == self.client.worker_id), None)
 
     # ---------------------------------------------------------------- push
