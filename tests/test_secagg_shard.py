@@ -112,33 +112,43 @@ def test_what_the_shard_receives_from_one_pusher_is_uniform_over_the_ring(cluste
     """The same (constant) update every round; the shard's view of it must look like uniform noise."""
     from hybridfleet.ps.secagg import server as server_mod
 
-    seen: dict[str, list[np.ndarray]] = {}
-    decode = server_mod.SecAggServer.decode
+    seen: list[np.ndarray] = []  # every vector the shard received from pusher a-0
+    add = server_mod.MaskedRound.add
 
-    def recording(self, rnd, payloads):
-        out = decode(self, rnd, payloads)
-        seen.setdefault(rnd, []).append(out["ring"].copy())
-        return out
+    def recording(self, contributor, update, weight=1):
+        if contributor == "a-0":
+            seen.append(update["ring"].copy())
+        return add(self, contributor, update, weight)
 
-    monkeypatch.setattr(server_mod.SecAggServer, "decode", recording)
+    monkeypatch.setattr(server_mod.MaskedRound, "add", recording)
     pushers = [Pusher(cluster, s) for s in "abc"]
     init(cluster, pushers)
     constant = {"w": np.full((64, 64), 0.25, np.float32), "b": np.full(64, -0.25, np.float32)}
+    applied = np.zeros(64, np.float64)
     for r in range(12):
-        run_round(pushers, [constant, *updates(2, r)])
+        others = updates(2, r)
+        run_round(pushers, [constant, *others])
+        applied += (constant["b"] + others[0]["b"] + others[1]["b"]) / 3
     state = cluster.servers[0].state
     assert state.version == 12
-    # every vector the shard received (from any pusher) is masked; test all of them as one sample
-    values = np.concatenate([v for vs in seen.values() for v in vs])
+    assert len(seen) == 12
+    values = np.concatenate(seen)  # 12 rounds x 4160 coordinates, all of the same plaintext per coordinate
     u = values.astype(np.float64) / 2.0 ** 32
     assert stats.kstest(u, "uniform").pvalue > 1e-4
     counts = np.bincount(values.view(np.uint8), minlength=256)
     assert stats.chisquare(counts).pvalue > 1e-4
     bits = np.unpackbits(values.view(np.uint8)).mean()
     assert abs(bits - 0.5) < 0.005
-    # while the round's result is the plaintext mean (within the quantisation bound)
+    # the same tests tell the unmasked ring vector apart at once
+    from hybridfleet.ps.secagg.ring import quantise
+
     s = pushers[0].settings
-    assert s.bits == 32
+    plain = np.concatenate([quantise(np.concatenate([constant["b"], constant["w"].reshape(-1)]), s.clip, s.limit,
+                                     s.bits, np.random.default_rng(0)) for _ in range(12)])
+    assert stats.kstest(plain.astype(np.float64) / 2.0 ** 32, "uniform").pvalue < 1e-10
+    assert stats.chisquare(np.bincount(plain.view(np.uint8), minlength=256)).pvalue < 1e-10
+    # while each round's result is the plaintext mean (within the quantisation bound): sgd, lr 1, from zeros
+    assert np.max(np.abs(-cluster.params()["b"] - applied)) <= 12 * s.clip / s.limit + 1e-5
 
 
 def test_a_pusher_that_drops_before_pushing_is_unmasked_out_from_pair_seeds(cluster):
