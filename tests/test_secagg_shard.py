@@ -365,3 +365,43 @@ def test_bad_shares_are_refused_with_the_reason_and_change_nothing(cluster):
         assert state.secagg.rounds == {} and state.version == 1
     with state.cond, pytest.raises(Reject, match="send the round-1 shares"):
         state.secagg.admit_push("a-0", 1)
+
+
+def test_a_worker_session_clips_and_noises_with_dp_then_masks(tmp_path):
+    """PSSession end to end (the path the training scripts take): DP on the pusher, then masking."""
+    from hybridfleet.ps.worker.client import ClientSecurity
+    from hybridfleet.ps.worker.session import PSSession, WorkerConfig
+    from hybridfleet.security import load_pki
+
+    cluster = start_cluster(tmp_path, expected_workers=3, sites=SITES, secure_aggregation=True,
+                            privacy={"clip_norm": 0.5, "noise_multiplier": 1e-6}, optimizer={"name": "sgd", "lr": 1.0})
+    try:
+        shapes = {"w": (64, 64), "b": (64,)}
+        zeros = {k: np.zeros(v, np.float32) for k, v in shapes.items()}
+        sessions = []
+        for site in "abc":
+            sec = ClientSecurity.from_files(str(load_pki(cluster.certs).ca_cert),
+                                            token=cluster.token(site, worker=f"{site}-0"))
+            cfg = WorkerConfig(job=cluster.spec, site=site, rank="abc".index(site), servers=cluster.addresses,
+                               security=sec)
+            sessions.append(PSSession(shapes, cfg, "torch"))
+        starts = [threading.Thread(target=s.start, args=(zeros,)) for s in sessions]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join(60)
+        big = {"w": np.full((64, 64), 3.0, np.float32), "b": np.full(64, 3.0, np.float32)}
+        out: dict = {}
+        steps = [threading.Thread(target=lambda s=s: out.setdefault(s.config.site, s.step(big))) for s in sessions]
+        for t in steps:
+            t.start()
+        for t in steps:
+            t.join(60)
+        moved = np.sqrt(sum(float(np.dot(v.reshape(-1), v.reshape(-1))) for v in out["a"].values()))
+        assert moved == pytest.approx(0.5, rel=1e-3)  # each push clipped to 0.5 before masking; mean of three
+        assert cluster.servers[0].state.secagg.last_unmask["survivors"] == ("a-0", "b-0", "c-0")
+        assert all(s.bytes_moved()["sent_secagg"] > 0 for s in sessions)
+        for s in sessions:
+            s.close()
+    finally:
+        cluster.stop()
