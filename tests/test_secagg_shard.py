@@ -172,6 +172,11 @@ def test_a_pusher_that_drops_before_pushing_is_unmasked_out_from_pair_seeds(clus
     mean = (us[0]["b"] + us[1]["b"]) / 2
     assert np.max(np.abs((before["b"] - after["b"]) - mean)) <= 2 * s.clip / s.limit + 1e-6
     assert "c-0" not in state.secagg.roster and "c-0" not in state.secagg.keys  # evicted
+    from hybridfleet.obs.psmetrics import shard_families
+
+    families = {f.name: f.samples[0].value for f in shard_families(state) if f.name.startswith("hybridfleet_shard_sec")}
+    assert families == {"hybridfleet_shard_secagg_rounds": 2, "hybridfleet_shard_secagg_dropped": 1,
+                        "hybridfleet_shard_secagg_roster": 2}
     # it comes back (a new process: Join again) with a fresh key and is in the next round's roster
     old_key = c.secure.maskers[0].keypair.public
     back = Pusher(cluster, "c")

@@ -99,6 +99,8 @@ class SecAggServer:
         self.rounds: dict[int, SecRound] = {}
         self.failed: str | None = None
         self.last_unmask: dict | None = None        # what the shard learnt in the last unmasked round
+        self.unmasked_rounds = 0
+        self.dropped_pushers = 0                    # pushers unmasked out of a round (dropped before pushing)
 
     # ------------------------------------------------------------- helpers
     def _fail_check(self) -> None:
@@ -271,6 +273,8 @@ class SecAggServer:
             self._fail(f"round {rnd}: {err}")
             return None
         del self.rounds[rnd]
+        self.unmasked_rounds += 1
+        self.dropped_pushers += len(sr.dropped)
         self._evict(set(sr.dropped) | set(silent) | (set(sr.roster) - live))
         return self._to_update(rnd, total, agg.weight)
 
