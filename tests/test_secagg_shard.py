@@ -372,6 +372,23 @@ def test_bad_shares_are_refused_with_the_reason_and_change_nothing(cluster):
         state.secagg.admit_push("a-0", 1)
 
 
+def test_a_push_after_the_round_closed_for_unmasking_is_refused_and_the_sum_is_untouched(cluster):
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    run_round(pushers, updates(3, 8))
+    state = cluster.servers[0].state
+    a = pushers[0]
+    a.secure._mask_one(0, 1, a.blocks(updates(1, 9)[0]), 1)  # a's shares for round 1 ...
+    with state.cond:
+        state.secagg.rounds[1].survivors = ("b-0", "c-0")        # ... but the round closed without a
+    with pytest.raises(grpc.RpcError) as err:
+        a.client.push({b.key: bytes(4 * (b.stop - b.start)) for b in a.client.plan.blocks}, codec="secagg32",
+                      base_versions=[1])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "round 1 is being unmasked without worker a-0" in err.value.details()
+    assert 1 not in state.rounds and state.version == 1
+
+
 def test_a_worker_session_clips_and_noises_with_dp_then_masks(tmp_path):
     """PSSession end to end (the path the training scripts take): DP on the pusher, then masking."""
     from hybridfleet.ps.worker.client import ClientSecurity

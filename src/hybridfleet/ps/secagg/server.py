@@ -230,6 +230,9 @@ class SecAggServer:
         if sr is None or worker_id not in sr.shares:
             raise Reject("FAILED_PRECONDITION", f"worker {worker_id}: send the round-{rnd} shares (Shares) before "
                                                 "the masked push")
+        if sr.survivors is not None:  # e.g. a pusher reaped as dropped that comes back: its mask stays out
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is being unmasked without worker {worker_id}; "
+                                                "pull and push the next round")
 
     def expected(self, live: set[str]) -> set[str]:
         """Who the open round waits for: live members holding the key the round's roster has."""

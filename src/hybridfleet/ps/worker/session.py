@@ -276,7 +276,11 @@ class PSSession:
         try:
             try:
                 if self.secure is not None:  # masked: the shard sees only the round's sum
-                    self.secure.push(payloads, base, contributors)
+                    try:
+                        self.secure.push(payloads, base, contributors)
+                    except grpc.RpcError as err:
+                        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise  # already pushed (a retried push): the round still needs our answer
                     self.secure.unmask(base)
                 else:
                     self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
