@@ -129,3 +129,19 @@ def test_obs_overhead_bench_ends_with_overhead_and_scrape_p95():
     result = last_json(proc.stdout)
     assert result["bench"] == "obs_overhead" and result["processes"] == 16
     assert result["overhead"] >= 0 and result["scrape_p95_s"] > 0
+
+
+@pytest.mark.slow
+def test_secagg_bench_ends_with_round_upload_and_dropout_ratios():
+    # Prepare / Execute: N = 3 only, one timed round
+    proc = run_bench("secagg.py", "--quick", "--n", "3")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "secagg" and result["n"] == 3 and result["parameters"] == 1_000_000
+    for key in ("round_ratio", "round_ratio_one_host", "upload_ratio", "upload_ratio_16_vs_fp16",
+                "upload_ratio_16_vs_int8", "dropout_overhead"):
+        assert isinstance(result[key], float), key
+    assert result["round_ratio"] > 0 and result["upload_ratio"] >= 1.0  # masks add bytes, never remove them
+    assert "up16/int8" in proc.stdout

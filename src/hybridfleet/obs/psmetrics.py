@@ -63,6 +63,8 @@ def shard_families(state: Any) -> Iterator:
         clocks = [m.clock for m in state.members.values() if m.alive]
         members = len(state.members)
         dense, encoded = state.downlink_dense_bytes, state.downlink_encoded_bytes
+        secagg = getattr(state, "secagg", None)
+        secure = (secagg.unmasked_rounds, secagg.dropped_pushers, len(secagg.roster)) if secagg is not None else None
     yield counter("hybridfleet_shard_rounds", "Versions this shard applied (BSP: rounds; SSP/ASP: pushes)", version)
     yield counter("hybridfleet_shard_applied_pushes", "Pushes this shard accepted", applied)
     live = GaugeMetricFamily("hybridfleet_shard_members", "Workers that joined this shard, live or timed out",
@@ -72,6 +74,11 @@ def shard_families(state: Any) -> Iterator:
     yield live
     yield gauge("hybridfleet_shard_staleness_steps", "Clock of the fastest live worker minus the slowest's",
                 (max(clocks) - min(clocks)) if clocks else 0)
+    if secure is not None:
+        yield counter("hybridfleet_shard_secagg_rounds", "Rounds this shard unmasked (secure aggregation)", secure[0])
+        yield counter("hybridfleet_shard_secagg_dropped", "Pushers a round was unmasked without (dropped before "
+                      "pushing)", secure[1])
+        yield gauge("hybridfleet_shard_secagg_roster", "Pushers in this shard's secure-aggregation roster", secure[2])
     if dense:
         yield gauge("hybridfleet_shard_downlink_compression_ratio", "Dense delta bytes per encoded byte sent down",
                     dense / max(encoded, 1))

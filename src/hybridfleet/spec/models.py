@@ -91,6 +91,16 @@ class PrivacySpec(_Strict):
     epsilon_budget: float | None = Field(None, gt=0, description="stop training before epsilon exceeds this")
 
 
+class SecureAggregationSpec(_Strict):
+    """Masking of every push so a shard recovers only the round's sum (docs/PRIVACY.md); ``true`` takes the defaults."""
+
+    bits: Literal[16, 32] | None = Field(None, description="ring width; default 16 for fp16/bf16/int8, else 32")
+    clip: float = Field(1.0, gt=0, description="each pushed coordinate is clipped to [-clip, clip] before "
+                                               "quantisation (after DP noise)")
+    threshold: int | None = Field(None, ge=2, description="Shamir threshold t: pushers that must answer to "
+                                                          "unmask a round; default floor(2n/3)+1")
+
+
 class PSSpec(_Strict):
     """Parameter-server settings."""
 
@@ -106,6 +116,8 @@ class PSSpec(_Strict):
     compression: CompressionSpec = CompressionSpec()
     aggregate: AggregateSpec = Field(AggregateSpec(), description="mean | median | trimmed_mean | norm_clip")
     privacy: PrivacySpec | None = Field(None, description="differential privacy of every push")
+    secure_aggregation: SecureAggregationSpec | None = Field(
+        None, description="mask pushes so each shard sees only the round's sum (true: defaults)")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     block_size_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="tensors above this are split across shards")
@@ -147,6 +159,19 @@ class PSSpec(_Strict):
                 f"heartbeat_timeout_s: must be greater than heartbeat_interval_s "
                 f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
             )
+        return self
+
+    @field_validator("secure_aggregation", mode="before")
+    @classmethod
+    def _secagg_flag(cls, value: object) -> object:
+        return ({} if value else None) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _secagg_maskable(self) -> "PSSpec":
+        if self.secure_aggregation is not None:
+            from hybridfleet.ps.secagg.settings import check_ps
+
+            check_ps(self)
         return self
 
     @model_validator(mode="after")
@@ -264,6 +289,10 @@ class JobSpec(_Strict):
         check_site_frameworks(self)
         if self.environment.cuda and self.environment.device != "gpu":
             raise ValueError("environment.cuda: set environment.device: gpu too (or drop cuda)")
+        if self.ps.secure_aggregation is not None:
+            from hybridfleet.ps.secagg.settings import check_job
+
+            check_job(self)
         return self
 
     def site_entrypoint(self, site: str) -> str:

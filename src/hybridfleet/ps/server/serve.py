@@ -46,8 +46,13 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
     if not 0 <= shard < job.ps.shards:
         raise UsageError(f"--shard: must be in 0..{job.ps.shards - 1} for a job of {job.ps.shards} shard(s) (got {shard})",
                          hint=f"pass --shard 0..{job.ps.shards - 1}, or change ps.shards in the job file")
+    secagg = None
+    if job.ps.secure_aggregation is not None:
+        from hybridfleet.ps.secagg.settings import SecAggSettings
+
+        secagg = SecAggSettings.resolve(job.ps, job.sites)
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers,
-                       sites={name: site.workers for name, site in job.sites.items()})
+                       sites={name: site.workers for name, site in job.sites.items()}, secagg=secagg)
     snapshotter = None
     if job.ps.snapshot_every_steps or job.ps.snapshot_every_s:
         from hybridfleet.ps.server.snapshot import Snapshotter, snapshot_url

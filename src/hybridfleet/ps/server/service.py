@@ -254,6 +254,10 @@ class ShardServer:
                                   maximum_concurrent_rpcs=threads)
         self.servicer = ShardServicer(state, max_push_bytes)
         self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
+        if state.secagg is not None:
+            from hybridfleet.ps.secagg.service import SecAggServicer, secagg_handler
+
+            self.server.add_generic_rpc_handlers((secagg_handler(SecAggServicer(state, self.servicer.gate)),))
         self.bulk = None
         if bulk_port is not None and (security.insecure or security.ssl_context is not None):
             from hybridfleet.ps.server.bulk_server import BulkServer

@@ -45,16 +45,19 @@ class Member:
     last_seen: float
     clock: int = 0          # pushes applied or accepted from this worker
     alive: bool = True
+    joins: int = 0          # how often it joined (a rejoin may bring a fresh secure-aggregation key)
 
 
 class ShardState:
     """Parameters and optimizer state of one shard, with BSP/SSP/ASP consistency."""
 
     def __init__(self, shard: int, spec: PSSpec, flavour: str = "torch", expected_workers: int = 0,
-                 codec: str | None = None, clock=time.monotonic, sites: dict[str, int] | None = None):
+                 codec: str | None = None, clock=time.monotonic, sites: dict[str, int] | None = None,
+                 secagg=None):
         """``sites``: each site's worker count from the job; with it a Join must name one of the
         job's worker ids (``<site>-<rank>``, rank below the count) and a push may count at most
-        that many contributors."""
+        that many contributors. ``secagg``: the job's resolved `SecAggSettings` when
+        ``spec.secure_aggregation`` is on (pushes are then masked ring vectors)."""
         from hybridfleet.ps.server.optim import make_optimizer
 
         self.shard = shard
@@ -91,6 +94,13 @@ class ShardState:
         self.delta_log: deque[tuple[int, dict[str, list[bytes]]]] = deque(maxlen=DELTA_LOG_VERSIONS)
         self.downlink_dense_bytes = 0
         self.downlink_encoded_bytes = 0
+        if (spec.secure_aggregation is None) != (secagg is None):
+            raise ValueError("ShardState: pass the job's SecAggSettings exactly when ps.secure_aggregation is on")
+        self.secagg = None
+        if secagg is not None:
+            from hybridfleet.ps.secagg.server import SecAggServer
+
+            self.secagg = SecAggServer(self, secagg)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -149,6 +159,7 @@ class ShardState:
                 raise Reject("PERMISSION_DENIED", f"worker {worker_id} belongs to site {member.site!r}, not {site!r}")
             rejoined = not member.alive
             member.alive, member.last_seen = True, now
+            member.joins += 1
             log.info("worker_joined", shard=self.shard, worker=worker_id, site=site, rejoin=rejoined,
                      live=len(self.live_members()))
             self.cond.notify_all()
@@ -245,7 +256,7 @@ class ShardState:
         decoded: dict[str, np.ndarray] | Reject | None = None
         if kind != "INIT" and self.plan is not None:
             try:
-                decoded = self._decode_all(payloads)
+                decoded = self._decode_masked(payloads) if self.secagg is not None else self._decode_all(payloads)
             except Reject as rej:
                 decoded = rej
         with self.cond:
@@ -270,8 +281,9 @@ class ShardState:
                 raise Reject("ALREADY_EXISTS",
                              f"push (worker {worker_id}, step {step}) replays an applied step "
                              f"(last applied step {member.clock}); nothing changed")
-            if codec != self.codec_name:
-                raise Reject("INVALID_ARGUMENT", f"push codec {codec!r} differs from the agreed {self.codec_name!r}")
+            agreed = self.secagg.settings.codec_name if self.secagg is not None else self.codec_name
+            if codec != agreed:
+                raise Reject("INVALID_ARGUMENT", f"push codec {codec!r} differs from the agreed {agreed!r}")
             if self.in_rounds and base_version != self.version:
                 self.rejected_pushes += 1
                 raise Reject("FAILED_PRECONDITION",
@@ -283,13 +295,15 @@ class ShardState:
                                                "wait for the round to close, then pull")
             if isinstance(decoded, Reject):
                 raise decoded
+            if self.secagg is not None:
+                self.secagg.admit_push(worker_id, self.version)
             grads = decoded if decoded is not None else self._decode_all(payloads)
             member.clock = step
             member.last_seen = self._now()
             member.alive = True
             weight = contributors
             if self.in_rounds:
-                rnd = self.rounds.setdefault(self.version, make_round(self.spec.aggregate))
+                rnd = self.rounds.get(self.version) or self.rounds.setdefault(self.version, self._new_round())
                 rnd.add(worker_id, grads, weight)
                 applied = self._maybe_finish_rounds()
             else:
@@ -338,6 +352,17 @@ class ShardState:
             raise Reject("INVALID_ARGUMENT", f"key {key!r}: non-finite values (NaN or Inf)")
         return arr
 
+    def _new_round(self) -> RoundAggregator:
+        if self.secagg is not None:
+            from hybridfleet.ps.secagg.server import MaskedRound
+
+            return MaskedRound(self.secagg.settings.bits)
+        return make_round(self.spec.aggregate)
+
+    def _decode_masked(self, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+        self._expected_keys(payloads)
+        return self.secagg.decode(self.version, payloads)
+
     def _decode_all(self, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
         self._expected_keys(payloads)
         codec = self.codec()
@@ -367,14 +392,21 @@ class ShardState:
         rnd = self.rounds.get(self.version)
         if rnd is None or not rnd.contributors:
             return False
-        if not self.live_members() <= rnd.contributors:
+        live = self.live_members() if self.secagg is None else self.secagg.expected(self.live_members())
+        if not live <= rnd.contributors:
             return False
         if self.expected_workers and len(self.members) < self.expected_workers:
             waited = self._now() - (self._first_join or self._now())
             if waited < self.spec.heartbeat_timeout_s:
                 return False
+        if self.secagg is not None:
+            update = self.secagg.finish(self.version, rnd)  # None until the survivors answered
+            if update is None:
+                return False
+        else:
+            update = rnd.result()
         del self.rounds[self.version]
-        self._apply(rnd.result())
+        self._apply(update)
         return True
 
     def _apply(self, grads: dict[str, np.ndarray]) -> None:
@@ -410,6 +442,8 @@ class ShardState:
         with self.cond:
             self._member(worker_id)
             while not self._pull_ready(worker_id, wait_for_version, worker_clock):
+                if self.secagg is not None and self.secagg.failed:
+                    raise Reject("ABORTED", self.secagg.failed)
                 left = deadline - self._now()
                 if left <= 0:
                     raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
@@ -474,6 +508,7 @@ class ShardState:
                 "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
                 "downlink_dense_bytes": self.downlink_dense_bytes,
                 "downlink_encoded_bytes": self.downlink_encoded_bytes,
+                **({"secure_aggregation": self.secagg.status()} if self.secagg is not None else {}),
             }
 
     def snapshot_arrays(self) -> dict[str, np.ndarray]:

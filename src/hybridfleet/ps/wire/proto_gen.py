@@ -21,13 +21,13 @@ def main(out: Path = OUT) -> int:
     from grpc_tools import protoc  # dev dependency: pip install 'hybridfleet[dev]'
 
     out.mkdir(exist_ok=True)
-    src = PROTO_ROOT / "hybridfleet/ps/v1/ps.proto"
+    sources = sorted((PROTO_ROOT / "hybridfleet/ps/v1").glob("*.proto"))
     tmp = out / "_gen"
     tmp.mkdir(exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
     rc = protoc.main([
         "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}",
-        f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--pyi_out={tmp}", str(src),
+        f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--pyi_out={tmp}", *map(str, sources),
     ])
     if rc != 0:
         return rc
@@ -35,12 +35,13 @@ def main(out: Path = OUT) -> int:
     for f in sorted(gen.iterdir()):
         text = f.read_text()
         # generated imports are absolute from the proto root; make them package-relative
-        text = re.sub(r"^from hybridfleet\.ps\.v1 import ps_pb2", "from hybridfleet.ps.wire._proto import ps_pb2", text, flags=re.M)
+        text = re.sub(r"^from hybridfleet\.ps\.v1 import (\w+_pb2)", r"from hybridfleet.ps.wire._proto import \1", text,
+                      flags=re.M)
         (out / f.name).write_text(text)
     for p in sorted(tmp.rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     tmp.rmdir()
-    (out / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.wire.proto_gen; do not edit."""\n')
+    (out / "__init__.py").write_text('"""Generated from proto/hybridfleet/ps/v1/*.proto by hybridfleet.ps.wire.proto_gen; do not edit."""\n')
     return 0
 
 

@@ -23,6 +23,9 @@ WORKER_METHODS = ("Join", "Pull", "Push", "Heartbeat", "Leave", "Status")
 # hybridfleet.ps.server.identity); admins and monitors read Status.
 METHOD_ROLES: dict[str, set[str]] = {f"/{SERVICE}/{m}": {"worker"} for m in WORKER_METHODS}
 METHOD_ROLES[f"/{SERVICE}/Status"] = {"worker", "admin", "monitor"}
+# Secure aggregation (hybridfleet.ps.secagg): workers only, each as its own worker id.
+SECAGG_SERVICE = "hybridfleet.ps.v1.SecureAggregation"
+METHOD_ROLES.update({f"/{SECAGG_SERVICE}/{m}": {"worker"} for m in ("Advertise", "Roster", "Shares", "Unmask", "Reveal")})
 
 
 def iter_chunks(key: str, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:

@@ -116,6 +116,7 @@ class PSSession:
         self._raw_gradient_bytes: int | None = None
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
         self._egress: dict | None = None  # the egress scan's result, in the egress test mode
+        self.secure = None  # hybridfleet.ps.secagg.rounds.SecureRounds when ps.secure_aggregation is on
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -164,6 +165,11 @@ class PSSession:
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
+        if self.ps.secure_aggregation is not None:
+            from hybridfleet.ps.secagg.rounds import SecureRounds
+            from hybridfleet.ps.secagg.settings import SecAggSettings
+
+            self.secure = SecureRounds(self.client, SecAggSettings.resolve(self.ps, cfg.job.sites), self.ps)
         if self.client.sync in ROUND_SYNC_MODES:
             # a (re)joining worker takes up the open round, not the steps it missed while away
             self.client.clock = max(self.client.clock, max(info["versions"]))
@@ -263,13 +269,21 @@ class PSSession:
             self.timer.mark("wait")
         if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
             grads = self.dp.apply(grads)
-        payloads = self._encode(grads)
+        payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync in ROUND_SYNC_MODES
         try:
             try:
-                self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
+                if self.secure is not None:  # masked: the shard sees only the round's sum
+                    try:
+                        self.secure.push(payloads, base, contributors)
+                    except grpc.RpcError as err:
+                        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise  # already pushed (a retried push): the round still needs our answer
+                    self.secure.unmask(base)
+                else:
+                    self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
             except grpc.RpcError as err:
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
@@ -282,7 +296,12 @@ class PSSession:
             if wait_round:
                 shards_with_keys = {b.shard for b in self.plan.blocks}
                 wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
-            self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
+            try:
+                self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
+                    raise ProtocolError(err.details()) from None
+                raise
         except ShardRestarted as restarted:
             # this step's gradient is dropped; train on from the restored shard's values
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
@@ -302,6 +321,13 @@ class PSSession:
         for name, g in grads.items():
             for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
                 out[key] = self._encoder(key, part)
+        return out
+
+    def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The update cut into the plan's blocks (key -> float32), unencoded: secure aggregation masks them."""
+        out = {}
+        for name, g in grads.items():
+            out.update(self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)))
         return out
 
     def _make_encoder(self):

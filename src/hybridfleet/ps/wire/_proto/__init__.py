@@ -1,1 +1,1 @@
-"""Generated from proto/hybridfleet/ps/v1/ps.proto by hybridfleet.ps.wire.proto_gen; do not edit."""
+"""Generated from proto/hybridfleet/ps/v1/*.proto by hybridfleet.ps.wire.proto_gen; do not edit."""

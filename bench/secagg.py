@@ -1,0 +1,234 @@
+"""Secure aggregation vs plaintext pushes: one round's wall time, bytes per pusher, a dropout.
+
+    python bench/secagg.py            # N = 3, 10, 30 pushers, median of 5 rounds each
+    python bench/secagg.py --quick    # N = 3, 10, median of 3 rounds (under a minute)
+
+Thresholds: the default floor(2N/3)+1, and 2 for N = 3. N simulated pushers are in-process `PSClient`s (one thread each) against ONE real
+shard on 127.0.0.1 (gRPC control plane + bulk TLS data plane, tokens on). Each
+pushes a 1M-parameter float32 update (one 4 MB tensor) per round and pulls the
+result; the shard applies server-side SGD. A round's wall time runs from the
+pushes' start to the last pusher's pull of the new version. Pairs compared, each
+in its own shard with the same N and update:
+
+- ``ring32``: secure aggregation with the 32-bit ring vs plaintext codec ``none`` (float32);
+- ``ring16``: the 16-bit ring vs plaintext ``fp16`` and vs plaintext ``int8``.
+
+Secure rounds include every protocol message: the shares (Shares), the unmask request
+and answer (Unmask, Reveal); the one-off key advertisement and roster happen in a
+warm-up round not timed. Bytes per pusher are its client's counted bytes for one
+timed round (payload, framing, control and secure-aggregation messages).
+
+All N pushers share this machine's cores, so a round runs in two timed parts: each
+pusher prepares its push alone, in turn (secure: quantise, N AES-256-CTR masks of the
+whole vector, Shamir shares, the Shares call; plaintext: the codec's encode), then all
+of them push, answer the unmask (secure) and pull at once. Deployed, pushers prepare on
+their own hosts at the same time: ``round_s`` = the slowest preparation + the exchange,
+and ``round_ratio`` = secure / plaintext round_s. ``round_ratio_one_host`` charges every
+preparation in sequence (sum + exchange), as if all pushers shared one host.
+``dropout_overhead``: one pusher sends its shares and leaves before pushing; (that
+round's round_s - a normal secure round's) / the normal one.
+
+JSON keys (N = 10): round_ratio (ring32 vs float32, modelled as above), round_ratio_one_host,
+upload_ratio (ring32 vs float32), upload_ratio_16_vs_fp16, upload_ratio_16_vs_int8,
+dropout_overhead; per-N figures under ``by_n``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+NUMEL = 1_000_000
+
+
+def start(workdir: Path, n: int, codec: str, secure: bool):
+    from hybridfleet.ps.server.serve import server_security, start_shard
+    from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
+    from hybridfleet.spec import parse_spec
+
+    sites = {f"s{i:02d}": {"workers": 1} for i in range(n)}
+    ps = {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.1}, "compression": {"codec": codec},
+          "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30.0}
+    if secure:
+        # the default threshold floor(2n/3)+1, except N=3 (it would be 3: no dropout could be recovered)
+        ps["secure_aggregation"] = {"bits": 16 if codec != "none" else 32, "threshold": 2 if n == 3 else None}
+    spec = parse_spec({"name": "bench-secagg", "framework": "torch", "entrypoint": "t.py", "sites": sites, "ps": ps})
+    certs = workdir / f"certs-{n}-{codec}-{secure}"
+    make_dev_pki(certs, clients=["worker"])
+    generate_signing_key(certs)
+    server = start_shard(spec, 0, "127.0.0.1", 0, server_security(spec, certs), expected_workers=n)
+    return spec, certs, server, TokenIssuer.from_dir(certs)
+
+
+class Pusher:
+    def __init__(self, spec, certs, server, issuer, site: str, rng):
+        from hybridfleet.ps.secagg.rounds import SecureRounds
+        from hybridfleet.ps.secagg.settings import SecAggSettings
+        from hybridfleet.ps.worker.client import ClientSecurity, PSClient
+        from hybridfleet.ps.wire.sharding import ParamSpec
+        from hybridfleet.security import load_pki
+
+        wid = f"{site}-0"
+        sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert),
+                                        token=issuer.issue(spec.name, site, "worker", 3600, worker=wid))
+        self.client = PSClient([server.address], sec, wid, site, 0)
+        self.client.join([ParamSpec("w", (NUMEL,))], spec.ps.block_size_bytes, spec.ps.compression.codec, "torch")
+        self.spec = spec
+        self.codec = None
+        self.secure = None
+        if spec.ps.secure_aggregation is not None:
+            self.secure = SecureRounds(self.client, SecAggSettings.resolve(spec.ps, spec.sites), spec.ps)
+        else:
+            from hybridfleet.codec import codec_for
+
+            self.codec = codec_for(spec.ps.compression)
+        self.update = rng.uniform(-0.01, 0.01, NUMEL).astype(np.float32)
+        self.mask_s = 0.0
+
+    def prepare(self) -> float:
+        """This pusher's own work before sending (mask + shares, or encode); returns its seconds."""
+        self.base = list(self.client.versions)
+        started = time.perf_counter()
+        if self.secure is not None:
+            self.payloads = self.secure._mask_one(0, self.base[0], {"w": self.update}, 1)  # includes Shares
+        else:
+            self.payloads = {"w": self.codec.encode(self.update)}
+        return time.perf_counter() - started
+
+    def send(self) -> None:
+        """Push, answer the unmask (secure), pull the round's result."""
+        codec = self.secure.settings.codec_name if self.secure is not None else self.spec.ps.compression.codec
+        self.client.push(self.payloads, codec=codec, base_versions=self.base, contributors=1)
+        if self.secure is not None:
+            self.secure.unmask(self.base)
+        self.client.pull(wait_for_versions=[self.base[0] + 1])
+
+    def sent(self) -> int:
+        return sum(self.client.bytes.sent.values())
+
+
+def run_round(pushers: list[Pusher]) -> dict:
+    """One round: each pusher prepares in turn (timed alone), then all send at once (timed together)."""
+    prep = [p.prepare() for p in pushers]
+    errors: list[BaseException] = []
+
+    def go(p):
+        try:
+            p.send()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=go, args=(p,)) for p in pushers]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    exchange = time.perf_counter() - started
+    # deployed, every pusher prepares on its own host at once; here they took turns
+    return {"round_s": max(prep) + exchange, "one_host_s": sum(prep) + exchange, "prepare_max_s": max(prep)}
+
+
+def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropout: bool = False) -> dict:
+    spec, certs, server, issuer = start(workdir, n, codec, secure)
+    rng = np.random.default_rng(n)
+    try:
+        pushers = [Pusher(spec, certs, server, issuer, f"s{i:02d}", rng) for i in range(n)]
+        pushers[0].client.push({"w": np.zeros(NUMEL, np.float32).tobytes()}, codec="none", kind="INIT")
+        for p in pushers:
+            p.client.pull(full=True)
+        if secure:  # key advertisement and roster: every pusher at once
+            setups = [threading.Thread(target=p.secure._setup, args=(0,)) for p in pushers]
+            for t in setups:
+                t.start()
+            for t in setups:
+                t.join()
+        run_round(pushers)  # warm-up: connections, allocations
+        results, sent = [], []
+        for _ in range(rounds):
+            before = [p.sent() for p in pushers]
+            results.append(run_round(pushers))
+            sent.append(statistics.mean(p.sent() - b for p, b in zip(pushers, before)))
+        i = int(np.argsort([r["round_s"] for r in results])[len(results) // 2])
+        out = {**results[i], "sent": sent[i]}
+        if dropout:
+            leaver, rest = pushers[-1], pushers[:-1]
+            leaver.secure._mask_one(0, leaver.client.versions[0], {"w": leaver.update}, 1)  # shares sent ...
+            leaver.client.close(leave=True)                                                # ... then gone
+            out["dropout_round_s"] = run_round(rest)["round_s"]
+            last = server.state.secagg.last_unmask
+            assert last["dropped"] == (leaver.client.worker_id,), last
+        for p in pushers[:-1] if dropout else pushers:
+            p.client.close()
+        return out
+    finally:
+        server.stop(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N = 3 and 10, three timed rounds each (default: 5)")
+    ap.add_argument("--n", type=int, nargs="*", default=None, help="pusher counts (default 3 10 30)")
+    args = ap.parse_args()
+    ns = args.n or ([3, 10] if args.quick else [3, 10, 30])
+    rounds = 3 if args.quick else 5
+    from hybridfleet.obs.log import configure
+
+    configure(level="error")
+    workdir = Path(tempfile.mkdtemp(prefix="hf-bench-secagg-"))
+    by_n: dict[int, dict] = {}
+    for n in ns:
+        r = {
+            "plain32": measure(workdir, n, "none", False, rounds),
+            "ring32": measure(workdir, n, "none", True, rounds, dropout=True),
+            "plain_fp16": measure(workdir, n, "fp16", False, rounds),
+            "plain_int8": measure(workdir, n, "int8", False, rounds),
+            "ring16": measure(workdir, n, "fp16", True, rounds),
+        }
+        s, p = r["ring32"], r["plain32"]
+        by_n[n] = {
+            "plain32_s": round(p["round_s"], 4), "ring32_s": round(s["round_s"], 4),
+            "round_ratio": round(s["round_s"] / p["round_s"], 3),
+            "round_ratio_one_host": round(s["one_host_s"] / p["one_host_s"], 3),
+            "round_ratio_16_vs_fp16": round(r["ring16"]["round_s"] / r["plain_fp16"]["round_s"], 3),
+            "upload_ratio": round(s["sent"] / p["sent"], 4),
+            "upload_ratio_16_vs_fp16": round(r["ring16"]["sent"] / r["plain_fp16"]["sent"], 4),
+            "upload_ratio_16_vs_int8": round(r["ring16"]["sent"] / r["plain_int8"]["sent"], 4),
+            "dropout_overhead": round((s["dropout_round_s"] - s["round_s"]) / s["round_s"], 3),
+            "prepare_max_s": round(s["prepare_max_s"], 4),
+            "sent_bytes": {k: int(v["sent"]) for k, v in r.items()},
+        }
+        print(f"  N={n}: done", file=sys.stderr)
+
+    print(f"\nsecure aggregation, one shard, {NUMEL:,} float32 parameters per pusher, "
+          f"{rounds} timed round(s), in-process pushers")
+    head = (f"{'N':>4}{'plain32 s':>11}{'ring32 s':>10}{'ratio':>8}{'1-host':>8}{'16/fp16':>9}{'up 32':>8}"
+            f"{'up16/fp16':>11}{'up16/int8':>11}{'dropout':>9}{'prep s':>8}")
+    print(head)
+    for n, b in by_n.items():
+        print(f"{n:>4}{b['plain32_s']:>11.3f}{b['ring32_s']:>10.3f}{b['round_ratio']:>8.2f}"
+              f"{b['round_ratio_one_host']:>8.2f}{b['round_ratio_16_vs_fp16']:>9.2f}{b['upload_ratio']:>8.3f}"
+              f"{b['upload_ratio_16_vs_fp16']:>11.3f}{b['upload_ratio_16_vs_int8']:>11.3f}"
+              f"{b['dropout_overhead']:>9.3f}{b['prepare_max_s']:>8.3f}")
+    key = by_n.get(10) or by_n[ns[-1]]
+    print(json.dumps({
+        "bench": "secagg", "n": 10 if 10 in by_n else ns[-1], "parameters": NUMEL,
+        "round_ratio": key["round_ratio"], "round_ratio_one_host": key["round_ratio_one_host"],
+        "upload_ratio": key["upload_ratio"], "upload_ratio_16_vs_fp16": key["upload_ratio_16_vs_fp16"],
+        "upload_ratio_16_vs_int8": key["upload_ratio_16_vs_int8"], "dropout_overhead": key["dropout_overhead"],
+        "by_n": {str(n): {k: v for k, v in b.items() if k != "sent_bytes"} for n, b in by_n.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""A pushing worker's secure rounds against every shard: setup, masked push, unmask answers.
+
+Used by `PSSession` in place of codec encoding when ``ps.secure_aggregation`` is on:
+per shard, the worker's update for the shard's keys (after DP noise, after the
+``norm_clip`` bound on the pusher, random-k coordinates shared by every pusher) is
+masked (`ShardMasker`), its seed's encrypted shares go to the shard (Shares), the ring
+vector goes through the ordinary Push, and the worker answers the shard's unmask
+request (Unmask, Reveal) before it pulls the round's result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+import numpy as np
+
+from hybridfleet.errors import ProtocolError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.secagg.pusher import ShardMasker
+from hybridfleet.ps.secagg.server import kept_indices
+from hybridfleet.ps.secagg.settings import SecAggSettings
+from hybridfleet.ps.wire._proto import secagg_pb2 as pb
+from hybridfleet.ps.wire._proto import secagg_pb2_grpc
+
+log = get_logger("ps.secagg")
+
+WAIT_S = 120.0        # one long-poll
+ROUND_WAIT_S = 600.0  # how long a round's unmask may wait for the other pushers
+
+
+class SecureRounds:
+    """Drives secure aggregation for one `PSClient` (joined) over all its shards."""
+
+    def __init__(self, client, settings: SecAggSettings, ps) -> None:
+        self.client = client
+        self.settings = settings
+        self.stubs = [secagg_pb2_grpc.SecureAggregationStub(c) for c in client._channels]
+        self.maskers = {i: ShardMasker(client.worker_id, i, settings) for i in range(len(client.servers))}
+        self.norm_clip = ps.aggregate.clip_norm if ps.aggregate.rule == "norm_clip" else None
+        self.error_feedback = ps.compression.error_feedback
+        self.residual: dict[str, np.ndarray] = {}
+        self.bytes_key_material = 0  # public keys, shares and unmask answers sent
+
+    # ----------------------------------------------------------------- rpc
+    def _rpc(self, shard: int, method: str, request, timeout: float):
+        self.client.bytes.add_sent("secagg", request)
+        self.bytes_key_material += request.ByteSize()
+        stub = self.stubs[shard]
+        try:
+            return self.client._call(shard, lambda _: getattr(stub, method)(
+                request, metadata=self.client._metadata, timeout=timeout + 30), what=f"secure aggregation {method}")
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.ABORTED:
+                raise ProtocolError(err.details()) from None
+            raise
+
+    def _setup(self, shard: int) -> None:
+        """Advertise this worker's key (a fresh one after an eviction) and wait for a roster holding it."""
+        m = self.maskers[shard]
+        if m.in_roster:
+            m.fresh_key()
+        try:
+            self._rpc(shard, "Advertise", pb.AdvertiseRequest(worker_id=self.client.worker_id,
+                                                              public_key=m.keypair.public), 30)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.ALREADY_EXISTS:  # ours, still pending: wait for the roster
+                raise
+        known, deadline = -1, time.monotonic() + ROUND_WAIT_S
+        while True:
+            r = self._rpc(shard, "Roster", pb.RosterRequest(worker_id=self.client.worker_id, known_epoch=known,
+                                                            timeout_s=WAIT_S), WAIT_S)
+            if m.set_roster(r.epoch, r.threshold, {e.worker_id: bytes(e.public_key) for e in r.entries}):
+                log.info("secagg_roster_joined", shard=shard, epoch=r.epoch, pushers=len(r.entries))
+                return
+            if time.monotonic() > deadline:
+                raise ProtocolError(f"shard {shard} published no roster with this worker's key within "
+                                    f"{ROUND_WAIT_S:.0f} s")
+            known = r.epoch
+
+    def _current_epoch(self, shard: int) -> tuple[int, bytes | None]:
+        """The shard's roster epoch and this worker's key in it; (0, None) when it has none (e.g. it restarted)."""
+        try:
+            r = self._rpc(shard, "Roster", pb.RosterRequest(worker_id=self.client.worker_id, known_epoch=-1,
+                                                            timeout_s=0.1), 5)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return 0, None
+        return r.epoch, next((bytes(e.public_key) for e in r.entries if e.worker_id == self.client.worker_id), None)
+
+    # ---------------------------------------------------------------- push
+    def _vector(self, shard: int, rnd: int, grads: dict[str, np.ndarray], contributors: int) -> np.ndarray:
+        parts = []
+        for b in self.client.plan.blocks_for_shard(shard):
+            g = grads[b.key]
+            if self.settings.randomk_ratio is not None:
+                acc = g + self.residual[b.key] if b.key in self.residual else g.copy()
+                idx = kept_indices(b.key, rnd, g.size, self.settings.randomk_ratio)
+                kept = acc[idx]
+                if self.error_feedback:
+                    acc[idx] = 0
+                    self.residual[b.key] = acc
+                g = kept
+            parts.append(np.asarray(g, dtype=np.float32))
+        vector = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        if self.norm_clip is not None:  # the rule's bound, on the pusher: the mean update's norm on this shard
+            norm = float(np.linalg.norm(vector / contributors))
+            if norm > self.norm_clip:
+                vector *= np.float32(self.norm_clip / norm)
+        return vector
+
+    def _mask_one(self, shard: int, rnd: int, grads: dict[str, np.ndarray], contributors: int) -> dict[str, bytes]:
+        blocks = self.client.plan.blocks_for_shard(shard)
+        if not blocks:
+            return {}
+        m = self.maskers[shard]
+        vector = self._vector(shard, rnd, grads, contributors)
+        for _ in range(3):
+            if not m.in_roster or not m.epoch:
+                self._setup(shard)
+            ring, shares = m.mask(rnd, vector)
+            try:
+                self._rpc(shard, "Shares", pb.SharesRequest(worker_id=self.client.worker_id, round=rnd, epoch=m.epoch,
+                                                            shares=[pb.Ciphertext(peer=q, data=d) for q, d in shares]),
+                          30)
+                break
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                epoch, key = self._current_epoch(shard)
+                if epoch == m.epoch and key == m.keypair.public:
+                    raise  # not the roster: a stale round, handled like a stale push
+                if key != m.keypair.public:
+                    self._setup(shard)  # evicted (or never admitted): fresh key
+                else:
+                    m.in_roster, m.epoch = True, 0  # the roster grew: fetch it
+                    self._setup_roster_only(shard)
+        else:
+            raise ProtocolError(f"shard {shard}'s roster kept changing; no masked push sent")
+        out, offset, item = {}, 0, ring.dtype.itemsize
+        for b in blocks:
+            n = b.stop - b.start
+            if self.settings.randomk_ratio is not None:
+                n = min(n, max(1, math.ceil(self.settings.randomk_ratio * n)))
+            out[b.key] = ring[offset:offset + n].tobytes()
+            offset += n
+        return out
+
+    def _setup_roster_only(self, shard: int) -> None:
+        m = self.maskers[shard]
+        r = self._rpc(shard, "Roster", pb.RosterRequest(worker_id=self.client.worker_id, known_epoch=-1,
+                                                        timeout_s=5), 5)
+        if not m.set_roster(r.epoch, r.threshold, {e.worker_id: bytes(e.public_key) for e in r.entries}):
+            self._setup(shard)
+
+    def push(self, grads: dict[str, np.ndarray], base_versions: list[int], contributors: int):
+        """Mask and push this step's update (key -> float32 block) to every shard; raises like `PSClient.push`."""
+        payload_parts = self.client._each_shard(lambda i: self._mask_one(i, base_versions[i], grads, contributors))
+        payloads = {k: v for part in payload_parts for k, v in part.items()}
+        return self.client.push(payloads, codec=self.settings.codec_name, base_versions=base_versions,
+                                contributors=contributors)
+
+    def unmask(self, base_versions: list[int]) -> None:
+        """Answer each shard's unmask request for the round just pushed."""
+        shards = {b.shard for b in self.client.plan.blocks}
+
+        def one(i: int) -> None:
+            if i not in shards:
+                return
+            rnd, deadline = base_versions[i], time.monotonic() + ROUND_WAIT_S
+            req = pb.UnmaskRequest(worker_id=self.client.worker_id, round=rnd, timeout_s=WAIT_S)
+            while True:
+                try:
+                    r = self._rpc(i, "Unmask", req, WAIT_S)
+                    break
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                        raise
+            shares, seeds = self.maskers[i].answer(rnd, list(r.survivors), list(r.dropped),
+                                                   {c.peer: bytes(c.data) for c in r.shares})
+            self._rpc(i, "Reveal", pb.RevealRequest(
+                worker_id=self.client.worker_id, round=rnd,
+                shares=[pb.Share(owner=p, value=v) for p, v in shares.items()],
+                pair_seeds=[pb.PairSeed(peer=d, seed=s) for d, s in seeds.items()]), 30)
+
+        self.client._each_shard(one)

@@ -1,0 +1,401 @@
+"""The shard's side of secure aggregation: keys, roster, shares, masked sums and unmasking.
+
+Each shard runs the protocol for its own keys, on its own; it holds no secret of any
+pusher. One round (the shard's BSP round, i.e. its version):
+
+1. every pusher in the roster sends its encrypted shares (`shares`), then its masked
+   ring vector through the ordinary Push (summed mod 2^bits by `MaskedRound`);
+2. when every live roster member pushed (after heartbeat reaping), the round's
+   survivors U1 and dropped D are fixed; each survivor fetches the shares addressed to
+   it (`unmask_request`) and answers (`reveal`) with shares of the survivors' self-mask
+   seeds and its pair seeds with D;
+3. from >= t answers the shard rebuilds the self seeds, removes every remaining mask,
+   dequantises and hands the mean to the optimizer. A pusher that dropped leaves the
+   roster; it comes back only with a fresh key.
+
+All methods run under the shard's lock (``state.cond``) and raise `Reject` without
+changing anything when a request is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.aggregate.base import RoundAggregator
+from hybridfleet.ps.secagg import shamir
+from hybridfleet.ps.secagg.keys import NONCE_BYTES, PUBLIC_KEY_BYTES, TAG_BYTES
+from hybridfleet.ps.secagg.masks import add_mask
+from hybridfleet.ps.secagg.ring import RING_DTYPES, dequantise
+from hybridfleet.ps.secagg.settings import SecAggSettings
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S
+from hybridfleet.ps.wire.reject import Reject
+
+log = get_logger("ps.secagg")
+
+CIPHERTEXT_BYTES = NONCE_BYTES + shamir.SHARE_BYTES + TAG_BYTES
+SEED_BYTES = 32
+
+
+def kept_indices(key: str, rnd: int, numel: int, ratio: float) -> np.ndarray:
+    """Shared-seed random-k: the coordinates every pusher keeps of ``key`` in round ``rnd`` (sorted)."""
+    k = min(numel, max(1, math.ceil(ratio * numel)))
+    if k == numel:
+        return np.arange(numel, dtype=np.int64)
+    seed = int.from_bytes(hashlib.sha256(f"hfleet-secagg-randomk|{key}|{rnd}".encode()).digest()[:16], "big")
+    chosen = np.random.Generator(np.random.PCG64(seed)).choice(numel, size=k, replace=False)
+    chosen.sort()
+    return chosen
+
+
+class MaskedRound(RoundAggregator):
+    """The running ring sum of one round's masked vectors (each one alone is uniform noise)."""
+
+    def __init__(self, bits: int) -> None:
+        super().__init__()
+        self.dtype = RING_DTYPES[bits][0]
+        self.total: np.ndarray | None = None
+
+    def _add(self, update: dict[str, np.ndarray], weight: int) -> None:
+        vector = update["ring"]
+        if self.total is None:
+            self.total = vector.astype(self.dtype, copy=True)
+        else:
+            np.add(self.total, vector, out=self.total)  # unsigned: wraps mod 2^bits
+
+    def result(self) -> dict[str, np.ndarray]:
+        raise RuntimeError("a masked round is finished by SecAggServer.finish, not read directly")
+
+
+@dataclass
+class SecRound:
+    roster: tuple[str, ...]
+    epoch: int
+    threshold: int
+    shares: dict[str, dict[str, bytes]] = field(default_factory=dict)   # sender -> recipient -> ciphertext
+    survivors: tuple[str, ...] | None = None
+    dropped: tuple[str, ...] = ()
+    reveals: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
+
+    def x_of(self, worker: str) -> int:
+        return self.roster.index(worker) + 1
+
+
+class SecAggServer:
+    """One shard's secure-aggregation state; ``state`` is its `ShardState` (lock, members, version)."""
+
+    def __init__(self, state, settings: SecAggSettings) -> None:
+        self.state = state
+        self.settings = settings
+        self.dtype = RING_DTYPES[settings.bits][0]
+        self.keys: dict[str, bytes] = {}            # advertised keys, roster members' and pending ones
+        self.key_join: dict[str, int] = {}          # the member's join count when it advertised
+        self.roster: dict[str, bytes] = {}
+        self.epoch = 0                              # 0: no roster published yet
+        self.rounds: dict[int, SecRound] = {}
+        self.failed: str | None = None
+        self.last_unmask: dict | None = None        # what the shard learnt in the last unmasked round
+        self.unmasked_rounds = 0
+        self.dropped_pushers = 0                    # pushers unmasked out of a round (dropped before pushing)
+
+    # ------------------------------------------------------------- helpers
+    def _fail_check(self) -> None:
+        if self.failed:
+            raise Reject("ABORTED", self.failed)
+
+    def _fail(self, message: str) -> None:
+        if not self.failed:
+            self.failed = f"secure aggregation stopped at shard {self.state.shard}: {message}"
+            log.error("secagg_failed", shard=self.state.shard, reason=self.failed)
+        self.state.cond.notify_all()
+
+    def _caller(self, worker_id: str):
+        member = self.state.members.get(worker_id)
+        if member is None:
+            raise Reject("FAILED_PRECONDITION", f"worker {worker_id!r} has not joined this shard; call Join first")
+        return member
+
+    def _round_open(self) -> bool:
+        rnd = self.rounds.get(self.state.version)
+        return rnd is not None
+
+    def threshold(self, roster_size: int) -> int:
+        return self.settings.threshold_for(roster_size)
+
+    # -------------------------------------------------------------- keys
+    def advertise(self, worker_id: str, public_key: bytes) -> int:
+        """Record ``worker_id``'s public key (the caller's authenticated identity); returns the epoch."""
+        self._fail_check()
+        member = self._caller(worker_id)
+        if worker_id not in self.settings.pushers:
+            raise Reject("PERMISSION_DENIED", f"worker {worker_id} does not push to the shards (pushers: "
+                                              f"{', '.join(self.settings.pushers)}); its site leader does")
+        if len(public_key) != PUBLIC_KEY_BYTES:
+            raise Reject("INVALID_ARGUMENT", f"public key of {len(public_key)} bytes; an X25519 key is "
+                                             f"{PUBLIC_KEY_BYTES}")
+        if worker_id in self.keys and self.key_join.get(worker_id) == member.joins:
+            raise Reject("ALREADY_EXISTS", f"worker {worker_id} already advertised a key to shard {self.state.shard}; "
+                                           "a key is kept until its worker leaves the roster (rejoin for a new one)")
+        self.keys[worker_id] = public_key  # a rejoined worker's fresh key replaces its old one
+        self.key_join[worker_id] = member.joins
+        log.info("secagg_key_advertised", shard=self.state.shard, worker=worker_id)
+        self._maybe_publish()
+        self.state.cond.notify_all()
+        return self.epoch
+
+    def _maybe_publish(self) -> None:
+        """Publish the first roster once every expected pusher advertised (or the join wait passed);
+        later, take in fresh keys between rounds."""
+        state = self.state
+        if self.epoch == 0:
+            live = state.live_members()
+            ready = {w for w in live if w in self.keys}
+            if len(ready) < 2 or not live <= ready:
+                return
+            if len(ready) < len(self.settings.pushers):
+                waited = state._now() - (state._first_join or state._now())
+                if waited < state.spec.heartbeat_timeout_s:
+                    return
+            self.roster = {w: self.keys[w] for w in sorted(ready)}
+            self.epoch = 1
+            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+            return
+        if self._round_open():
+            return
+        changed = {w: k for w, k in self.keys.items() if self.roster.get(w) != k and state.members[w].alive}
+        if changed:
+            self.roster.update(changed)
+            self.roster = dict(sorted(self.roster.items()))
+            self.epoch += 1
+            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+
+    def roster_wait(self, worker_id: str, known_epoch: int, timeout_s: float) -> tuple[int, int, dict[str, bytes]]:
+        """(epoch, threshold, roster) once a roster other than ``known_epoch`` is published."""
+        state = self.state
+        deadline = state._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
+        self._caller(worker_id)
+        while True:
+            self._fail_check()
+            self._maybe_publish()
+            if self.epoch and self.epoch != known_epoch:
+                return self.epoch, self.threshold(len(self.roster)), dict(self.roster)
+            left = deadline - state._now()
+            if left <= 0:
+                waiting = sorted(set(self.settings.pushers) - set(self.keys))
+                raise Reject("DEADLINE_EXCEEDED", f"no new secure-aggregation roster at shard {state.shard} "
+                                                  f"(epoch {self.epoch}; keys missing from {waiting})")
+            state.cond.wait(min(left, 0.5))
+
+    # ------------------------------------------------------------- round
+    def shares(self, worker_id: str, rnd: int, epoch: int, shares: list[tuple[str, bytes]]) -> None:
+        """Keep ``worker_id``'s encrypted shares of its round-``rnd`` self seed, one per roster peer."""
+        self._fail_check()
+        self._caller(worker_id)
+        state = self.state
+        if not self.epoch:
+            raise Reject("FAILED_PRECONDITION", "no secure-aggregation roster yet; wait for it (Roster)")
+        if self.roster.get(worker_id) is None or self.roster[worker_id] != self.keys.get(worker_id):
+            raise Reject("FAILED_PRECONDITION", f"worker {worker_id} is not in shard {state.shard}'s roster (epoch "
+                                                f"{self.epoch}); advertise a key and wait for the roster")
+        if epoch != self.epoch:
+            raise Reject("FAILED_PRECONDITION", f"shares for roster epoch {epoch}; the roster is at epoch "
+                                                f"{self.epoch}: fetch it and mask again")
+        if rnd != state.version:
+            raise Reject("FAILED_PRECONDITION", f"shares for round {rnd}; round {state.version} is open")
+        sr = self.rounds.get(rnd)
+        if sr is not None and sr.survivors is not None:
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is closed to new pushers (unmasking)")
+        if sr is not None and worker_id in sr.shares:
+            raise Reject("ALREADY_EXISTS", f"worker {worker_id} already sent its shares for round {rnd}")
+        peers = [w for w in self.roster if w != worker_id]
+        got = [p for p, _ in shares]
+        if sorted(got) != peers:
+            raise Reject("INVALID_ARGUMENT", f"shares must go to each other roster member once ({len(peers)}: "
+                                             f"{', '.join(peers[:5])}); got {len(got)}")
+        bad = next((p for p, blob in shares if len(blob) != CIPHERTEXT_BYTES), None)
+        if bad is not None:
+            raise Reject("INVALID_ARGUMENT", f"the share for {bad} is not {CIPHERTEXT_BYTES} bytes")
+        if sr is None:
+            sr = self.rounds[rnd] = SecRound(tuple(self.roster), self.epoch, self.threshold(len(self.roster)))
+        sr.shares[worker_id] = dict(shares)
+
+    def admit_push(self, worker_id: str, rnd: int) -> None:
+        """A masked push to round ``rnd`` needs the pusher's shares for it first."""
+        self._fail_check()
+        sr = self.rounds.get(rnd)
+        if sr is None or worker_id not in sr.shares:
+            raise Reject("FAILED_PRECONDITION", f"worker {worker_id}: send the round-{rnd} shares (Shares) before "
+                                                "the masked push")
+        if sr.survivors is not None:  # e.g. a pusher reaped as dropped that comes back: its mask stays out
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is being unmasked without worker {worker_id}; "
+                                                "pull and push the next round")
+
+    def expected(self, live: set[str]) -> set[str]:
+        """Who the open round waits for: live members holding the key the round's roster has."""
+        sr = self.rounds.get(self.state.version)
+        if sr is None:
+            return live
+        return {w for w in live if w in sr.roster and self.keys.get(w) == self.roster.get(w)}
+
+    def finish(self, rnd: int, agg: MaskedRound) -> dict[str, np.ndarray] | None:
+        """The round's mean update once unmasked; None while answers are missing (or the round failed)."""
+        sr = self.rounds.get(rnd)
+        if sr is None or self.failed:
+            return None
+        if sr.survivors is None:
+            sr.survivors = tuple(w for w in sr.roster if w in agg.contributors)
+            sr.dropped = tuple(w for w in sr.roster if w not in agg.contributors)
+            log.info("secagg_unmask_open", shard=self.state.shard, round=rnd, survivors=len(sr.survivors),
+                     dropped=list(sr.dropped))
+            if len(sr.survivors) < sr.threshold:
+                self._fail(f"round {rnd}: only {len(sr.survivors)} of {len(sr.roster)} pushers pushed; the threshold "
+                           f"is {sr.threshold}, so the round cannot be unmasked")
+                return None
+            self.state.cond.notify_all()
+        live = self.state.live_members()
+        answering = [w for w in sr.survivors if w in live and w not in sr.reveals]
+        if answering:
+            return None
+        revealed = set(sr.reveals)
+        if len(revealed) < sr.threshold:
+            self._fail(f"round {rnd}: {len(revealed)} survivor(s) answered the unmask, fewer than the threshold "
+                       f"{sr.threshold}; the round cannot be unmasked")
+            return None
+        silent = [w for w in sr.survivors if w not in revealed]
+        if sr.dropped and silent:
+            self._fail(f"round {rnd}: {', '.join(silent)} pushed but vanished before revealing its pair seeds with "
+                       f"the dropped {', '.join(sr.dropped)}; those masks cannot be removed")
+            return None
+        try:
+            total = self._unmask(rnd, sr, agg.total)
+        except ValueError as err:
+            self._fail(f"round {rnd}: {err}")
+            return None
+        del self.rounds[rnd]
+        self.unmasked_rounds += 1
+        self.dropped_pushers += len(sr.dropped)
+        self._evict(set(sr.dropped) | set(silent) | (set(sr.roster) - live))
+        return self._to_update(rnd, total, agg.weight)
+
+    def _unmask(self, rnd: int, sr: SecRound, total: np.ndarray) -> np.ndarray:
+        shard = self.state.shard
+        self_seeds = {}  # the round's sum is unmasked in place: the round ends here either way
+        for p in sr.survivors:
+            points = {sr.x_of(q): shares[p] for q, (shares, _) in sr.reveals.items()}
+            self_seeds[p] = shamir.reconstruct(points, sr.threshold)
+            add_mask(total, self_seeds[p], -1)
+        pair_seeds = set()
+        for q, (_, seeds) in sr.reveals.items():
+            for d in sr.dropped:
+                # q's vector holds +PRG(seed) for a peer sorted after it, -PRG(seed) for one before
+                add_mask(total, seeds[d], -1 if d > q else 1)
+                pair_seeds.add((q, d))
+        self.last_unmask = {"round": rnd, "shard": shard, "survivors": sr.survivors, "dropped": sr.dropped,
+                            "revealed_by": tuple(sorted(sr.reveals)), "self_seeds": self_seeds,
+                            "pair_seeds": pair_seeds}
+        log.info("secagg_unmasked", shard=shard, round=rnd, survivors=len(sr.survivors), dropped=list(sr.dropped))
+        return total
+
+    def _to_update(self, rnd: int, total: np.ndarray, weight: int) -> dict[str, np.ndarray]:
+        s = self.settings
+        values = dequantise(total, s.clip, s.limit, s.bits)
+        if weight > 1:
+            values /= np.float32(weight)
+        out, offset = {}, 0
+        for key, numel in self.layout():
+            if s.randomk_ratio is None:
+                out[key] = values[offset:offset + numel]
+                offset += numel
+            else:
+                idx = kept_indices(key, rnd, numel, s.randomk_ratio)
+                dense = np.zeros(numel, np.float32)
+                dense[idx] = values[offset:offset + idx.size]
+                out[key] = dense
+                offset += idx.size
+        return out
+
+    def _evict(self, workers: set[str]) -> None:
+        gone = [w for w in workers if w in self.roster]
+        for w in gone:
+            del self.roster[w]
+            if self.keys.get(w) is not None and w not in self.state.live_members():
+                del self.keys[w]
+        if gone:
+            self.epoch += 1
+            log.warning("secagg_evicted", shard=self.state.shard, workers=sorted(gone), epoch=self.epoch)
+        self._maybe_publish()
+
+    def layout(self) -> list[tuple[str, int]]:
+        """(key, element count) of this shard's keys, in the order a masked vector concatenates them."""
+        return [(b.key, b.stop - b.start) for b in self.state.plan.blocks_for_shard(self.state.shard)]
+
+    def decode(self, rnd: int, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+        """A masked push's payloads (per key, the kept elements' ring values) as one vector; sizes are
+        checked against the key before anything is allocated."""
+        item = self.dtype.itemsize
+        parts = []
+        for key, numel in self.layout():
+            payload = payloads[key]
+            kept = numel if self.settings.randomk_ratio is None else \
+                min(numel, max(1, math.ceil(self.settings.randomk_ratio * numel)))
+            if len(payload) != kept * item:
+                raise Reject("INVALID_ARGUMENT", f"key {key!r}: masked payload of {len(payload)} bytes, expected "
+                                                 f"{kept} ring elements of {self.settings.bits} bits")
+            parts.append(np.frombuffer(payload, dtype=self.dtype))
+        return {"ring": np.concatenate(parts) if len(parts) > 1 else parts[0]}
+
+    # ------------------------------------------------------------ unmask
+    def unmask_request(self, worker_id: str, rnd: int, timeout_s: float):
+        """(survivors, dropped, [(sender, ciphertext)] for the caller) once round ``rnd``'s pushers are known."""
+        state = self.state
+        self._caller(worker_id)
+        deadline = state._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
+        while True:
+            self._fail_check()
+            sr = self.rounds.get(rnd)
+            if sr is None:
+                raise Reject("FAILED_PRECONDITION", f"round {rnd} is not being unmasked at shard {state.shard} "
+                                                    f"(open round {state.version})")
+            if sr.survivors is not None:
+                break
+            left = deadline - state._now()
+            if left <= 0:
+                raise Reject("DEADLINE_EXCEEDED", f"round {rnd} still waits for pushes")
+            state.cond.wait(min(left, 0.5))
+            state._maybe_finish_rounds()
+        if worker_id not in sr.survivors:
+            raise Reject("FAILED_PRECONDITION", f"worker {worker_id} is not among round {rnd}'s pushers")
+        addressed = [(p, sr.shares[p][worker_id]) for p in sr.survivors if p != worker_id]
+        return sr.survivors, sr.dropped, addressed
+
+    def reveal(self, worker_id: str, rnd: int, shares: dict[str, bytes], seeds: dict[str, bytes]) -> None:
+        """Keep a survivor's answer: a share of every survivor's self seed, its pair seed with every dropped."""
+        self._fail_check()
+        self._caller(worker_id)
+        sr = self.rounds.get(rnd)
+        if sr is None or sr.survivors is None:
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is not being unmasked at shard {self.state.shard}")
+        if worker_id not in sr.survivors:
+            raise Reject("PERMISSION_DENIED", f"worker {worker_id} is not among round {rnd}'s pushers")
+        if worker_id in sr.reveals:
+            raise Reject("ALREADY_EXISTS", f"worker {worker_id} already answered the unmask of round {rnd}")
+        if sorted(shares) != sorted(sr.survivors):
+            raise Reject("INVALID_ARGUMENT", f"the answer needs one share per survivor ({len(sr.survivors)}); got "
+                                             f"{len(shares)}")
+        if sorted(seeds) != sorted(sr.dropped):
+            raise Reject("INVALID_ARGUMENT", f"the answer needs one pair seed per dropped pusher "
+                                             f"({len(sr.dropped)}); got {len(seeds)}")
+        if any(len(v) != shamir.SHARE_BYTES for v in shares.values()) or \
+                any(len(v) != SEED_BYTES for v in seeds.values()):
+            raise Reject("INVALID_ARGUMENT", f"shares are {shamir.SHARE_BYTES} bytes and pair seeds {SEED_BYTES}")
+        sr.reveals[worker_id] = (dict(shares), dict(seeds))
+        self.state._maybe_finish_rounds()
+        self.state.cond.notify_all()
+
+    def status(self) -> dict:
+        return {"epoch": self.epoch, "roster": sorted(self.roster), "failed": self.failed,
+                "open_rounds": sorted(self.rounds)}

@@ -1,0 +1,103 @@
+"""What a job's ``ps.secure_aggregation`` resolves to, and the combinations it refuses.
+
+The ring's width and scale depend on how many pushers can add into one sum: one leader
+per site that aggregates (``sites.<x>.aggregate: true`` with several workers), every
+worker elsewhere. Both the pushers and the shards derive the same settings from the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridfleet.ps.secagg.ring import check_resolution
+
+SIXTEEN_BIT_CODECS = ("fp16", "bf16", "int8")
+MASKABLE_CODECS = ("none", "fp16", "bf16", "int8", "randomk")
+MASKABLE_RULES = ("mean", "norm_clip")
+MASKABLE_SYNC = ("bsp", "local")
+
+
+def default_bits(compression) -> int:
+    """16 for the 16-bit and 8-bit codecs (and random-k with float16 values), else 32."""
+    if compression.codec in SIXTEEN_BIT_CODECS:
+        return 16
+    if compression.codec == "randomk" and compression.value_dtype == "float16":
+        return 16
+    return 32
+
+
+def default_threshold(roster_size: int) -> int:
+    """floor(2n/3) + 1 of a roster of n (at most n)."""
+    return min(roster_size, (2 * roster_size) // 3 + 1)
+
+
+def pusher_ids(sites: dict) -> list[str]:
+    """The worker ids that push to the shards: site leaders where a site aggregates, every worker elsewhere."""
+    ids = []
+    for name, site in sites.items():
+        ranks = 1 if site.aggregate and site.workers > 1 else site.workers
+        ids.extend(f"{name}-{r}" for r in range(ranks))
+    return sorted(ids)
+
+
+def check_ps(ps) -> None:
+    """ValueError naming the field when ``ps`` combines secure aggregation with what cannot be masked."""
+    c = ps.compression
+    if c.codec not in MASKABLE_CODECS:
+        raise ValueError(f"secure_aggregation: codec {c.codec!r} keeps different coordinates on each pusher, so "
+                         f"pairwise masks cannot cancel; use one of {', '.join(MASKABLE_CODECS)} (randomk keeps "
+                         "the same coordinates everywhere)")
+    if c.codec == "randomk" and (c.momentum or c.warmup_steps):
+        raise ValueError("secure_aggregation: randomk's momentum and warmup_steps are not supported with secure "
+                         "aggregation; remove them")
+    if ps.aggregate.rule not in MASKABLE_RULES:
+        raise ValueError(f"secure_aggregation: aggregate rule {ps.aggregate.rule} needs each pusher's update in the "
+                         f"clear; only {' and '.join(MASKABLE_RULES)} compose with masking (norm_clip clips on the "
+                         "pusher before masking)")
+    if ps.sync not in MASKABLE_SYNC:
+        raise ValueError(f"secure_aggregation: needs rounds that close together (sync: bsp or local); sync is "
+                         f"{ps.sync!r}")
+
+
+def check_job(job) -> None:
+    """ValueError when the job's pushers cannot share the configured ring (count, threshold, resolution)."""
+    sa = job.ps.secure_aggregation
+    pushers = len(pusher_ids(job.sites))
+    if pushers < 2:
+        raise ValueError(f"ps.secure_aggregation: the job has {pushers} pusher; secure aggregation hides one "
+                         "update among others and needs at least 2")
+    if sa.threshold is not None and sa.threshold > pushers:
+        raise ValueError(f"ps.secure_aggregation.threshold: {sa.threshold} exceeds the job's {pushers} pushers")
+    bits = sa.bits or default_bits(job.ps.compression)
+    try:
+        check_resolution(bits, pushers)
+    except ValueError as err:
+        raise ValueError(f"ps.secure_aggregation.bits: {err}") from None
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """The resolved ring and threshold rule for one job."""
+
+    bits: int
+    clip: float
+    limit: int                 # L: the largest integer one pusher sends
+    threshold: int | None      # None: default_threshold(roster size)
+    pushers: tuple[str, ...]   # the job's pusher ids
+    randomk_ratio: float | None = None  # shared-seed random-k: the kept fraction
+
+    @classmethod
+    def resolve(cls, ps, sites: dict) -> "SecAggSettings":
+        sa = ps.secure_aggregation
+        ids = tuple(pusher_ids(sites))
+        bits = sa.bits or default_bits(ps.compression)
+        return cls(bits=bits, clip=sa.clip, limit=check_resolution(bits, len(ids)), threshold=sa.threshold,
+                   pushers=ids, randomk_ratio=ps.compression.ratio if ps.compression.codec == "randomk" else None)
+
+    def threshold_for(self, roster_size: int) -> int:
+        return self.threshold if self.threshold is not None else default_threshold(roster_size)
+
+    @property
+    def codec_name(self) -> str:
+        """What a masked push names as its codec (its payloads are raw ring vectors)."""
+        return f"secagg{self.bits}"
