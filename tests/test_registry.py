@@ -25,7 +25,7 @@ from hybridfleet.registry.aliases import BUCKETS, bucket
 from tests.registry_helpers import files_under, save_model, table_counts
 
 pytest_plugins = ["tests.registry_fixtures", "tests.seaweed"]
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # the versions are torch checkpoints (tests/registry_helpers.save_model)
 
 
 # ------------------------------------------------------------------ versions and artifacts

@@ -30,7 +30,7 @@ from hybridfleet.registry.server import create_app
 from tests.registry_helpers import save_model, table_counts
 
 pytest_plugins = ["tests.registry_fixtures"]
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # the versions are torch checkpoints (tests/registry_helpers.save_model)
 REPO = Path(__file__).resolve().parents[1]
 
 

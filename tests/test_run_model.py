@@ -89,8 +89,10 @@ def test_ps_run_ends_in_final_and_best_model_with_lineage(tmp_path, example):
     assert version.lineage["run_id"] == run_dir.name and version.manifest_sha256
 
 
+@pytest.mark.torch
 def test_registry_block_with_a_failing_gate_publishes_nothing(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from hybridfleet.registry import Registry
     from hybridfleet.registry.publish import publish_run
 
@@ -109,8 +111,9 @@ def test_registry_block_with_a_failing_gate_publishes_nothing(tmp_path):
     assert Registry(url).list_models() == []
 
 
+@pytest.mark.torch
 def test_model_checkpointer_every_s_and_keep_best_min(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
     # Prepare
     model = torch.nn.Linear(3, 2)
     ckpt = ModelCheckpointer(str(tmp_path / "m"), "torch", every_s=1e-9, keep_last=1, keep_best="loss:min")
@@ -126,8 +129,9 @@ def test_model_checkpointer_every_s_and_keep_best_min(tmp_path):
     assert card["final"]["step"] == 5 and card["best"]["step"] == 2 and card["best"]["value"] == 0.5
 
 
+@pytest.mark.torch
 def test_model_card_skips_a_corrupt_final_checkpoint(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
     model = torch.nn.Linear(3, 2)
     root = tmp_path / "m"
     ckpt = ModelCheckpointer(str(root), "torch", keep_last=3)
@@ -152,9 +156,10 @@ def test_keep_best_must_name_a_metric_and_a_direction():
         parse_keep_best("acc:highest")
 
 
+@pytest.mark.torch
 def test_model_weights_load_into_the_other_framework(tmp_path):
-    torch = pytest.importorskip("torch")
-    paddle = pytest.importorskip("paddle")
+    import paddle
+    import torch
     model = torch.nn.Linear(3, 2)
     ModelCheckpointer(str(tmp_path / "m"), "torch").final(7, model)
     target = paddle.nn.Linear(3, 2)
