@@ -6,12 +6,20 @@ Same rows, same machine, warm page cache, 2 reader workers, batches of 256 in a
 random order: ours (`hybridfleet.data.torch.BatchIterable`: one gather per batch
 from the memory map), torch DataLoader and paddle.io.DataLoader over one file per
 sample, and Hugging Face `datasets` (Arrow memory map, `load_from_disk`) read
-through a torch DataLoader as its docs show, plus its own batched random access.
+through a torch DataLoader as its docs show, plus its own batched random access, and
+MosaicML Streaming (MDS shards, local `StreamingDataset`, shuffled, same DataLoader
+settings) when ``--streaming-python`` names an interpreter that has it: Streaming pins
+numpy<2.2, torchvision and transformers, against this project's pins, so it runs in its
+own virtual environment (bench/_streaming_reader.py; torchvision, which Streaming imports
+at load but this path never calls, is an import-time stand-in there because PyPI's wheels
+need the CUDA build of torch: bench/_streaming_stubs), e.g.
+
+    python3.11 -m venv /opt/mds-venv && /opt/mds-venv/bin/pip install torch==2.13.0 mosaicml-streaming==0.13.0
+
 Two cases: 4 KiB samples and 64-byte rows. Also: anonymous-memory (copy-on-write)
 growth per loader worker over an epoch, a cold read from SeaweedFS through the site
 cache against plain S3 GETs of the same bytes, and how far the cache ever went over
-its budget, in shards. MosaicML Streaming is not measured: its wheels pin
-numpy<2.2, torchvision and transformers, which conflict with this project's pins.
+its budget, in shards.
 Prints a table, then one JSON line: {"bench": "data", "vs_hf_datasets": ours/HF samples/s, ...}.
 """
 
@@ -184,13 +192,34 @@ def bench_cache(path: Path, tmp: Path) -> tuple[float, int]:
         _stop(proc)
 
 
-def run_case(name: str, n: int, row_bytes: int, tmp: Path, shard_mb: float, files: bool = True) -> dict:
+def bench_streaming(python: str, rows: dict[str, np.ndarray], case: Path) -> float:
+    """MosaicML Streaming's samples/s on the same rows, in the interpreter ``python`` (its own venv)."""
+    import subprocess
+
+    np.save(case / "rows.npy", rows["x"])
+    np.save(case / "labels.npy", rows["label"].astype(np.int64))
+    (case / "mds-work").mkdir()
+    done = subprocess.run([python, str(REPO / "bench" / "_streaming_reader.py"), "--rows", str(case / "rows.npy"),
+                           "--labels", str(case / "labels.npy"), "--work", str(case / "mds-work"),
+                           "--batch", str(BATCH), "--workers", str(WORKERS)],
+                          capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(REPO / "bench" / "_streaming_stubs")})  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"MosaicML Streaming run failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["rows"] != len(rows["label"]):
+        raise RuntimeError(f"MosaicML Streaming read {result['rows']} rows of {len(rows['label'])}")
+    return result["samples_per_s"]
+
+
+def run_case(name: str, n: int, row_bytes: int, tmp: Path, shard_mb: float, files: bool = True,
+             streaming_python: str | None = None) -> dict:
     """One row size; ``files``: also the one-file-per-sample baselines (not for millions of tiny rows)."""
     from hybridfleet.data.pack import pack_arrays
 
     case = tmp / name
     rows = make_rows(n, row_bytes)
     pack_arrays(rows, case / "packed", shard_bytes=int(shard_mb * (1 << 20)))
+    streaming = bench_streaming(streaming_python, rows, case) if streaming_python else float("nan")
     if files:
         per_sample_files(rows, case / "files")
     hf_root = case / "hf"
@@ -205,6 +234,7 @@ def run_case(name: str, n: int, row_bytes: int, tmp: Path, shard_mb: float, file
         "paddle_files": bench_files_paddle(case / "files", n) if files else float("nan"),
         "hf_dataloader": hf_loader,
         "hf_batched": hf_batched,
+        "streaming": streaming,
     }
     growth = [json.loads(p.read_text()) for p in rss_dir.iterdir()]
     result["rss_growth_mb"] = max(growth) if growth else None
@@ -217,22 +247,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20 MB instead of --size-mb, for a smoke run")
     parser.add_argument("--size-mb", type=float, default=1024.0)
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir on this disk)")
+    parser.add_argument("--streaming-python", default=None,
+                        help="an interpreter with mosaicml-streaming installed (its own venv): also measure it")
     args = parser.parse_args()
     size_mb = 20.0 if args.quick else args.size_mb
     tmp = Path(tempfile.mkdtemp(prefix="hfleet-bench-data-", dir=args.dir))
     try:
-        big = run_case("4k", int(size_mb * 1e6 / 4096), 4096, tmp, shard_mb=max(1.0, size_mb / 16))
+        big = run_case("4k", int(size_mb * 1e6 / 4096), 4096, tmp, shard_mb=max(1.0, size_mb / 16),
+                       streaming_python=args.streaming_python)
         small_rows = 20_000 if args.quick else 500_000
-        small = run_case("64b", small_rows, 64, tmp, shard_mb=max(0.5, small_rows * 64 / 16e6), files=False)
+        small = run_case("64b", small_rows, 64, tmp, shard_mb=max(0.5, small_rows * 64 / 16e6), files=False,
+                         streaming_python=args.streaming_python)
         cache_vs_get, over = bench_cache(tmp / "4k" / "packed", tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("samples/s; 'loader' = torch DataLoader with 2 workers, 'in-process' = batched random access, no workers")
     print(f"{'':<16} {'ours loader':>12} {'ours in-proc':>13} {'torch files':>12} {'paddle files':>13} "
-          f"{'HF loader':>10} {'HF in-proc':>11}")
+          f"{'HF loader':>10} {'HF in-proc':>11} {'MDS loader':>11}")
     for name, r in (("4 KiB samples", big), ("64-byte rows", small)):
         print(f"{name:<16} {r['ours']:>12,.0f} {r['ours_inproc']:>13,.0f} {r['torch_files']:>12,.0f} "
-              f"{r['paddle_files']:>13,.0f} {r['hf_dataloader']:>10,.0f} {r['hf_batched']:>11,.0f}")
+              f"{r['paddle_files']:>13,.0f} {r['hf_dataloader']:>10,.0f} {r['hf_batched']:>11,.0f} {r['streaming']:>11,.0f}")
     print(f"ours 4 KiB: {big['mb_per_s']:.0f} MB/s; anonymous-memory growth per worker over an epoch: "
           f"{big['rss_growth_mb']:.1f} MB; cold read through the cache vs plain S3 GET: {cache_vs_get:.2f}; "
           f"cache over budget by at most {over} shard(s)")
@@ -244,6 +278,8 @@ def main() -> None:
         "vs_hf_datasets_64b": round(vs_hf(small), 3),
         "vs_torch_files": round(big["ours"] / big["torch_files"], 3),
         "vs_paddle_files": round(big["ours"] / big["paddle_files"], 3),
+        "vs_mosaic_streaming": round(big["ours"] / big["streaming"], 3) if args.streaming_python else None,
+        "vs_mosaic_streaming_64b": round(small["ours"] / small["streaming"], 3) if args.streaming_python else None,
         "samples_per_s": round(big["ours"]), "samples_per_s_inproc": round(big["ours_inproc"]), "rss_growth_mb": round(max(big["rss_growth_mb"], small["rss_growth_mb"]), 2),
         "cache_vs_s3_get": round(cache_vs_get, 3), "cache_over_budget_shards": over,
     }))
