@@ -99,6 +99,8 @@ BASE = {"name": "x", "framework": "torch", "entrypoint": "train.py"}
      "ps.optimizer: server-side adam with compression codec 'topk' trains a poor model"),
     ({"sync": "ssp", "optimizer": {"name": "adamw"}, "compression": {"codec": "sign"}},
      "ps.optimizer: server-side adamw with compression codec 'sign'"),
+    ({"optimizer": {"name": "adam"}, "compression": {"codec": "int4"}},
+     "ps.optimizer: server-side adam with compression codec 'int4' trains a poor model"),
 ])
 def test_bad_local_mode_settings_are_refused_naming_the_field(ps, message):
     with pytest.raises(SpecError) as err:
@@ -111,6 +113,7 @@ def test_local_mode_defaults_to_the_diloco_outer_optimizer():
     opt = spec.ps.optimizer
     assert (opt.name, opt.lr, opt.momentum, opt.nesterov, spec.ps.local_steps) == ("sgd", 0.7, 0.9, True, 50)
     assert parse_spec({**BASE, "ps": {"optimizer": {"name": "adam"}, "compression": {"codec": "int8"}}})
+    assert parse_spec({**BASE, "ps": {"sync": "local", "compression": {"codec": "int4"}}})
 
 
 def test_spec_check_refuses_server_adam_with_topk_and_hfleet_run_starts_nothing(tmp_path):

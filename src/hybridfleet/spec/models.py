@@ -45,7 +45,7 @@ class OptimizerSpec(_Strict):
 class CompressionSpec(_Strict):
     """How workers compress what they push (agreed with the server at join)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign"] = "none"
+    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign", "int4"] = "none"
     ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
     value_dtype: Literal["float32", "float16"] = Field("float32", description="topk/randomk: how kept values travel")
     error_feedback: bool = True
