@@ -72,6 +72,7 @@ VARIANTS = {
                    False),
     "local": ("local (DiLoCo) dense + site aggr.", {"codec": "none"}, True, True),
     "local_int8": ("local (DiLoCo) int8 + EF + site aggr.", {"codec": "int8", "error_feedback": True}, True, True),
+    "local_int4": ("local (DiLoCo) int4 + EF + site aggr.", {"codec": "int4", "error_feedback": True}, True, True),
 }
 
 
@@ -140,7 +141,7 @@ def variant_job(name: str, args, steps: int, capped: bool = True) -> dict:
     return digits_job(f"wan-{name.replace('_', '-')}{'' if capped else '-uncapped'}", args.framework, steps,
                       compression, eval_every_steps=local_steps or args.eval_every, host=_wan_net.HOST_ADDR,
                       aggregate=aggregate, hospital_netns=_wan_net.NAMESPACE if capped else None,
-                      local_steps=local_steps, inner_lr=args.inner_lr if local else None)
+                      local_steps=local_steps, inner_lr=args.inner_lr if local else None, init_site="cloud")
 
 
 def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool) -> dict:

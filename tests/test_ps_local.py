@@ -209,3 +209,42 @@ def test_local_mode_job_reaches_095_and_a_sigkilled_worker_resumes_its_inner_sta
     assert {m["step"] for m in finals} == {400}  # inner steps; every worker finished the job's steps
     for process in ("worker-hospital-0", "worker-hospital-1", "worker-cloud-0"):
         assert (run_dir / "inner" / process).is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_local_mode_with_int4_pseudo_gradients_reaches_093_and_the_cloud_initialises(tmp_path, framework):
+    # Prepare: digits-local with 4-bit pseudo-gradients (error feedback), 10 outer rounds of H=20, the shards
+    # initialised by the cloud site's first worker instead of the job's first site (the hospital)
+    from hybridfleet.launch.psjob import run_ps_job
+
+    job = _local_job(tmp_path, framework)
+    data = yaml.safe_load(job.read_text())
+    data["ps"]["compression"] = {"codec": "int4", "error_feedback": True}
+    data["ps"]["init_site"] = "cloud"
+    data["ps"]["snapshot_every_steps"] = None
+    data["train"].update(steps=200, eval_every_steps=20)
+    job.write_text(yaml.safe_dump(data))
+
+    # Execute
+    summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs")
+
+    # Assert
+    assert summary["status"] == "completed", summary
+    assert summary["test_accuracy"] >= 0.93
+    metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    sent = {m["process"]: m["sent"] for m in metrics if m.get("final") and "sent" in m}
+    model_bytes = 4 * (64 * 128 + 128 + 128 * 10 + 10)  # the digits MLP of the example (--hidden 128)
+    # the cloud's first worker pushed the initial values; the hospital's leader sent 10 rounds of 4-bit codes
+    # (half a byte per parameter, plus scales and framing) and nothing else
+    assert sent["worker-cloud-0"] > model_bytes
+    assert 10 * model_bytes / 8 < sent["worker-hospital-0"] < 10 * model_bytes / 8 * 1.25
+    assert sent["worker-hospital-1"] == 0  # its site's leader pushes for it
+
+
+def test_init_site_must_name_a_site_of_the_job():
+    data = yaml.safe_load((REPO / "examples/digits-local.yaml").read_text())
+    data["ps"]["init_site"] = "lab"
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    assert "ps.init_site: 'lab' is not a site of this job (sites: hospital, cloud)" in str(err.value)
