@@ -213,33 +213,45 @@ def test_local_mode_job_reaches_095_and_a_sigkilled_worker_resumes_its_inner_sta
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
-def test_local_mode_with_int4_pseudo_gradients_reaches_093_and_the_cloud_initialises(tmp_path, framework):
-    # Prepare: digits-local with 4-bit pseudo-gradients (error feedback), 10 outer rounds of H=20, the shards
-    # initialised by the cloud site's first worker instead of the job's first site (the hospital)
+def test_local_mode_with_int4_reaches_093_both_ways_4_bit_and_the_sigkilled_initialiser_resumes(tmp_path, framework):
+    # Prepare: digits-local with 4-bit pseudo-gradients (error feedback) up and 4-bit parameter deltas down,
+    # 10 outer rounds of H=20, the shards initialised by the cloud site's first worker instead of the job's
+    # first site (the hospital)
     from hybridfleet.launch.psjob import run_ps_job
 
     job = _local_job(tmp_path, framework)
     data = yaml.safe_load(job.read_text())
     data["ps"]["compression"] = {"codec": "int4", "error_feedback": True}
     data["ps"]["init_site"] = "cloud"
-    data["ps"]["snapshot_every_steps"] = None
     data["train"].update(steps=200, eval_every_steps=20)
     job.write_text(yaml.safe_dump(data))
+    killed: dict = {}
 
-    # Execute
-    summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs")
+    # Execute: SIGKILL the initialising worker once 4 outer rounds are applied
+    summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs",
+                         on_started=kill_when_round(4, "worker-cloud-0", killed))
 
     # Assert
+    assert killed["pid"] is not None and 4 <= killed["at_round"] < 10
     assert summary["status"] == "completed", summary
+    assert summary["restarts"] == 1
     assert summary["test_accuracy"] >= 0.93
-    metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    sent = {m["process"]: m["sent"] for m in metrics if m.get("final") and "sent" in m}
+    run_dir = Path(summary["run_dir"])
+    restored = [json.loads(line) for line in (run_dir / "logs" / "worker-cloud-0.log").read_text().splitlines()
+                if '"inner_state_restored"' in line]
+    assert len(restored) == 1
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    finals = {m["process"]: m for m in metrics if m.get("final") and "sent" in m}
+    assert {m["step"] for m in finals.values()} == {200}
     model_bytes = 4 * (64 * 128 + 128 + 128 * 10 + 10)  # the digits MLP of the example (--hidden 128)
-    # the cloud's first worker pushed the initial values; the hospital's leader sent 10 rounds of 4-bit codes
-    # (half a byte per parameter, plus scales and framing) and nothing else
-    assert sent["worker-cloud-0"] > model_bytes
-    assert 10 * model_bytes / 8 < sent["worker-hospital-0"] < 10 * model_bytes / 8 * 1.25
-    assert sent["worker-hospital-1"] == 0  # its site's leader pushes for it
+    four_bit_rounds = 10 * model_bytes / 8  # half a byte per parameter and round
+    # the hospital's leader sent and received 10 rounds of 4-bit codes (plus scales and framing) and
+    # nothing else: the initial values came from the cloud, and the restarted initialiser did not push them again
+    hospital = finals["worker-hospital-0"]
+    assert four_bit_rounds < hospital["sent"] < four_bit_rounds * 1.25
+    assert four_bit_rounds < hospital["received"] < four_bit_rounds * 1.25
+    assert finals["worker-hospital-1"]["sent"] == 0  # its site's leader pushes for it
+    assert finals["worker-cloud-0"]["sent"] < model_bytes  # after its restart: 4-bit rounds only, no second init
 
 
 def test_init_site_must_name_a_site_of_the_job():
