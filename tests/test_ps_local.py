@@ -262,3 +262,17 @@ def test_init_site_must_name_a_site_of_the_job():
     with pytest.raises(SpecError) as err:
         parse_spec(data)
     assert "ps.init_site: 'lab' is not a site of this job (sites: hospital, cloud)" in str(err.value)
+
+
+@pytest.mark.parametrize("init_site, site, rank, site_rank, expected", [
+    (None, "hospital", 0, 0, True),       # default: global rank 0, the first site's first worker
+    (None, "cloud", 2, 0, False),
+    ("cloud", "hospital", 0, 0, False),
+    ("cloud", "cloud", 2, 0, True),
+    ("cloud", "cloud", 3, 1, False),
+])
+def test_the_first_worker_of_init_site_initialises_the_shards(init_site, site, rank, site_rank, expected):
+    data = yaml.safe_load((REPO / "examples/digits-local.yaml").read_text())
+    data["ps"]["init_site"] = init_site
+    config = WorkerConfig(job=parse_spec(data), site=site, rank=rank, site_rank=site_rank)
+    assert config.initialises is expected
