@@ -59,7 +59,8 @@ def num_parameters(hidden: str = HIDDEN) -> int:
 
 def digits_job(name: str, framework: str, steps: int, compression: dict, *, eval_every_steps: int,
                optimizer: dict | None = None, host: str = "127.0.0.1", aggregate: bool = False,
-               hospital_netns: str | None = None, local_steps: int | None = None, inner_lr: float | None = None) -> dict:
+               hospital_netns: str | None = None, local_steps: int | None = None, inner_lr: float | None = None,
+               init_site: str | None = None) -> dict:
     """The digits hybrid job as a dict (hospital + cloud, 2 workers each, 2 shards), ready for YAML.
 
     With ``local_steps`` the job runs ``sync: local`` (the script's Adam, lr ``inner_lr``, takes the inner
@@ -74,6 +75,8 @@ def digits_job(name: str, framework: str, steps: int, compression: dict, *, eval
     if local_steps is not None:
         ps = {"shards": 2, "sync": "local", "local_steps": local_steps, **({"optimizer": optimizer} if optimizer else {})}
         args += ["--lr", str(inner_lr)] if inner_lr is not None else []
+    if init_site is not None:
+        ps["init_site"] = init_site
     return {
         "name": name, "framework": framework, "entrypoint": str(ENTRYPOINTS[framework]),
         "args": args, "mode": "ps",

@@ -1,8 +1,8 @@
-"""Time to accuracy over a rate-capped WAN link: dense BSP, top-k BSP, and local SGD / DiLoCo (dense, int8).
+"""Time to accuracy over a rate-capped WAN link: dense BSP, top-k BSP, and local SGD / DiLoCo (dense, int8, int4).
 
     sudo python bench/wan.py                          # torch, 20 Mbit/s, target 0.93
     sudo python bench/wan.py --framework paddle
-    sudo python bench/wan.py --quick                  # 100 Mbit/s, target 0.85, about 2 minutes
+    sudo python bench/wan.py --quick                  # 100 Mbit/s, target 0.85, about 3 minutes
     sudo python bench/wan.py --rate-mbit 50
 
 The hospital site's 2 workers run in their own network namespace (``hf-hosp``),
@@ -17,10 +17,14 @@ parameters, same seeds, same number of training steps per worker):
 * dense BSP: ``codec: none``, server-side SGD lr 0.3, every worker pushes and pulls on its own;
 * top-k BSP: ``codec: topk`` 1% + error feedback, compressed downlink, ``aggregate: true`` on both
   sites (one leader per site talks to the shards), server-side SGD lr 0.3;
-* local dense / local + int8: ``sync: local`` (DiLoCo): each worker takes ``--local-steps`` steps with
-  the script's own Adam (lr ``--inner-lr``), then the sites' averaged pseudo-gradients (plain, or int8
-  with error feedback) go to the shards, which apply Nesterov SGD (lr 0.7, momentum 0.9); site
-  aggregation on both sites.
+* local dense / local + int8 / local + int4: ``sync: local`` (DiLoCo): each worker takes ``--local-steps``
+  steps with the script's own Adam (lr ``--inner-lr``), then the sites' averaged pseudo-gradients (plain,
+  or int8 / int4 with error feedback; the shards send the new parameters back through the same codec)
+  go to the shards, which apply Nesterov SGD (lr 0.7, momentum 0.9); site aggregation on both sites.
+
+In every variant the cloud site's first worker initialises the shards (``ps.init_site: cloud``), so the
+initial values do not cross the capped link; the other workers hold the same initial values (same
+seed) and pull nothing at join.
 
 Time to target = the ``elapsed_s`` of the first metrics record (any worker) whose
 ``test_accuracy`` reaches the target; ``elapsed_s`` counts from the worker's session
@@ -36,11 +40,12 @@ Mbit/s); their final accuracy comes from the same job run again without the cap
 ``--quick`` nothing is stopped early and every final accuracy is from the capped run.
 Local runs always run all steps over the capped link.
 
-speedup = dense BSP time / top-k BSP time; local_speedup = dense BSP / local + int8;
-local_vs_topk = top-k BSP / local + int8; local_bytes_reduction = 1 - local + int8 WAN bytes
-to target / dense BSP's; local_acc_drop = dense BSP final accuracy - local + int8's;
-adam_acc_drop = local dense final - local + int8 final (both train with Adam as the inner
-optimizer: dense Adam against compressed Adam).
+The local-mode keys use local + int4 (4-bit pseudo-gradients, the fewest bytes; local + int8 is
+printed and its ``local_int8_*`` figures are in the JSON line too): speedup = dense BSP time /
+top-k BSP time; local_speedup = dense BSP / local + int4; local_vs_topk = top-k BSP / local + int4;
+local_bytes_reduction = 1 - local + int4 WAN bytes to target / dense BSP's; local_acc_drop = dense
+BSP final accuracy - local + int4's; adam_acc_drop = local dense final - local + int4 final (both
+train with Adam as the inner optimizer: dense Adam against compressed Adam).
 
 Needs root; without it (or when ``ip netns`` fails) it prints
 ``{"bench": "wan", "skipped": reason}`` and exits 0. The last line is JSON.
@@ -72,6 +77,7 @@ VARIANTS = {
                    False),
     "local": ("local (DiLoCo) dense + site aggr.", {"codec": "none"}, True, True),
     "local_int8": ("local (DiLoCo) int8 + EF + site aggr.", {"codec": "int8", "error_feedback": True}, True, True),
+    "local_int4": ("local (DiLoCo) int4 + EF + site aggr.", {"codec": "int4", "error_feedback": True}, True, True),
 }
 
 
@@ -140,7 +146,7 @@ def variant_job(name: str, args, steps: int, capped: bool = True) -> dict:
     return digits_job(f"wan-{name.replace('_', '-')}{'' if capped else '-uncapped'}", args.framework, steps,
                       compression, eval_every_steps=local_steps or args.eval_every, host=_wan_net.HOST_ADDR,
                       aggregate=aggregate, hospital_netns=_wan_net.NAMESPACE if capped else None,
-                      local_steps=local_steps, inner_lr=args.inner_lr if local else None)
+                      local_steps=local_steps, inner_lr=args.inner_lr if local else None, init_site="cloud")
 
 
 def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool) -> dict:
@@ -246,7 +252,8 @@ def main() -> None:
 
     print(f"\ndigits hybrid job, {args.framework}, {num_parameters():,} parameters; hospital (2 workers) behind "
           f"{args.rate_mbit:g} Mbit/s, cloud (2 workers) local; target test accuracy {args.target}; {steps} steps; "
-          f"local: H={min(args.local_steps, steps)}, inner Adam lr {args.inner_lr:g}, outer Nesterov SGD lr 0.7")
+          f"local: H={min(args.local_steps, steps)}, inner Adam lr {args.inner_lr:g}, outer Nesterov SGD lr 0.7; "
+          f"shards initialised by the cloud site")
     print(f"{'variant':<40}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'final acc':>11}"
           f"{'wall s':>9}")
     for name, r in results.items():
@@ -261,21 +268,23 @@ def main() -> None:
         fail(f"target {args.target} not reached within {steps} steps by: {', '.join(missing)}",
              [r["run_dir"] for r in results.values()], workdir)
     shutil.rmtree(workdir, ignore_errors=True)
-    dense, topk, local, local_int8 = (results[n] for n in VARIANTS)
+    dense, topk, local, local_int8, local_int4 = (results[n] for n in VARIANTS)
     print(json.dumps({
         "bench": "wan", "framework": args.framework, "rate_mbit": args.rate_mbit,
         "dense_s": dense["time_s"], "compressed_s": topk["time_s"],
         "speedup": ratio(dense["time_s"], topk["time_s"]),
-        "local_dense_s": local["time_s"], "local_int8_s": local_int8["time_s"],
-        "local_speedup": ratio(dense["time_s"], local_int8["time_s"]),
-        "local_vs_topk": ratio(topk["time_s"], local_int8["time_s"]),
+        "local_dense_s": local["time_s"], "local_int8_s": local_int8["time_s"], "local_int4_s": local_int4["time_s"],
+        "local_speedup": ratio(dense["time_s"], local_int4["time_s"]),
+        "local_vs_topk": ratio(topk["time_s"], local_int4["time_s"]),
+        "local_int8_speedup": ratio(dense["time_s"], local_int8["time_s"]),
         "dense_bytes": dense["bytes"], "compressed_bytes": topk["bytes"], "local_dense_bytes": local["bytes"],
-        "local_int8_bytes": local_int8["bytes"],
-        "local_bytes_reduction": round(1 - local_int8["bytes"] / dense["bytes"], 5),
+        "local_int8_bytes": local_int8["bytes"], "local_int4_bytes": local_int4["bytes"],
+        "local_bytes_reduction": round(1 - local_int4["bytes"] / dense["bytes"], 5),
+        "local_int8_bytes_reduction": round(1 - local_int8["bytes"] / dense["bytes"], 5),
         "dense_acc": dense["final_acc"], "compressed_acc": topk["final_acc"], "local_dense_acc": local["final_acc"],
-        "local_int8_acc": local_int8["final_acc"],
-        "local_acc_drop": round(dense["final_acc"] - local_int8["final_acc"], 5),
-        "adam_acc_drop": round(local["final_acc"] - local_int8["final_acc"], 5),
+        "local_int8_acc": local_int8["final_acc"], "local_int4_acc": local_int4["final_acc"],
+        "local_acc_drop": round(dense["final_acc"] - local_int4["final_acc"], 5),
+        "adam_acc_drop": round(local["final_acc"] - local_int4["final_acc"], 5),
         "local_steps": min(args.local_steps, steps), "inner_lr": args.inner_lr, "steps": steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),
     }))

@@ -52,7 +52,7 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     args = ["--quick", "--steps", "10", "--eval-every", "1", "--target", "0.3"]
 
     # Execute
-    proc = run_bench("wan.py", *args, timeout_s=300)  # four jobs: dense, top-k, local, local + int8
+    proc = run_bench("wan.py", *args, timeout_s=400)  # five jobs: dense, top-k, local, local + int8, local + int4
 
     # Assert
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -70,16 +70,18 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     assert result["rate_mbit"] == 100.0
     assert result["dense_s"] > 0 and result["compressed_s"] > 0
     assert result["speedup"] == pytest.approx(result["dense_s"] / result["compressed_s"], rel=1e-2)
-    assert result["local_speedup"] == pytest.approx(result["dense_s"] / result["local_int8_s"], rel=1e-2)
-    assert result["local_vs_topk"] == pytest.approx(result["compressed_s"] / result["local_int8_s"], rel=1e-2)
-    # int8 pseudo-gradients, once per outer round: fewer bytes than dense BSP, whatever the exact figure
-    assert 0.0 < result["local_bytes_reduction"] < 1.0
-    assert result["local_int8_bytes"] < result["local_dense_bytes"]
-    for key in ("dense_acc", "compressed_acc", "local_dense_acc", "local_int8_acc"):
+    # the local-mode keys are those of local + int4
+    assert result["local_speedup"] == pytest.approx(result["dense_s"] / result["local_int4_s"], rel=1e-2)
+    assert result["local_vs_topk"] == pytest.approx(result["compressed_s"] / result["local_int4_s"], rel=1e-2)
+    assert result["local_int8_speedup"] == pytest.approx(result["dense_s"] / result["local_int8_s"], rel=1e-2)
+    # 8- then 4-bit pseudo-gradients, once per outer round: fewer bytes than dense, whatever the exact figures
+    assert 0.0 < result["local_int8_bytes_reduction"] < result["local_bytes_reduction"] < 1.0
+    assert result["local_int4_bytes"] < result["local_int8_bytes"] < result["local_dense_bytes"]
+    for key in ("dense_acc", "compressed_acc", "local_dense_acc", "local_int8_acc", "local_int4_acc"):
         assert 0.0 <= result[key] <= 1.0
-    assert result["local_acc_drop"] == pytest.approx(result["dense_acc"] - result["local_int8_acc"], abs=1e-4)
-    assert result["adam_acc_drop"] == pytest.approx(result["local_dense_acc"] - result["local_int8_acc"], abs=1e-4)
-    assert "local (DiLoCo) int8" in proc.stdout
+    assert result["local_acc_drop"] == pytest.approx(result["dense_acc"] - result["local_int4_acc"], abs=1e-4)
+    assert result["adam_acc_drop"] == pytest.approx(result["local_dense_acc"] - result["local_int4_acc"], abs=1e-4)
+    assert "local (DiLoCo) int8" in proc.stdout and "local (DiLoCo) int4" in proc.stdout
     assert "raw TCP measured" in proc.stdout
     assert not Path("/var/run/netns/hf-hosp").exists(), "the namespace must be torn down"
 

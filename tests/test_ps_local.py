@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from hybridfleet.codec.int4 import INT4_CHUNK_SIZE
 from hybridfleet.errors import SpecError
 from hybridfleet.ps.worker.client import ClientSecurity
 from hybridfleet.ps.worker.local import LocalRounds
@@ -99,6 +100,8 @@ BASE = {"name": "x", "framework": "torch", "entrypoint": "train.py"}
      "ps.optimizer: server-side adam with compression codec 'topk' trains a poor model"),
     ({"sync": "ssp", "optimizer": {"name": "adamw"}, "compression": {"codec": "sign"}},
      "ps.optimizer: server-side adamw with compression codec 'sign'"),
+    ({"optimizer": {"name": "adam"}, "compression": {"codec": "int4"}},
+     "ps.optimizer: server-side adam with compression codec 'int4' trains a poor model"),
 ])
 def test_bad_local_mode_settings_are_refused_naming_the_field(ps, message):
     with pytest.raises(SpecError) as err:
@@ -111,6 +114,7 @@ def test_local_mode_defaults_to_the_diloco_outer_optimizer():
     opt = spec.ps.optimizer
     assert (opt.name, opt.lr, opt.momentum, opt.nesterov, spec.ps.local_steps) == ("sgd", 0.7, 0.9, True, 50)
     assert parse_spec({**BASE, "ps": {"optimizer": {"name": "adam"}, "compression": {"codec": "int8"}}})
+    assert parse_spec({**BASE, "ps": {"sync": "local", "compression": {"codec": "int4"}}})
 
 
 def test_spec_check_refuses_server_adam_with_topk_and_hfleet_run_starts_nothing(tmp_path):
@@ -206,3 +210,69 @@ def test_local_mode_job_reaches_095_and_a_sigkilled_worker_resumes_its_inner_sta
     assert {m["step"] for m in finals} == {400}  # inner steps; every worker finished the job's steps
     for process in ("worker-hospital-0", "worker-hospital-1", "worker-cloud-0"):
         assert (run_dir / "inner" / process).is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_local_mode_with_int4_reaches_093_both_ways_4_bit_and_the_sigkilled_initialiser_resumes(tmp_path, framework):
+    # Prepare: digits-local with 4-bit pseudo-gradients (error feedback) up and 4-bit parameter deltas down,
+    # 10 outer rounds of H=20, the shards initialised by the cloud site's first worker instead of the job's
+    # first site (the hospital)
+    from hybridfleet.launch.psjob import run_ps_job
+
+    job = _local_job(tmp_path, framework)
+    data = yaml.safe_load(job.read_text())
+    data["ps"]["compression"] = {"codec": "int4", "error_feedback": True}
+    data["ps"]["init_site"] = "cloud"
+    data["train"].update(steps=200, eval_every_steps=20)
+    job.write_text(yaml.safe_dump(data))
+    killed: dict = {}
+
+    # Execute: SIGKILL the initialising worker once 4 outer rounds are applied
+    summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs",
+                         on_started=kill_when_round(4, "worker-cloud-0", killed))
+
+    # Assert
+    assert killed["pid"] is not None and 4 <= killed["at_round"] < 10
+    assert summary["status"] == "completed", summary
+    assert summary["restarts"] == 1
+    assert summary["test_accuracy"] >= 0.93
+    run_dir = Path(summary["run_dir"])
+    restored = [json.loads(line) for line in (run_dir / "logs" / "worker-cloud-0.log").read_text().splitlines()
+                if '"inner_state_restored"' in line]
+    assert len(restored) == 1
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    finals = {m["process"]: m for m in metrics if m.get("final") and "sent" in m}
+    assert {m["step"] for m in finals.values()} == {200}
+    numel = 64 * 128 + 128 + 128 * 10 + 10  # the digits MLP of the example (--hidden 128)
+    model_bytes = 4 * numel
+    four_bit_rounds = 10 * numel * (0.5 + 4 / INT4_CHUNK_SIZE)  # codes and scales of 10 rounds
+    # the hospital's leader sent and received 10 rounds of 4-bit codes (plus framing and control) and
+    # nothing else: the initial values came from the cloud, and the restarted initialiser did not push them again
+    hospital = finals["worker-hospital-0"]
+    assert four_bit_rounds < hospital["sent"] < four_bit_rounds * 1.2
+    assert four_bit_rounds < hospital["received"] < four_bit_rounds * 1.2
+    assert finals["worker-hospital-1"]["sent"] == 0  # its site's leader pushes for it
+    assert finals["worker-cloud-0"]["sent"] < model_bytes  # after its restart: 4-bit rounds only, no second init
+
+
+def test_init_site_must_name_a_site_of_the_job():
+    data = yaml.safe_load((REPO / "examples/digits-local.yaml").read_text())
+    data["ps"]["init_site"] = "lab"
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    assert "ps.init_site: 'lab' is not a site of this job (sites: hospital, cloud)" in str(err.value)
+
+
+@pytest.mark.parametrize("init_site, site, rank, site_rank, expected", [
+    (None, "hospital", 0, 0, True),       # default: global rank 0, the first site's first worker
+    (None, "cloud", 2, 0, False),
+    ("cloud", "hospital", 0, 0, False),
+    ("cloud", "cloud", 2, 0, True),
+    ("cloud", "cloud", 3, 1, False),
+])
+def test_the_first_worker_of_init_site_initialises_the_shards(init_site, site, rank, site_rank, expected):
+    data = yaml.safe_load((REPO / "examples/digits-local.yaml").read_text())
+    data["ps"]["init_site"] = init_site
+    config = WorkerConfig(job=parse_spec(data), site=site, rank=rank, site_rank=site_rank)
+    assert config.initialises is expected

@@ -50,6 +50,10 @@ def assert_within_bound(codec, x: np.ndarray, payload: bytes) -> None:
         for xc, yc in zip(_chunks(x, codec.chunk_size), _chunks(y, codec.chunk_size)):
             half_step = np.abs(xc).max() / 254
             assert (np.abs(yc - xc) <= half_step * (1 + 1e-5) + 1e-30).all()
+    elif codec.name == "int4":
+        for xc, yc in zip(_chunks(x, codec.chunk_size), _chunks(y, codec.chunk_size)):
+            half_step = np.abs(xc).max() / 14
+            assert (np.abs(yc - xc) <= half_step * (1 + 1e-5) + 1e-30).all()
     elif codec.name in ("topk", "randomk"):
         k = min(x.size, max(1, math.ceil(codec.ratio * x.size - 1e-6))) if x.size else 0
         kept = codec.decode_sparse(payload).indices

@@ -55,7 +55,7 @@ def test_registry_names_match_the_job_spec_choices():
 
 
 def test_unknown_codec_name_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown codec 'zstd'; valid codecs: none, fp16, bf16, int8, topk, randomk, sign"):
+    with pytest.raises(ValueError, match="unknown codec 'zstd'; valid codecs: none, fp16, bf16, int8, topk, randomk, sign, int4"):
         get_codec("zstd")
 
 
@@ -152,6 +152,54 @@ def test_int8_chunk_of_zeros_decodes_exactly_and_others_use_their_own_scale():
     assert decoded[8] == 500
 
 
+def test_int4_codes_are_the_nearest_of_fifteen_levels_per_chunk():
+    # Prepare: chunk 0 spans [-7, 7] exactly, chunk 1 is zeros, chunk 2 tiny values, odd length
+    codec = get_codec("int4", chunk_size=4)
+    x = np.array([7.0, -7.0, 3.4, -0.6, 0, 0, 0, 0, 1e-6, -2e-6, 7e-7], dtype=np.float32)
+
+    # Execute
+    payload = codec.encode(x)
+    decoded = codec.decode(payload)
+
+    # Assert: 11 elements in 6 code bytes; each value rounds to its chunk's grid of absmax / 7
+    table, spans = _fields(payload)
+    assert spans[2][1] == 6
+    np.testing.assert_array_equal(decoded[:8], [7.0, -7.0, 3.0, -1.0, 0, 0, 0, 0])
+    # 1e-6 / (2e-6 / 7) = 3.5 rounds half to even (4), 7e-7 / (2e-6 / 7) = 2.45 rounds to 2
+    np.testing.assert_allclose(decoded[8:], np.array([4, -7, 2]) * np.float32(2e-6) / 7, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("field", "body", "message"),
+    [
+        (1, struct.pack("<f", float("nan")), "int4 payload has a NaN or Inf scale"),
+        (1, struct.pack("<f", float("inf")), "int4 payload has a NaN or Inf scale"),
+        (1, struct.pack("<f", -1.0), "int4 payload has a negative scale"),
+        (2, bytes([0x11, 0x11, 0x11, 0x11, 0x08]), "int4 payload has the code -8; codes lie in \\[-7, 7\\]"),
+        (2, bytes([0x11, 0x11, 0x11, 0x11, 0x11]), "int4 payload has a non-zero padding nibble after the last element"),
+        (2, bytes([0x11] * 4), r"int4 payload: codes field holds 4 bytes, expected 5 \(5 x uint8\)"),
+    ],
+)
+def test_int4_hostile_payload_is_rejected_with_message(field, body, message):
+    # Prepare: 9 elements in one chunk -> one scale, 5 code bytes
+    codec = get_codec("int4")
+    payload = codec.encode(np.linspace(-1, 1, 9, dtype=np.float32))
+
+    # Execute / Assert
+    with pytest.raises(ProtocolError, match=message):
+        codec.decode(_replace_field(payload, field, body))
+
+
+def test_int4_frame_cannot_make_the_decoder_allocate_beyond_the_caller_plan():
+    # Prepare: a tiny frame whose header announces 2**31 elements
+    payload = bytearray(get_codec("int4").encode(np.ones(8, dtype=np.float32)))
+    struct.pack_into("<I", payload, 6, 2**31)
+
+    # Execute / Assert: refused on the element count before any array is built
+    with pytest.raises(ProtocolError, match=r"int4 payload shape \(2147483648,\) has 2147483648 elements, expected 8"):
+        get_codec("int4").decode(bytes(payload), expected_numel=8)
+
+
 def test_sign_decodes_zero_as_positive_scale():
     codec = get_codec("sign", chunk_size=4)
     decoded = codec.decode(codec.encode(np.array([0.0, -2.0, 4.0, -2.0], dtype=np.float32)))
@@ -165,7 +213,7 @@ def test_sign_payload_with_set_padding_bits_is_rejected():
         get_codec("sign").decode(corrupt)
 
 
-@pytest.mark.parametrize("name", ["int8", "sign"])
+@pytest.mark.parametrize("name", ["int8", "int4", "sign"])
 def test_chunked_payload_with_zero_chunk_size_is_rejected(name):
     payload = get_codec(name).encode(np.ones(5, dtype=np.float32))
     corrupt = _replace_field(payload, 0, struct.pack("<I", 0))

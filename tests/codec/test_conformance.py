@@ -195,6 +195,7 @@ def test_payload_decodes_with_a_codec_built_from_the_name_alone(codec_name, rng)
     # Prepare: the sender uses non-default options
     options = {
         "int8": {"chunk_size": 100},
+        "int4": {"chunk_size": 50},
         "sign": {"chunk_size": 33},
         "topk": {"ratio": 0.3, "index_coding": "int32"},
         "randomk": {"ratio": 0.2, "seed": 1, "scale": True},

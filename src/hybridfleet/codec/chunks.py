@@ -1,4 +1,4 @@
-"""Per-chunk scales: the base of int8 and sign, and vectorised chunk helpers.
+"""Per-chunk scales: the base of int8, int4 and sign, and vectorised chunk helpers.
 
 int8 and sign both keep one float32 scale per run of `chunk_size` elements
 (the last run may be shorter). Their payloads start with the same two fields,

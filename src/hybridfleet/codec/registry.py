@@ -8,13 +8,15 @@ from typing import Any
 from hybridfleet.codec.base import Codec
 from hybridfleet.codec.cast import Bf16Codec, Fp16Codec, NoneCodec
 from hybridfleet.codec.frame import CODEC_IDS
+from hybridfleet.codec.int4 import Int4Codec
 from hybridfleet.codec.int8 import Int8Codec
 from hybridfleet.codec.randomk import RandomKCodec
 from hybridfleet.codec.sign import SignCodec
 from hybridfleet.codec.topk import TopKCodec
 
 _CLASSES: dict[str, type[Codec]] = {
-    cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec, SignCodec)
+    cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec, SignCodec,
+                Int4Codec)
 }
 assert set(_CLASSES) == set(CODEC_IDS), "every codec needs a wire id in frame.CODEC_IDS"
 

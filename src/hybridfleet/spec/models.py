@@ -45,7 +45,7 @@ class OptimizerSpec(_Strict):
 class CompressionSpec(_Strict):
     """How workers compress what they push (agreed with the server at join)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign"] = "none"
+    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign", "int4"] = "none"
     ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
     value_dtype: Literal["float32", "float16"] = Field("float32", description="topk/randomk: how kept values travel")
     error_feedback: bool = True
@@ -133,6 +133,9 @@ class PSSpec(_Strict):
     max_model_bytes: int = Field(2 << 30, ge=1024, description="a Join declaring a larger model is refused")
     memory_budget_bytes: int = Field(
         2 << 30, ge=1 << 20, description="push bytes a shard holds in flight at once, all peers together")
+    init_site: str | None = Field(
+        None, description="the site whose first worker pushes the initial values to the shards (default: the "
+                          "first site), e.g. the site next to the shards, so they never cross a slow link")
 
     @model_validator(mode="before")
     @classmethod
@@ -287,6 +290,9 @@ class JobSpec(_Strict):
         from hybridfleet.spec.rules import check_site_frameworks
 
         check_site_frameworks(self)
+        if self.ps.init_site is not None and self.ps.init_site not in self.sites:
+            raise ValueError(f"ps.init_site: {self.ps.init_site!r} is not a site of this job "
+                             f"(sites: {', '.join(self.sites)})")
         if self.environment.cuda and self.environment.device != "gpu":
             raise ValueError("environment.cuda: set environment.device: gpu too (or drop cuda)")
         if self.ps.secure_aggregation is not None:

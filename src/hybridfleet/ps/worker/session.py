@@ -57,6 +57,12 @@ class WorkerConfig:
     def worker_id(self) -> str:
         return f"{self.site}-{self.site_rank}"
 
+    @property
+    def initialises(self) -> bool:
+        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0)."""
+        init_site = self.job.ps.init_site
+        return self.rank == 0 if init_site is None else (self.site == init_site and self.site_rank == 0)
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
         """Build the config from ``HFLEET_JOB``, ``HFLEET_SITE``, ``HFLEET_RANK``, ``HFLEET_SERVERS``, ..."""
@@ -174,7 +180,7 @@ class PSSession:
             # a (re)joining worker takes up the open round, not the steps it missed while away
             self.client.clock = max(self.client.clock, max(info["versions"]))
         self.step_count = self.client.clock
-        if not info["initialized"] and cfg.rank == 0:
+        if not info["initialized"] and cfg.initialises:
             init = {}
             for name, arr in params.items():
                 init.update({k: np.ascontiguousarray(v, dtype=DTYPE).tobytes()
