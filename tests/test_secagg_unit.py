@@ -158,6 +158,9 @@ def test_settings_follow_the_codec_and_count_site_leaders_as_one_pusher():
     assert pusher_ids(job.sites) == ["c-0", "c-1", "h-0"] and s.pushers == ("c-0", "c-1", "h-0")
     assert s.bits == 16 and s.limit == 32767 // 3 and s.clip == 0.5 and s.codec_name == "secagg16"
     assert s.threshold_for(3) == default_threshold(3) == 3 and default_threshold(10) == 7
+    int4 = parse_spec({"name": "j", "framework": "torch", "entrypoint": "t.py", "sites": {"h": {"workers": 2}},
+                       "ps": {"secure_aggregation": True, "compression": {"codec": "int4"}}})
+    assert SecAggSettings.resolve(int4.ps, int4.sites).bits == 16  # a dense quantiser: the 16-bit ring replaces it
 
 
 @pytest.mark.parametrize("ps, message", [

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from hybridfleet.ps.secagg.ring import check_resolution
 
-SIXTEEN_BIT_CODECS = ("fp16", "bf16", "int8")
-MASKABLE_CODECS = ("none", "fp16", "bf16", "int8", "randomk")
+SIXTEEN_BIT_CODECS = ("fp16", "bf16", "int8", "int4")
+MASKABLE_CODECS = ("none", "fp16", "bf16", "int8", "int4", "randomk")
 MASKABLE_RULES = ("mean", "norm_clip")
 MASKABLE_SYNC = ("bsp", "local")
 
 
 def default_bits(compression) -> int:
-    """16 for the 16-bit and 8-bit codecs (and random-k with float16 values), else 32."""
+    """16 for the 16-, 8- and 4-bit codecs (and random-k with float16 values), else 32."""
     if compression.codec in SIXTEEN_BIT_CODECS:
         return 16
     if compression.codec == "randomk" and compression.value_dtype == "float16":
