@@ -162,7 +162,7 @@ def bench_cache(path: Path, tmp: Path) -> tuple[float, int]:
     binary = weed_binary()
     data_dir = tmp / "weed"
     data_dir.mkdir()
-    proc, port = _start(binary, data_dir)
+    proc, port = _start(binary, data_dir, volume_mb=512, volumes=8)  # room for the 1 GB case
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_ready(proc, endpoint, data_dir)
