@@ -11,6 +11,7 @@ import yaml
 from hybridfleet.errors import SpecError
 from hybridfleet.privacy import GaussianMechanism, epsilon_spent, steps_within_budget
 from hybridfleet.spec import parse_spec
+from tests.examples import hybrid_demo
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,12 +64,7 @@ def test_a_private_job_stops_at_its_budget_and_reports_epsilon_and_accuracy(tmp_
     from hybridfleet.launch.psjob import run_ps_job
     from hybridfleet.spec import load_spec
 
-    example = "digits-hybrid.yaml" if framework == "torch" else "digits-hybrid-paddle.yaml"
-    job = yaml.safe_load((REPO / "examples" / example).read_text())
-    job["entrypoint"] = str(REPO / job["entrypoint"])
-    for site in job["sites"].values():
-        if (REPO / str(site.get("data"))).exists():
-            site["data"] = str(REPO / site["data"])
+    job = hybrid_demo(framework)
     job["ps"]["privacy"] = {"clip_norm": 1.0, "noise_multiplier": 0.6, "delta": 1e-5, "epsilon_budget": 200.0}
     job["ps"]["optimizer"] = {"name": "sgd", "lr": 0.1, "momentum": 0.9}  # momentum averages the noise out
     job["train"].update(site_baselines=False, eval_every_steps=0)

@@ -13,6 +13,7 @@ from hybridfleet.data import read_manifest
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
 from hybridfleet.store import open_store
+from tests.examples import example_job
 from tests.ps_helpers import kill_when_round
 
 pytestmark = pytest.mark.slow
@@ -21,11 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _job(tmp_path: Path, example: str, **overrides) -> Path:
-    data = yaml.safe_load((REPO / "examples" / example).read_text())
-    data["entrypoint"] = str(REPO / data["entrypoint"])
-    for site in data["sites"].values():  # packed site datasets ship in the repository
-        if (REPO / str(site.get("data"))).exists():
-            site["data"] = str(REPO / site["data"])
+    data = example_job(example)
     for key, value in overrides.items():
         section, _, field = key.partition("__")
         if field:

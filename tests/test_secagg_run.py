@@ -15,6 +15,7 @@ import yaml
 
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
+from tests.examples import example_job, hybrid_demo
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -23,12 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
 def test_the_demo_job_with_secure_aggregation_reaches_the_demo_accuracy(tmp_path, framework):
-    example = "digits-hybrid.yaml" if framework == "torch" else "digits-hybrid-paddle.yaml"
-    job = yaml.safe_load((REPO / "examples" / example).read_text())
-    job["entrypoint"] = str(REPO / job["entrypoint"])
-    for site in job["sites"].values():
-        if (REPO / str(site.get("data"))).exists():
-            site["data"] = str(REPO / site["data"])
+    job = hybrid_demo(framework)
     if framework == "torch":
         job["sites"]["hospital"]["aggregate"] = True
     job["ps"]["secure_aggregation"] = True
@@ -56,14 +52,11 @@ def test_local_sgd_with_secure_aggregation_survives_a_sigkilled_pusher(tmp_path,
     """digits-local (DiLoCo outer rounds) masked; one pusher is SIGKILLed mid-run: the round it misses is
     unmasked from the survivors' pair seeds and it leaves the roster (its return with a fresh key is
     tests/test_secagg_shard.py's)."""
-    from ps_helpers import kill_when_round
+    from tests.ps_helpers import kill_when_round
 
-    job = yaml.safe_load((REPO / "examples/digits-local.yaml").read_text())
+    job = example_job("digits-local.yaml")
     if framework == "paddle":
-        job["framework"], job["entrypoint"] = "paddle", "examples/digits/train_paddle.py"
-    job["entrypoint"] = str(REPO / job["entrypoint"])
-    for site in job["sites"].values():
-        site["data"] = str(REPO / site["data"])
+        job["framework"], job["entrypoint"] = "paddle", str(REPO / "examples/digits/train_paddle.py")
     job["sites"]["cloud"]["aggregate"] = False  # pushers: the hospital's leader, cloud-0, cloud-1
     job["ps"]["secure_aggregation"] = {"threshold": 2}
     job["train"].update(site_baselines=False)
