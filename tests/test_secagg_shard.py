@@ -227,6 +227,38 @@ def test_a_pusher_that_drops_after_pushing_is_recovered_from_shares_and_stays_ma
     assert stats.kstest(stripped.astype(np.float64) / 2.0 ** 32, "uniform").pvalue > 1e-4
 
 
+def test_a_pusher_restarted_before_it_answers_is_recovered_from_shares_and_rejoins_with_its_new_key(cluster):
+    # Prepare: c pushes round 1, then its process is replaced (Join again, a fresh key) before it answers
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    state = cluster.servers[0].state
+    us = updates(3, 5)
+    restarted = {}
+
+    def c_pushes_then_restarts():
+        pushers[2].push(us[2], unmask=False)
+        back = Pusher(cluster, "c")
+        back.client.pull(full=True)
+        back.secure._setup(0)  # advertises its fresh key; the roster holding it follows the round
+        restarted["back"] = back
+
+    t = threading.Thread(target=c_pushes_then_restarts)
+    t.start()
+    # Execute: a and b answer; the round must not wait for the old c
+    run_round(pushers[:2], us[:2])
+    t.join(60)
+    # Assert
+    last = state.secagg.last_unmask
+    assert last["survivors"] == ("a-0", "b-0", "c-0") and last["revealed_by"] == ("a-0", "b-0")
+    back = restarted["back"]
+    assert state.secagg.roster["c-0"] == back.secure.maskers[0].keypair.public
+    s = pushers[0].settings
+    assert np.max(np.abs(-cluster.params()["b"] - sum(u["b"] for u in us) / 3)) <= s.clip / s.limit + 1e-6
+    back.client.pull(full=True)  # the new c catches up with the round it missed
+    run_round([*pushers[:2], back], updates(3, 6))  # the next round runs with the new c
+    assert state.secagg.last_unmask["survivors"] == ("a-0", "b-0", "c-0")
+
+
 def test_a_token_for_one_worker_cannot_act_for_another_and_nothing_changes(cluster):
     pushers = [Pusher(cluster, s) for s in "ab"]
     state = cluster.servers[0].state

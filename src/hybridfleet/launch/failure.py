@@ -14,6 +14,8 @@ from pathlib import Path
 _TORCH_ROOT = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S
 )
+# every failure of that report ("Failures:" and the root cause), in order
+_TORCH_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
 # paddle.distributed.launch: "Container rank 1 status failed cmd [...] code -9 log ..."
 _PADDLE_FAILED = re.compile(r"Container rank (\d+) status failed .*? code (-?\d+)")
 # What gloo says in a rank whose peer vanished: that rank is a casualty, not the cause.
@@ -81,8 +83,20 @@ def diagnose(
 ) -> RankFailure:
     """Combine the launcher's report with the failing rank's log files."""
     rank, local_rank, exit_code = parse_launcher_output(framework, launcher_output)
+    if framework == "torch" and local_rank is not None and _lost_peer("torch", attempt_dir, local_rank):
+        # torchrun's "first observed failure" can be a rank that only lost its peer, when it exited
+        # before the agent saw the peer's death: a rank the same report lists as killed by a signal
+        # (not the agent's own SIGTERM to the survivors) is the cause
+        killed = [(int(r), int(lr), int(c)) for r, lr, c in _TORCH_FAILURE.findall(launcher_output)
+                  if int(c) < 0 and int(c) != -15]
+        if killed:
+            rank, local_rank, exit_code = killed[0]
+        else:
+            cause = _root_cause_rank("torch", attempt_dir, local_rank)
+            if cause != local_rank:
+                rank, local_rank, exit_code = None, cause, None
     if framework == "paddle" and local_rank is not None:
-        cause = _root_cause_rank(attempt_dir, local_rank)
+        cause = _root_cause_rank("paddle", attempt_dir, local_rank)
         if cause != local_rank:
             local_rank, exit_code = cause, None
     if rank is None and local_rank is not None:
@@ -91,15 +105,24 @@ def diagnose(
     return RankFailure(rank, local_rank, exit_code, files, tail_lines(files, max_lines))
 
 
-def _root_cause_rank(attempt_dir: Path, reported: int) -> int:
-    """paddle names the lowest failed rank it sees; when that rank only lost its peer, and
+def _lost_peer(framework: str, attempt_dir: Path, local_rank: int) -> bool:
+    return any(_PEER_LOST.search(line) for line in tail_lines(rank_log_files(framework, attempt_dir, local_rank), 50))
+
+
+def _local_ranks(framework: str, attempt_dir: Path) -> list[int]:
+    if framework == "torch":
+        names = {p.name for p in attempt_dir.glob("*/attempt_*/*") if p.is_dir()}
+    else:
+        names = {p.name.split(".")[-1] for p in attempt_dir.glob("workerlog.*")}
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _root_cause_rank(framework: str, attempt_dir: Path, reported: int) -> int:
+    """The launchers name the first failed rank they see; when that rank only lost its peer, and
     exactly one other rank's log shows no such loss, that rank is the cause (its exit code is
     then unknown). Otherwise the reported rank stands."""
-    def lost_peer(local_rank: int) -> bool:
-        return any(_PEER_LOST.search(line) for line in tail_lines(rank_log_files("paddle", attempt_dir, local_rank), 50))
-
-    if not lost_peer(reported):
+    if not _lost_peer(framework, attempt_dir, reported):
         return reported
-    others = [int(p.name.split(".")[-1]) for p in attempt_dir.glob("workerlog.*") if p.name.split(".")[-1].isdigit()]
-    candidates = [r for r in others if r != reported and not lost_peer(r)]
+    candidates = [r for r in _local_ranks(framework, attempt_dir)
+                  if r != reported and not _lost_peer(framework, attempt_dir, r)]
     return candidates[0] if len(candidates) == 1 else reported

@@ -143,6 +143,8 @@ class SecAggServer:
         self.keys[worker_id] = public_key  # a rejoined worker's fresh key replaces its old one
         self.key_join[worker_id] = member.joins
         log.info("secagg_key_advertised", shard=self.state.shard, worker=worker_id)
+        if self._round_open():  # the round may have waited for this worker's old self to answer
+            self.state._maybe_finish_rounds()
         self._maybe_publish()
         self.state.cond.notify_all()
         return self.epoch
@@ -257,7 +259,9 @@ class SecAggServer:
                 return None
             self.state.cond.notify_all()
         live = self.state.live_members()
-        answering = [w for w in sr.survivors if w in live and w not in sr.reveals]
+        # a survivor that restarted since it pushed (a fresh key advertised) cannot answer for its old self
+        restarted = {w for w in sr.survivors if self.keys.get(w) != self.roster.get(w)}
+        answering = [w for w in sr.survivors if w in live and w not in sr.reveals and w not in restarted]
         if answering:
             return None
         revealed = set(sr.reveals)
