@@ -42,6 +42,7 @@ class SecureRounds:
         self.error_feedback = ps.compression.error_feedback
         self.residual: dict[str, np.ndarray] = {}
         self.bytes_key_material = 0  # public keys, shares and unmask answers sent
+        self._sent: dict[int, tuple[int, int, np.ndarray]] = {}  # shard -> (round, epoch, masked vector) last sent
 
     # ----------------------------------------------------------------- rpc
     def _rpc(self, shard: int, method: str, request, timeout: float):
@@ -116,6 +117,11 @@ class SecureRounds:
         if not blocks:
             return {}
         m = self.maskers[shard]
+        sent = self._sent.get(shard)
+        if sent is not None and sent[:2] == (rnd, m.epoch) and m.in_roster:
+            # this round's shares are at the shard already (a retried push): the same masked vector again,
+            # since a fresh one would carry a self mask whose shares the shard does not hold
+            return self._payloads(blocks, sent[2])
         vector = self._vector(shard, rnd, grads, contributors)
         for _ in range(3):
             if not m.in_roster or not m.epoch:
@@ -139,7 +145,11 @@ class SecureRounds:
                     self._setup_roster_only(shard)
         else:
             raise ProtocolError(f"shard {shard}'s roster kept changing; no masked push sent")
-        out, offset, item = {}, 0, ring.dtype.itemsize
+        self._sent[shard] = (rnd, m.epoch, ring)
+        return self._payloads(blocks, ring)
+
+    def _payloads(self, blocks, ring: np.ndarray) -> dict[str, bytes]:
+        out, offset = {}, 0
         for b in blocks:
             n = b.stop - b.start
             if self.settings.randomk_ratio is not None:
