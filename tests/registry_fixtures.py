@@ -6,21 +6,17 @@ CI, where a missing server fails instead of skipping); each test gets an empty d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from hybridfleet.registry import Registry
+from tests.needs import missing
 from tests.postgres import PostgresServer, server_binaries
 
 
 @pytest.fixture(scope="session")
 def postgres():
     if server_binaries() is None:
-        message = "PostgreSQL server binaries not installed: run .ci/install-postgresql.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing("PostgreSQL server binaries not installed: run .ci/install-postgresql.sh")
     with PostgresServer() as server:
         yield server
 

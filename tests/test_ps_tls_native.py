@@ -26,8 +26,10 @@ from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import make_dev_pki
 from tests.needs import only_outside_ci
 
-needs_native = pytest.mark.skipif(only_outside_ci(None if tls.TLSConnection else "no _tls"),
-                                  reason="the _tls extension is not built (OpenSSL headers were missing at install)")
+NOT_BUILT = ("the hybridfleet.ps.wire._tls extension is not built (gcc and OpenSSL headers were missing at install: "
+             "run .ci/install-build-deps.sh, then pip install -e .)")
+NO_HEADERS = "OpenSSL headers (/usr/include/openssl/ssl.h) are not installed: run .ci/install-build-deps.sh"
+needs_native = pytest.mark.skipif(only_outside_ci(None if tls.TLSConnection else NOT_BUILT), reason=NOT_BUILT)
 BOTH = [pytest.param(True, id="native"), pytest.param(False, id="python-ssl")]
 
 
@@ -290,7 +292,8 @@ def test_the_bulk_plane_runs_on_the_native_connection(tmp_path, monkeypatch):
         cluster.stop()
 
 
-@pytest.mark.skipif(not Path("/usr/include/openssl/ssl.h").exists(), reason="no OpenSSL headers on this machine")
+@pytest.mark.skipif(only_outside_ci(None if Path("/usr/include/openssl/ssl.h").exists() else NO_HEADERS),
+                    reason=NO_HEADERS)
 def test_the_extension_is_built_where_openssl_headers_exist():
     assert tls._tls is not None, "pip install -e . should have built hybridfleet.ps.wire._tls"
     assert tls._tls.OPENSSL_VERSION.startswith("OpenSSL")
