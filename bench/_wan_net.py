@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 NAMESPACE = "hf-hosp"
 HOST_IF = "hf-h0"
@@ -139,6 +140,14 @@ class WanLink:
     def teardown(self) -> None:
         """Remove the link (safe to call twice)."""
         cleanup()
+
+    def link_bytes(self) -> int:
+        """Bytes that have crossed the link so far, both directions, as the host end's counters say.
+
+        Everything counts: TLS records, gRPC framing, TCP/IP headers, heartbeats.
+        """
+        stats = Path("/sys/class/net") / HOST_IF / "statistics"
+        return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
     def measure_mbit(self, direction: str, seconds: float = 3.0) -> float:
         """Raw TCP throughput across the link in Mbit/s: ``up`` is namespace -> host, ``down`` host -> namespace.

@@ -30,9 +30,14 @@ Time to target = the ``elapsed_s`` of the first metrics record (any worker) whos
 ``test_accuracy`` reaches the target; ``elapsed_s`` counts from the worker's session
 start (after imports, before joining the shards). Local runs evaluate every outer
 round, right after the new global parameters arrived, so only the global model is
-scored, never a worker's half-way inner state. WAN bytes to target = every worker's
-bytes to and from the shards (both sites; a site's internal averaging is LAN traffic
-and not counted) in the metrics records of the step that reached the target.
+scored, never a worker's half-way inner state. WAN bytes to target = the hospital
+site's workers' bytes to and from the shards in their metrics records of the step that
+reached the target: that is the traffic that crosses the capped link. The cloud site's
+workers share the shards' network (as a cloud site does), so neither their exchanges
+nor their initialisation of the shards touch the WAN; a site's internal averaging is
+LAN traffic. ``link MB`` is the same check from below: what the link's own interface
+counters (both directions; TLS, gRPC framing, TCP/IP headers and heartbeats included)
+had counted by the time the last hospital worker wrote its record of that step.
 
 BSP runs are stopped once the target is reached (dense BSP takes minutes at 20
 Mbit/s); their final accuracy comes from the same job run again without the cap
@@ -71,6 +76,7 @@ from compression import ENTRYPOINTS, digits_job, fail, num_parameters, quiet_par
 
 CAP_TOLERANCE = (0.5, 1.2)  # measured / set rate outside this range means the cap does not hold
 INNER_LR = 0.002
+CAPPED_SITE = "hospital"  # the site behind the link (digits_job's hospital_netns)
 LOCAL_STEPS = 25
 # name -> (label, compression, site aggregation, local mode)
 VARIANTS = {
@@ -103,21 +109,68 @@ def first_reaching(metrics_path: Path, target: float) -> dict | None:
     return min(hits, key=lambda r: r["elapsed_s"]) if hits else None
 
 
-def wan_bytes_at(metrics_path: Path, step: int) -> int:
-    """Bytes every worker sent to and received from the shards, as of its metrics record of ``step``."""
-    per_process: dict[str, int] = {}
+def capped_records_at(metrics_path: Path, step: int) -> dict[str, dict]:
+    """The capped site's workers' first metrics record of ``step``, by process."""
+    per_process: dict[str, dict] = {}
     for r in records(metrics_path):
-        if r.get("step") == step and "sent" in r and str(r.get("process", "")).startswith("worker-"):
-            per_process.setdefault(r["process"], r["sent"] + r["received"])
-    return sum(per_process.values())
+        if (r.get("step") == step and "sent" in r and r.get("site") == CAPPED_SITE
+                and str(r.get("process", "")).startswith("worker-")):
+            per_process.setdefault(r["process"], r)
+    return per_process
+
+
+def wan_bytes_at(metrics_path: Path, step: int) -> tuple[int, float | None]:
+    """The capped site's workers' bytes to and from the shards as of their records of ``step``,
+    and the wall-clock time the last of those records was written."""
+    recs = capped_records_at(metrics_path, step).values()
+    return sum(r["sent"] + r["received"] for r in recs), max((r["ts"] for r in recs), default=None)
+
+
+class LinkSampler:
+    """Samples the link's byte counters (wall-clock time, bytes) while a run goes on."""
+
+    def __init__(self, link: _wan_net.WanLink, period_s: float = 0.05):
+        self.link = link
+        self.period_s = period_s
+        self.samples: list[tuple[float, int]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "LinkSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time(), self.link.link_bytes()))
+            if self._done.wait(self.period_s):
+                self.samples.append((time.time(), self.link.link_bytes()))
+                return
+
+    def bytes_by(self, ts: float) -> int | None:
+        """Bytes across the link from the run's start up to the first sample at or after ``ts``."""
+        if not self.samples:
+            return None
+        start = self.samples[0][1]
+        for t, n in self.samples:
+            if t >= ts:
+                return n - start
+        return None
 
 
 class StopAtTarget:
-    """`run_ps_job` ``on_started`` hook: stops the job's processes once a worker reports the target accuracy."""
+    """`run_ps_job` ``on_started`` hook: stops the job's processes once a worker reports the target accuracy
+    and every worker of the capped site has written its record of that step (its bytes to target)."""
 
-    def __init__(self, target: float, poll_s: float = 0.25):
+    def __init__(self, target: float, capped_workers: int, poll_s: float = 0.25, wait_capped_s: float = 120.0):
         self.target = target
+        self.capped_workers = capped_workers
         self.poll_s = poll_s
+        self.wait_capped_s = wait_capped_s
         self.stopped_early = False
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,9 +182,13 @@ class StopAtTarget:
 
     def _watch(self, supervisor, metrics_path: Path) -> None:
         while not self._done.wait(self.poll_s):
-            if first_reaching(metrics_path, self.target) is not None:
-                # let the other workers' records of the same evaluation land (bytes to target)
-                time.sleep(self.poll_s)
+            hit = first_reaching(metrics_path, self.target)
+            if hit is not None:
+                # the capped site's workers get the same round's parameters later, across the link
+                deadline = time.monotonic() + self.wait_capped_s
+                while (len(capped_records_at(metrics_path, hit["step"])) < self.capped_workers
+                       and time.monotonic() < deadline and not self._done.wait(self.poll_s)):
+                    pass
                 self.stopped_early = True
                 supervisor.stop(grace_s=2.0)
                 return
@@ -151,12 +208,14 @@ def variant_job(name: str, args, steps: int, capped: bool = True) -> dict:
                       local_steps=local_steps, inner_lr=args.inner_lr if local else None, init_site="cloud")
 
 
-def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool) -> dict:
-    """One job over the link; its time and WAN bytes to target, final accuracy, wall time and run dir."""
-    hook = StopAtTarget(args.target) if stop_early else None
+def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool, link: _wan_net.WanLink) -> dict:
+    """One job over the link; its time, WAN and link bytes to target, final accuracy, wall time and run dir."""
+    job = variant_job(name, args, steps)
+    hook = StopAtTarget(args.target, job["sites"][CAPPED_SITE]["workers"]) if stop_early else None
     started = time.monotonic()
     try:
-        summary = run_job(variant_job(name, args, steps), workdir, on_started=hook)
+        with LinkSampler(link) as sampler:
+            summary = run_job(job, workdir, on_started=hook)
     except Exception:
         print(f"{name} run raised; kept: {workdir}", file=sys.stderr)
         raise
@@ -171,8 +230,11 @@ def run_variant(name: str, args, steps: int, workdir: Path, stop_early: bool) ->
         fail(f"{name} run ended {summary['status']} before reaching {args.target}", [summary["run_dir"]], workdir)
     if not stopped and summary["status"] != "completed":
         fail(f"{name} run ended {summary['status']}", [summary["run_dir"]], workdir)
+    wan_bytes, capped_ts = (None, None) if hit is None else wan_bytes_at(metrics_path, hit["step"])
+    if hit is not None and capped_ts is None:
+        fail(f"{name}: no {CAPPED_SITE} worker wrote a record of step {hit['step']}", [summary["run_dir"]], workdir)
     return {"time_s": None if hit is None else hit["elapsed_s"], "step": None if hit is None else hit["step"],
-            "bytes": None if hit is None else wan_bytes_at(metrics_path, hit["step"]),
+            "bytes": wan_bytes, "link_bytes": None if capped_ts is None else sampler.bytes_by(capped_ts),
             "final_acc": None if stopped else summary["test_accuracy"], "wall_s": wall_s, "stopped_early": stopped,
             "run_dir": summary["run_dir"]}
 
@@ -193,6 +255,10 @@ def skip(reason: str) -> None:
 
 def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     return None if a is None or not b else round(a / b, digits)
+
+
+def ratio_drop(part: int | None, whole: int | None) -> float | None:
+    return None if part is None or not whole else round(1 - part / whole, 5)
 
 
 def main() -> None:
@@ -243,7 +309,8 @@ def main() -> None:
             fail(f"the cap does not hold: measured {up_mbit:.2f} / {down_mbit:.2f} Mbit/s, "
                  f"expected {low:g}..{high:g}", [], workdir)
         for name, (_, _, _, local) in VARIANTS.items():
-            results[name] = run_variant(name, args, steps, workdir, stop_early=not local and not args.quick)
+            results[name] = run_variant(name, args, steps, workdir, stop_early=not local and not args.quick,
+                                        link=link)
             print(f"  {name}: done in {results[name]['wall_s']:.1f} s", file=sys.stderr)
         for name, r in results.items():
             if r["final_acc"] is None:
@@ -256,14 +323,15 @@ def main() -> None:
           f"{args.rate_mbit:g} Mbit/s, cloud (2 workers) local; target test accuracy {args.target}; {steps} steps; "
           f"local: H={min(args.local_steps, steps)}, inner Adam lr {args.inner_lr:g}, outer Nesterov SGD lr 0.7; "
           f"shards initialised by the cloud site")
-    print(f"{'variant':<40}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'final acc':>11}"
-          f"{'wall s':>9}")
+    print(f"{'variant':<40}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'link MB':>9}"
+          f"{'final acc':>11}{'wall s':>9}")
     for name, r in results.items():
         t = "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}"
         step = "-" if r["step"] is None else str(r["step"])
         mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}"
+        link_mb = "-" if r["link_bytes"] is None else f"{r['link_bytes'] / 1e6:.2f}"
         acc = f"{r['final_acc']:.4f}{'*' if r.get('final_uncapped') else ''}"
-        print(f"{VARIANTS[name][0]:<40}{t:>17}{step:>9}{mb:>18}{acc:>11}{r['wall_s']:>9.1f}")
+        print(f"{VARIANTS[name][0]:<40}{t:>17}{step:>9}{mb:>18}{link_mb:>9}{acc:>11}{r['wall_s']:>9.1f}")
     print("(* final accuracy of the same BSP job run to the end without the cap; its capped run stopped at the target)")
     missing = [n for n, r in results.items() if r["time_s"] is None]
     if missing:
@@ -281,8 +349,12 @@ def main() -> None:
         "local_int8_speedup": ratio(dense["time_s"], local_int8["time_s"]),
         "dense_bytes": dense["bytes"], "compressed_bytes": topk["bytes"], "local_dense_bytes": local["bytes"],
         "local_int8_bytes": local_int8["bytes"], "local_int4_bytes": local_int4["bytes"],
-        "local_bytes_reduction": round(1 - local_int4["bytes"] / dense["bytes"], 5),
-        "local_int8_bytes_reduction": round(1 - local_int8["bytes"] / dense["bytes"], 5),
+        "local_bytes_reduction": ratio_drop(local_int4["bytes"], dense["bytes"]),
+        "local_int8_bytes_reduction": ratio_drop(local_int8["bytes"], dense["bytes"]),
+        "dense_link_bytes": dense["link_bytes"], "compressed_link_bytes": topk["link_bytes"],
+        "local_dense_link_bytes": local["link_bytes"], "local_int8_link_bytes": local_int8["link_bytes"],
+        "local_int4_link_bytes": local_int4["link_bytes"],
+        "local_link_bytes_reduction": ratio_drop(local_int4["link_bytes"], dense["link_bytes"]),
         "dense_acc": dense["final_acc"], "compressed_acc": topk["final_acc"], "local_dense_acc": local["final_acc"],
         "local_int8_acc": local_int8["final_acc"], "local_int4_acc": local_int4["final_acc"],
         "local_acc_drop": round(dense["final_acc"] - local_int4["final_acc"], 5),

@@ -83,8 +83,30 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     assert result["adam_acc_drop"] == pytest.approx(result["local_dense_acc"] - result["local_int8_acc"], abs=1e-4)
     assert result["adam_acc_drop_int4"] == pytest.approx(result["local_dense_acc"] - result["local_int4_acc"], abs=1e-4)
     assert "local (DiLoCo) int8" in proc.stdout and "local (DiLoCo) int4" in proc.stdout
+    # the link's own counters see at least the hospital's payload bytes (plus TLS, framing, headers)
+    for variant in ("dense", "compressed", "local_dense", "local_int8", "local_int4"):
+        assert result[f"{variant}_link_bytes"] >= result[f"{variant}_bytes"] > 0, variant
+    assert result["local_int4_link_bytes"] < result["dense_link_bytes"]
     assert "raw TCP measured" in proc.stdout
     assert not Path("/var/run/netns/hf-hosp").exists(), "the namespace must be torn down"
+
+
+@pytest.mark.slow
+@pytest.mark.torch  # trains with torch
+def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
+    # Prepare / Execute: two outer rounds of 3 inner steps, one codec
+    proc = run_bench("local_rounds.py", "--steps", "6", "--local-steps", "3", "--codecs", "int4", "--target", "0")
+
+    # Assert: one entry with a record per round; the capped site's bytes grow every round
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "local_rounds"
+    (run,) = result["runs"]
+    assert (run["local_steps"], run["codec"]) == (3, "int4")
+    assert [r["step"] for r in run["rounds"]] == [3, 6]
+    assert 0 < run["rounds"][0]["bytes"] < run["rounds"][1]["bytes"]
+    assert run["target_round"] == 1 and run["bytes_to_target"] == run["rounds"][0]["bytes"]
+    assert "H=3" in proc.stdout
 
 
 @pytest.mark.parametrize(("script", "args", "message"), [
@@ -94,6 +116,9 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
     ("wan.py", ["--eval-every", "0"], "--eval-every: must be >= 1 (got 0)"),
     ("wan.py", ["--local-steps", "0"], "--local-steps: must be >= 1 (got 0)"),
     ("wan.py", ["--inner-lr", "0"], "--inner-lr: must be > 0 (got 0.0)"),
+    ("local_rounds.py", ["--local-steps", "0"], "--local-steps: each must be in 1..150 (got 0)"),
+    ("local_rounds.py", ["--local-steps", "x"], "--local-steps: comma-separated integers (got 'x')"),
+    ("local_rounds.py", ["--codecs", "int4,topk"], "--codecs: unknown topk (choose from none, int8, int4, sign)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute
