@@ -259,6 +259,25 @@ def test_a_pusher_restarted_before_it_answers_is_recovered_from_shares_and_rejoi
     assert state.secagg.last_unmask["survivors"] == ("a-0", "b-0", "c-0")
 
 
+def test_a_step_retried_after_another_shard_refused_it_does_not_answer_a_round_twice(cluster):
+    # Prepare: a round pushed and answered by everyone
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    run_round(pushers, updates(3, 7))
+    state = cluster.servers[0].state
+    before = (state.version, dict(state.secagg.last_unmask), cluster.params())
+    sent = [p.secure.bytes_key_material for p in pushers]
+    # Execute: the worker's retried step asks to unmask the same round again (its push came back ALREADY_EXISTS)
+    for p in pushers:
+        p.secure.unmask([0])
+    # Assert: nothing is sent, nothing changes, and a second answer is still refused if a shard asks for one
+    assert [p.secure.bytes_key_material for p in pushers] == sent
+    assert (state.version, state.secagg.last_unmask) == before[:2]
+    assert all(np.array_equal(v, before[2][k]) for k, v in cluster.params().items())
+    with pytest.raises(ProtocolError, match="asked twice to unmask round 0"):
+        pushers[0].secure.maskers[0].answer(0, ["a-0", "b-0", "c-0"], [], {})
+
+
 def test_a_token_for_one_worker_cannot_act_for_another_and_nothing_changes(cluster):
     pushers = [Pusher(cluster, s) for s in "ab"]
     state = cluster.servers[0].state

@@ -64,6 +64,11 @@ class ShardMasker:
         self._open = {rnd: {"own_share": shares[ids.index(self.me) + 1], "answered": False}}
         return ring, encrypted
 
+    def answered(self, rnd: int) -> bool:
+        """Whether this worker already revealed its answer for round ``rnd`` of its current key."""
+        state = self._open.get(rnd)
+        return state is not None and state["answered"]
+
     def answer(self, rnd: int, survivors: list[str], dropped: list[str],
                addressed: dict[str, bytes]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """(share of each survivor's self seed, pair seed with each dropped pusher) for round ``rnd``."""

@@ -180,6 +180,9 @@ class SecureRounds:
             if i not in shards:
                 return
             rnd, deadline = base_versions[i], time.monotonic() + ROUND_WAIT_S
+            if self.maskers[i].answered(rnd):
+                # a step retried after another shard refused it: this shard has our answer; never reveal twice
+                return
             req = pb.UnmaskRequest(worker_id=self.client.worker_id, round=rnd, timeout_s=WAIT_S)
             while True:
                 try:
