@@ -31,16 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compression import ENTRYPOINTS, digits_job, fail, quiet_parent_logs, run_job  # noqa: E402
+from wan import CAPPED_SITE, records  # noqa: E402
 
 CODECS = ("none", "int8", "int4", "sign")
-CAPPED_SITE = "hospital"
 
 
 def rounds(run_dir: Path, local_steps: int) -> list[dict]:
     """Per outer round: its step, the global model's test accuracy and the capped site's bytes by then."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step: dict[int, dict] = {}
-    for r in recs:
+    for r in records(run_dir / "metrics.jsonl"):
         if (r.get("event") == "metrics" and r.get("site") == CAPPED_SITE and "test_accuracy" in r
                 and r.get("step", 0) % local_steps == 0):
             entry = by_step.setdefault(r["step"], {"step": r["step"], "acc": r["test_accuracy"], "procs": {}})

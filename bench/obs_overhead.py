@@ -39,6 +39,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _shards import serve_shards, stop_shards  # noqa: E402
 
 EXPORTER = r"""
 import sys, time
@@ -132,20 +135,9 @@ def ab_step_seconds(tmp: Path, blocks: int, steps: int) -> tuple[float, float, f
     data["security"] = {"tls": "off", "tokens": "off"}
     job = tmp / "ab-job.yaml"
     job.write_text(yaml.safe_dump(data))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    env.pop("HFLEET_METRICS_PORT", None)
-    shards = [subprocess.Popen([sys.executable, "-m", "hybridfleet", "ps", "serve", str(job), "--shard", str(i),
-                                "--port", "0", "--port-file", str(tmp / f"shard-{i}.port"), "--expected-workers", "1",
-                                "--insecure-plaintext", "--no-auth"], env=env, stderr=subprocess.DEVNULL)
-              for i in range(2)]
+    shards, addresses = serve_shards(job, 2, tmp, expected_workers=1)
     try:
-        files = [tmp / f"shard-{i}.port" for i in range(2)]
-        deadline = time.monotonic() + 60
-        while not all(f.exists() for f in files):
-            if time.monotonic() > deadline:
-                raise RuntimeError("shards did not start")
-            time.sleep(0.05)
-        cfg = WorkerConfig(job=load_spec(job), site="hospital", servers=[f.read_text().strip() for f in files])
+        cfg = WorkerConfig(job=load_spec(job), site="hospital", servers=addresses)
         rng = np.random.default_rng(0)
         shapes = {"0.weight": (128, 64), "0.bias": (128,), "2.weight": (10, 128), "2.bias": (10,)}
         params = {k: rng.standard_normal(v).astype(np.float32) * 0.01 for k, v in shapes.items()}
@@ -175,9 +167,7 @@ def ab_step_seconds(tmp: Path, blocks: int, steps: int) -> tuple[float, float, f
         return (statistics.median(times["on"]), statistics.median(times["off"]), statistics.median(ratios) - 1,
                 statistics.median(diffs))
     finally:
-        for p in shards:
-            p.terminate()
-            p.wait(10)
+        stop_shards(shards)
 
 
 def scrape_p95(processes: int, rounds: int) -> tuple[float, float, int]:

@@ -45,47 +45,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _shards import serve_shards, stop_shards  # noqa: E402
 
 NUMEL = 1_000_000
-
-
-def _serve(spec_data: dict, certs: str, n: int, conn, stop) -> None:
-    """The shard, in its own process as deployed (it must not share the pushers' interpreter lock)."""
-    from hybridfleet.obs.log import redirect_log
-    from hybridfleet.ps.server.serve import server_security, start_shard
-    from hybridfleet.spec import parse_spec
-
-    import os
-
-    with open(os.devnull, "w") as sink, redirect_log(sink):
-        spec = parse_spec(spec_data)
-        server = start_shard(spec, 0, "127.0.0.1", 0, server_security(spec, Path(certs)), expected_workers=n)
-        conn.send(server.address)
-        stop.wait()
-        server.stop(0)
-
-
-class ShardProcess:
-    """A shard served by a child process; ``address`` as `start_shard`'s server has it."""
-
-    def __init__(self, spec_data: dict, certs: Path, n: int):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self.stop_event = ctx.Event()
-        self.proc = ctx.Process(target=_serve, args=(spec_data, str(certs), n, child, self.stop_event), daemon=True)
-        self.proc.start()
-        if not parent.poll(120):
-            self.proc.kill()
-            raise RuntimeError("the shard process did not start")
-        self.address = parent.recv()
-
-    def stop(self, _grace=None) -> None:
-        self.stop_event.set()
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 def start(workdir: Path, n: int, codec: str, secure: bool):
@@ -103,12 +69,15 @@ def start(workdir: Path, n: int, codec: str, secure: bool):
     certs = workdir / f"certs-{n}-{codec}-{secure}"
     make_dev_pki(certs, clients=["worker"])
     generate_signing_key(certs)
-    server = ShardProcess(data, certs, n)
-    return spec, certs, server, TokenIssuer.from_dir(certs)
+    job = workdir / f"job-{n}-{codec}-{secure}.yaml"
+    job.write_text(yaml.safe_dump(data))
+    # the shard in its own process, as deployed: it must not share the pushers' interpreter lock
+    procs, (address,) = serve_shards(job, 1, workdir, expected_workers=n, certs=certs)
+    return spec, certs, procs, address, TokenIssuer.from_dir(certs)
 
 
 class Pusher:
-    def __init__(self, spec, certs, server, issuer, site: str, rng):
+    def __init__(self, spec, certs, address: str, issuer, site: str, rng):
         from hybridfleet.ps.secagg.rounds import SecureRounds
         from hybridfleet.ps.secagg.settings import SecAggSettings
         from hybridfleet.ps.worker.client import ClientSecurity, PSClient
@@ -118,7 +87,7 @@ class Pusher:
         wid = f"{site}-0"
         sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert),
                                         token=issuer.issue(spec.name, site, "worker", 3600, worker=wid))
-        self.client = PSClient([server.address], sec, wid, site, 0)
+        self.client = PSClient([address], sec, wid, site, 0)
         self.client.join([ParamSpec("w", (NUMEL,))], spec.ps.block_size_bytes, spec.ps.compression.codec, "torch")
         self.spec = spec
         self.codec = None
@@ -179,10 +148,10 @@ def run_round(pushers: list[Pusher]) -> dict:
 
 
 def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropout: bool = False) -> dict:
-    spec, certs, server, issuer = start(workdir, n, codec, secure)
+    spec, certs, shard, address, issuer = start(workdir, n, codec, secure)
     rng = np.random.default_rng(n)
     try:
-        pushers = [Pusher(spec, certs, server, issuer, f"s{i:02d}", rng) for i in range(n)]
+        pushers = [Pusher(spec, certs, address, issuer, f"s{i:02d}", rng) for i in range(n)]
         pushers[0].client.push({"w": np.zeros(NUMEL, np.float32).tobytes()}, codec="none", kind="INIT")
         for p in pushers:
             p.client.pull(full=True)
@@ -205,16 +174,18 @@ def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropou
             leaver.secure._mask_one(0, leaver.client.versions[0], {"w": leaver.update}, 1)  # shares sent ...
             leaver.client.close(leave=True)                                                # ... then gone
             out["dropout_round_s"] = run_round(rest)["round_s"]
-            from hybridfleet.ps.wire._proto import secagg_pb2 as pb
+            from hybridfleet.ps.worker.status import ShardStatusProbe
+            from hybridfleet.security.credentials import issue_admin_token
 
-            roster = rest[0].secure._rpc(0, "Roster", pb.RosterRequest(worker_id=rest[0].client.worker_id, known_epoch=-1,
-                                                                        timeout_s=0.1), 5)
-            assert leaver.client.worker_id not in {e.worker_id for e in roster.entries}  # dropped: evicted
+            probe = ShardStatusProbe(address, certs, issue_admin_token(spec, issuer))
+            roster = probe.status()["secure_aggregation"]["roster"]
+            probe.close()
+            assert leaver.client.worker_id not in roster, roster  # dropped: evicted
         for p in pushers[:-1] if dropout else pushers:
             p.client.close()
         return out
     finally:
-        server.stop(0)
+        stop_shards(shard)
 
 
 def main() -> None:

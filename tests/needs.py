@@ -15,6 +15,7 @@ def missing(message: str):
     pytest.skip(message)
 
 
-def only_outside_ci(reason: str | None) -> bool:
-    """For ``skipif``: skip when ``reason`` is set, except under CI, where the test runs and fails loudly."""
-    return reason is not None and not os.environ.get("CI")
+def skip_outside_ci(reason: str | None):
+    """A mark: skip with ``reason`` (what is missing and how to install it) when it is set, except under CI,
+    where the test runs and fails loudly."""
+    return pytest.mark.skipif(reason is not None and not os.environ.get("CI"), reason=reason or "")

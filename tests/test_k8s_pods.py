@@ -23,11 +23,10 @@ import yaml
 from k8s_kubelet import Cluster, Kubelet, summary
 from k8s_pods import HarnessError, load_manifests
 from netlab import unavailable_reason
-from tests.needs import only_outside_ci
+from tests.needs import skip_outside_ci
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(only_outside_ci(unavailable_reason()),
-                                                   reason=f"network namespaces: {unavailable_reason()}")]
+pytestmark = [pytest.mark.slow, skip_outside_ci(unavailable_reason() and f"network namespaces: {unavailable_reason()}")]
 TIMEOUT_S = 150  # a hang guard for a loaded machine, not a speed claim
 IMAGE = "registry.example.com/hybridfleet/digits:0.1"
 

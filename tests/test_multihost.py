@@ -26,10 +26,9 @@ import pytest
 import yaml
 
 from netlab import NetLab, unavailable_reason
-from tests.needs import only_outside_ci
+from tests.needs import skip_outside_ci
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(only_outside_ci(unavailable_reason()),
-                                                   reason=f"network namespaces: {unavailable_reason()}")]
+pytestmark = [pytest.mark.slow, skip_outside_ci(unavailable_reason() and f"network namespaces: {unavailable_reason()}")]
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY_MD = REPO / "docs" / "DEPLOY.md"

@@ -24,12 +24,12 @@ from hybridfleet.ps.wire import tls
 from hybridfleet.ps.wire.bulk import recv_exact_into
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import make_dev_pki
-from tests.needs import only_outside_ci
+from tests.needs import skip_outside_ci
 
 NOT_BUILT = ("the hybridfleet.ps.wire._tls extension is not built (gcc and OpenSSL headers were missing at install: "
              "run .ci/install-build-deps.sh, then pip install -e .)")
 NO_HEADERS = "OpenSSL headers (/usr/include/openssl/ssl.h) are not installed: run .ci/install-build-deps.sh"
-needs_native = pytest.mark.skipif(only_outside_ci(None if tls.TLSConnection else NOT_BUILT), reason=NOT_BUILT)
+needs_native = skip_outside_ci(None if tls.TLSConnection else NOT_BUILT)
 BOTH = [pytest.param(True, id="native"), pytest.param(False, id="python-ssl")]
 
 
@@ -292,8 +292,7 @@ def test_the_bulk_plane_runs_on_the_native_connection(tmp_path, monkeypatch):
         cluster.stop()
 
 
-@pytest.mark.skipif(only_outside_ci(None if Path("/usr/include/openssl/ssl.h").exists() else NO_HEADERS),
-                    reason=NO_HEADERS)
+@skip_outside_ci(None if Path("/usr/include/openssl/ssl.h").exists() else NO_HEADERS)
 def test_the_extension_is_built_where_openssl_headers_exist():
     assert tls._tls is not None, "pip install -e . should have built hybridfleet.ps.wire._tls"
     assert tls._tls.OPENSSL_VERSION.startswith("OpenSSL")
