@@ -103,6 +103,50 @@ def test_rest_api_needs_a_token_and_answers_403_with_the_missing_role(served, tm
     assert table_counts(owner) == before
 
 
+@pytest.mark.parametrize("header", [
+    "Bearer \u00a0", "Bearer \u0085", "Bearer ", "Bearer  ", "Bearer \t", "Bearer \u2003", "Bearer",
+    "bearer hfr_x", "Basic Zm9vOmJhcg==", "Bearer hfr_a hfr_b", "Bearer \u00a0hfr_x",
+])
+def test_a_malformed_or_whitespace_bearer_is_401_and_never_the_owner(served, header):
+    import http.client
+
+    owner, server, _tokens = served
+    before = table_counts(owner)
+    # on the wire as bytes: Latin-1 where it fits (how the server decodes a header), else UTF-8
+    try:
+        raw = header.encode("latin-1")
+    except UnicodeEncodeError:
+        raw = header.encode("utf-8")
+    for method, path, body in [("GET", "/api/v1/whoami", None), ("GET", "/api/v1/info", None),
+                               ("POST", "/api/v1/principals", {"name": "mallory"}),
+                               ("POST", "/api/v1/grants", {"principal": "ann", "role": "admin", "scope": "*"}),
+                               ("PUT", "/api/v1/models/ci/digits/aliases/prod", {"version": 1})]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        payload = json.dumps(body).encode() if body is not None else b""
+        conn.putrequest(method, path)
+        conn.putheader("Authorization", raw)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(payload)))
+        conn.endheaders(payload)
+        response = conn.getresponse()
+        text = response.read().decode()
+        conn.close()
+        assert response.status == 401, (header, path, text)
+        assert json.loads(text)["error"] == "auth"
+        assert "owner" not in text
+    assert table_counts(owner) == before
+    assert owner.whoami()["owner"] is True  # the local registry object itself is unchanged
+
+
+def test_for_token_refuses_an_empty_token_instead_of_acting_as_the_owner(served):
+    owner, _server, _tokens = served
+    from hybridfleet.errors import AuthError
+
+    for token in ("", None):
+        with pytest.raises(AuthError, match="missing token"):
+            owner.for_token(token)
+
+
 def test_remote_client_does_what_the_local_registry_does(served, tmp_path):
     owner, server, tokens = served
     save_model(tmp_path / "run", test_accuracy=0.97)

@@ -14,7 +14,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from hybridfleet.errors import PermissionDeniedError, RegistryError
+from hybridfleet.errors import AuthError, PermissionDeniedError, RegistryError
 
 ROLES = ("reader", "writer", "releaser", "admin")
 KINDS = ("user", "service")
@@ -33,6 +33,25 @@ def check_principal_name(name: str) -> str:
     if not _NAME.match(name or ""):
         raise RegistryError(f"principal name {name!r}: letters, digits and _ . @ - only, up to 128 characters")
     return name
+
+
+# A bearer token as the HTTP spec's token68 allows and ours are made: visible ASCII, no space.
+_BEARER_TOKEN = re.compile(r"[\x21-\x7e]{1,512}")
+
+
+def parse_bearer(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or AuthError.
+
+    Strict: one scheme, one space, one token of visible ASCII. Anything else (no header,
+    another scheme, an empty or whitespace-only token, Unicode spaces, two tokens) is
+    refused, never read as "no token": a network caller always names a principal.
+    """
+    if header is None or not header.startswith("Bearer "):
+        raise AuthError("missing token: send Authorization: Bearer <token>")
+    token = header[len("Bearer "):]
+    if not _BEARER_TOKEN.fullmatch(token):
+        raise AuthError("malformed bearer token: send Authorization: Bearer <token> (one token of visible ASCII)")
+    return token
 
 
 def new_token() -> tuple[str, str]:

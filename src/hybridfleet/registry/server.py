@@ -25,6 +25,7 @@ from hybridfleet.errors import (
     RegistryError,
     RegistryNotFoundError,
 )
+from hybridfleet.registry.auth import parse_bearer
 from hybridfleet.registry.service import Registry
 
 API = "/api/v1"
@@ -115,9 +116,7 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
         return JSONResponse(body, status_code=status)
 
     def caller(authorization: str | None = Header(None)) -> Registry:
-        if not authorization or not authorization.startswith("Bearer "):
-            raise AuthError("missing token: send Authorization: Bearer <token>")
-        return registry.for_token(authorization[len("Bearer "):].strip())
+        return registry.for_token(parse_bearer(authorization))
 
     @app.get(f"{API}/info")
     def info(reg: Registry = Depends(caller)) -> dict:

@@ -344,12 +344,17 @@ class Registry:
 
         return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason)
 
-    def for_token(self, token: str | None) -> Registry:
-        """This registry (same engine and store) acting for ``token``'s principal."""
+    def for_token(self, token: str) -> Registry:
+        """This registry (same engine and store) acting for ``token``'s principal.
+
+        Never the local owner: an empty token is an AuthError, as is an unknown one.
+        """
         import copy
 
+        if not token:
+            raise AuthError("missing token: send Authorization: Bearer <token>")
         other = copy.copy(self)
-        other.actor = self.authenticate(token) if token else auth.Actor(auth.LOCAL_OWNER, {}, owner=True)
+        other.actor = self.authenticate(token)
         return other
 
     # ------------------------------------------------------------------ principals and grants
