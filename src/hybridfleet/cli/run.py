@@ -24,6 +24,9 @@ def run(
     run_root: str = typer.Option(None, help="where run directories go (default: the job's run_dir)"),
     egress_scan: bool = typer.Option(False, "--egress-scan", help="keep every byte each worker sends and search "
                                                                 "it for the worker's own training rows"),
+    resume: str = typer.Option(None, "--resume", metavar="RUN_DIR|latest",
+                               help="continue an earlier run of this job: its shards restore that run's snapshots "
+                                    "(without it every run starts fresh)"),
 ) -> None:
     """Run JOB here with everything on 127.0.0.1; writes runs/<name>/<timestamp>/summary.json."""
     if quiet:  # the processes' own lines and the supervisor's JSON events; warnings and errors still show
@@ -36,14 +39,18 @@ def run(
                           hint="run `hfleet launch --framework F --nproc-per-node N SCRIPT` for a collective job")
     import os
 
-    from hybridfleet.launch.psjob import run_ps_job
+    from hybridfleet.launch.psjob import resolve_resume, run_ps_job, snapshot_store
     from hybridfleet.obs.scalars import ENV_SCALARS, resolve_writer
 
     resolve_writer(scalars, spec.framework)  # refuse an unknown or uninstalled writer before starting anything
+    resume_from = resolve_resume(spec, resume, run_root) if resume else None
+    if resume_from is not None:
+        Console().print(f"resuming run {resume_from}: the shards restore its snapshots from "
+                        f"{snapshot_store(spec, resume_from)}", soft_wrap=True, markup=False, highlight=False)
     os.environ[ENV_SCALARS] = scalars
     summary = run_ps_job(spec, job, echo=verbose, show_progress=not quiet, run_root=run_root,
                          baselines=False if no_baselines else None, metrics=metrics,
-                         log_to_file=not verbose, egress_scan=egress_scan)
+                         log_to_file=not verbose, egress_scan=egress_scan, resume_from=resume_from)
     _print_summary(summary)
     if not verbose and summary["status"] != "completed":
         _print_failed_logs(summary)

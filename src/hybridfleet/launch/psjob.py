@@ -43,6 +43,7 @@ class RunLayout:
     certs_dir: Path | None
     tokens: dict[str, str] = field(default_factory=dict)   # worker id (or "admin") -> token
     shard_addresses: list[str] = field(default_factory=list)
+    resume_from: Path | None = None  # an earlier run whose shard snapshots this run continues (--resume)
 
     def token_file(self, worker_id: str) -> Path:
         """Where worker ``worker_id``'s current token is kept (renewed in place)."""
@@ -130,10 +131,41 @@ def ps_clients(spec: JobSpec) -> int:
 
 
 def snapshot_store(spec: JobSpec, run_dir: Path) -> str:
-    """The job's ``checkpoint.store`` when the job file names one, else ``<run_dir>/snapshots``."""
+    """Where the shards of the run in ``run_dir`` keep their snapshots: ``<checkpoint.store>/<job>/<run>``
+    when the job file names a store, else ``<run_dir>/snapshots``.
+
+    Keyed by job and run, so a new run never restores another run's shards by accident; only
+    ``hfleet run --resume RUN_DIR`` points a run at an earlier run's snapshots.
+    """
     if "store" in spec.checkpoint.model_fields_set:
-        return spec.checkpoint.store
+        return f"{spec.checkpoint.store.rstrip('/')}/{spec.name}/{run_dir.name}"
     return f"file://{run_dir.resolve() / 'snapshots'}"
+
+
+def resolve_resume(spec: JobSpec, resume: str, run_root: str | os.PathLike[str] | None = None) -> Path:
+    """The run directory ``--resume`` names: a path, or ``latest`` (the newest run of this job that has
+    a summary or logs). LaunchError when there is none or it belongs to another job."""
+    base = Path(run_root or spec.run_dir) / spec.name
+    if resume == "latest":
+        runs = sorted((p for p in base.glob("*") if p.is_dir() and (p / "run.json").is_file()),
+                      key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise LaunchError(f"--resume latest: no earlier run of job {spec.name} under {base}",
+                              hint="start it without --resume, or name the run directory to continue")
+        return runs[-1].resolve()
+    path = Path(resume)
+    if not (path / "run.json").is_file():
+        raise LaunchError(f"--resume {resume}: not a run directory (no run.json there)",
+                          hint=f"name a folder under {base}, or use --resume latest")
+    try:
+        job = json.loads((path / "run.json").read_text()).get("job")
+    except (OSError, ValueError) as err:
+        raise LaunchError(f"--resume {resume}: its run.json cannot be read ({err})",
+                          hint="name another run directory, or start without --resume") from err
+    if job != spec.name:
+        raise LaunchError(f"--resume {resume}: that run is of job {job!r}, not {spec.name!r}",
+                          hint="resume a run of the same job, or start without --resume")
+    return path.resolve()
 
 
 def model_root(run_dir: Path) -> Path:
@@ -154,7 +186,7 @@ def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) 
             "--host", spec.ps.host, "--port", str(port),
             "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
             "--expected-workers", str(ps_clients(spec)),
-            "--snapshot-store", snapshot_store(spec, layout.run_dir)]
+            "--snapshot-store", snapshot_store(spec, layout.resume_from or layout.run_dir)]
     if layout.certs_dir is not None:
         argv += ["--certs", str(layout.certs_dir)]
     if spec.security.tls == "off":
@@ -236,10 +268,11 @@ def attach_metrics(spec: JobSpec, procs: list[ProcessSpec], host: str = "127.0.0
     return targets
 
 
-def write_run_info(spec: JobSpec, run_dir: Path) -> None:
+def write_run_info(spec: JobSpec, run_dir: Path, resume_from: Path | None = None) -> None:
     """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`)."""
     info = {"job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "pid": os.getpid(),
-            "started": time.time(), "steps": spec.train.steps, "sites": list(spec.sites)}
+            "started": time.time(), "steps": spec.train.steps, "sites": list(spec.sites),
+            "resumed_from": str(resume_from) if resume_from else None}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -358,7 +391,7 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "bytes_sent_by_kind": by_kind, **({"egress_scan": egress} if egress else {}),
         "privacy_by_site": _privacy_by_site(spec, workers), "datasets_by_site": _datasets_by_site(spec, workers),
         "restarts": restarts, "exit_codes": codes, "wall_s": round(wall_s, 2),
-        "run_dir": str(layout.run_dir),
+        "run_dir": str(layout.run_dir), "resumed_from": str(layout.resume_from) if layout.resume_from else None,
     }
 
 
@@ -387,7 +420,7 @@ def finish_model(spec: JobSpec, run_dir: Path, summary: dict) -> dict | None:
 def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = True, show_progress: bool = True,
                run_root: str | os.PathLike[str] | None = None, baselines: bool | None = None,
                on_started=None, metrics: bool = True, report: bool = True, stream=None,
-               log_to_file: bool = False, egress_scan: bool = False) -> dict:
+               log_to_file: bool = False, egress_scan: bool = False, resume_from: Path | None = None) -> dict:
     """Run a whole PS job here; returns the summary (also written to ``summary.json``).
 
     ``echo`` copies every process's log lines to stderr (they always go to ``logs/``);
@@ -399,7 +432,8 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     sends under ``run_dir/egress/`` and searches it for its own training rows at the end
     (`hybridfleet.ps.worker.egress`); summary.json then has ``egress_scan`` per site.
     ``on_started(supervisor, layout)`` is called once every process runs (fault tests use it
-    to kill a worker). Ctrl-C / SIGTERM stop every process and exit 130 / 143.
+    to kill a worker). ``resume_from`` (see `resolve_resume`): the shards restore that earlier
+    run's snapshots instead of starting fresh. Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
     job_path = Path(job_path).resolve()
     for entry in dict.fromkeys(spec.site_entrypoint(site) for site in spec.sites):
@@ -407,18 +441,20 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
             raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})",
                               hint="fix entrypoint in the job file, or run from the folder it is relative to")
     run_dir = new_run_dir(spec, run_root)
-    write_run_info(spec, run_dir)
+    write_run_info(spec, run_dir, resume_from)
     if log_to_file:
         with (run_dir / "hfleet-run.log").open("a") as sink, redirect_log(sink):
             return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
-                        egress_scan)
+                        egress_scan, resume_from)
     return _run(spec, job_path, run_dir, echo, show_progress, baselines, on_started, metrics, report, stream,
-                egress_scan)
+                egress_scan, resume_from)
 
 
 def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress: bool, baselines: bool | None,
-         on_started, metrics: bool, report: bool, stream, egress_scan: bool = False) -> dict:
+         on_started, metrics: bool, report: bool, stream, egress_scan: bool = False,
+         resume_from: Path | None = None) -> dict:
     layout = prepare_security(spec, run_dir)
+    layout.resume_from = resume_from
     collector = MetricsCollector(run_dir / "metrics.jsonl")
     renewer = TokenRenewer(spec, layout).start() if layout.tokens else None
     started = time.monotonic()
