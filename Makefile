@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[torch,paddle,examples,report,registry]'
+	$(BIN)/pip install -q -e '.[torch,paddle,examples,report,registry,privacy]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python

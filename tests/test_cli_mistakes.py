@@ -66,6 +66,9 @@ def ctx(tmp_path_factory) -> dict:
     ctx["tls_off_unquoted"].write_text(JOB.read_text().replace("{tls: auto, tokens: auto}", "{tls: off, tokens: off}"))
     ctx["no_entry"] = _job_variant(tmp, "no-entry", entrypoint=str(tmp / "nope.py"))
     ctx["unknown_key"] = _job_variant(tmp, "unknown-key", shardz=2)
+    ctx["bad_data"] = _job_variant(tmp, "bad-data", sites={"hospital": {"workers": 1, "data": str(REPO / "examples/digits/data/site-a")},
+                                                          "cloud": {"workers": 1, "data": str(REPO / "examples/digits/data/site-c")}})
+    ctx["swapped"] = _job_variant(tmp, "swapped", entrypoint=str(REPO / "examples/digits/train_paddle.py"))
     ctx["zero_workers"] = _job_variant(tmp, "zero", sites={"a": {"workers": 0}})
     ctx["collective"] = _job_variant(tmp, "collective", mode="collective")
     ctx["bad_yaml"] = tmp / "bad.yaml"
@@ -110,6 +113,11 @@ MISTAKES = [
     Mistake("spec: not a mapping", lambda c: ["spec", "check", str(c["script"])], SPEC, "pass the job file"),
     Mistake("spec: tls: off unquoted", lambda c: ["spec", "check", str(c["tls_off_unquoted"])], SPEC, 'write tls: "off" (quoted)'),
     Mistake("spec: entrypoint missing", lambda c: ["spec", "check", str(c["no_entry"])], SPEC, "fix entrypoint"),
+    Mistake("spec: a site's data missing", lambda c: ["spec", "check", str(c["bad_data"])], SPEC, "fix sites.cloud.data"),
+    Mistake("spec: torch job with the paddle script", lambda c: ["spec", "check", str(c["swapped"])], SPEC,
+            "set framework: paddle"),
+    Mistake("spec: --site that is no site", lambda c: ["spec", "check", c["job"], "--site", "mars"], SPEC,
+            "name one of the job's sites"),
     Mistake("spec: unknown key", lambda c: ["spec", "check", str(c["unknown_key"])], SPEC, "shardz"),
     Mistake("spec: zero workers", lambda c: ["spec", "check", str(c["zero_workers"])], SPEC, "sites.a.workers"),
     # env
@@ -134,7 +142,12 @@ MISTAKES = [
     Mistake("run: job file missing", lambda c: ["run", str(c["tmp"] / "nope.yaml")], SPEC, "check the path"),
     Mistake("run: collective job", lambda c: ["run", str(c["collective"])], LAUNCH, "hfleet launch"),
     Mistake("run: entrypoint missing", lambda c: ["run", str(c["no_entry"]), "--run-root", str(c["tmp"] / "runs")],
-            LAUNCH, "fix entrypoint", lambda c: c["tmp"] / "runs"),
+            SPEC, "fix entrypoint", lambda c: c["tmp"] / "runs"),
+    Mistake("run: a site's data missing", lambda c: ["run", str(c["bad_data"]), "--run-root", str(c["tmp"] / "runs")],
+            SPEC, "fix sites.cloud.data", lambda c: c["tmp"] / "runs"),
+    Mistake("run: torch job with the paddle script", lambda c: ["run", str(c["swapped"]), "--run-root",
+                                                                str(c["tmp"] / "runs")],
+            SPEC, "point entrypoint at the torch script", lambda c: c["tmp"] / "runs"),
     Mistake("run: a value after a flag", lambda c: ["run", c["job"], "-q", "true"], USAGE, "unexpected extra argument"),
     # ps serve
     Mistake("ps serve: no --certs", lambda c: ["ps", "serve", c["job"], "--shard", "0", "--port", "0"], USAGE,

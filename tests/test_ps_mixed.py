@@ -154,6 +154,19 @@ def test_site_declaring_another_framework_than_its_script_is_refused(shards):
     assert all(not s.state.members for s in servers)
 
 
+def test_script_of_another_framework_than_the_jobs_is_refused_at_connect(shards):
+    import hybridfleet.paddle as hf_paddle
+
+    config, servers = shards
+    model = paddle_model()
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    with pytest.raises(SpecError, match="framework: site cloud trains with the job's framework, torch; this script "
+                                        "trains with paddle"):
+        hf_paddle.connect(model, config=config("cloud", 0))
+    assert all(np.array_equal(before[k], v.numpy()) for k, v in model.state_dict().items())
+    assert all(not s.state.members for s in servers)
+
+
 def test_site_of_another_framework_without_its_own_entrypoint_is_a_spec_error():
     with pytest.raises(SpecError, match="sites.hospital.entrypoint: site hospital trains with paddle, the job's "
                                         "entrypoint is for torch"):

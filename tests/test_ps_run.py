@@ -97,9 +97,9 @@ def test_bsp_worker_sigkilled_is_restarted_rejoins_and_the_run_completes(tmp_pat
 
 
 def test_missing_entrypoint_is_a_clear_error_before_anything_starts(tmp_path):
-    from hybridfleet.errors import LaunchError
+    from hybridfleet.errors import SpecError
 
     job = _job(tmp_path, "digits-hybrid.yaml", entrypoint=str(tmp_path / "nope.py"))
-    with pytest.raises(LaunchError, match="entrypoint .*nope.py' not found"):
+    with pytest.raises(SpecError, match="entrypoint: .*nope.py' is not a file"):
         run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()

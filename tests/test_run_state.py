@@ -76,3 +76,60 @@ def test_cli_resume_of_a_missing_run_exits_with_the_launch_code_and_starts_nothi
     code, _ = cli("run", str(job), "--quiet", "--run-root", str(tmp_path / "runs"), "--resume", str(tmp_path / "nope"))
     assert code == EXIT_CODES["launch"].code
     assert not (tmp_path / "runs" / "digits-deploy").exists()
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_site_that_never_trains_fails_the_run_naming_the_site_and_its_error(tmp_path):
+    from tests.test_registry_server import cli
+
+    # Prepare: the cloud's data is a split its script does not know, so each of its workers dies at start
+    job = _job(tmp_path, "digits-deploy.yaml", sites={"hospital": {"workers": 1, "data": "digits:site-a"},
+                                                      "cloud": {"workers": 1, "data": "digits:site-z"}},
+               ps={"shards": 1, "sync": "asp", "optimizer": {"name": "adam", "lr": 0.003}},
+               train={"steps": 20, "batch_size": 32, "seed": 0}, checkpoint={})
+    # Execute
+    code, out = cli("run", str(job), "--quiet", "--no-metrics", "--run-root", str(tmp_path / "runs"))
+    # Assert: not exit 0, and the summary says which site did not train and why
+    assert code == EXIT_CODES["launch"].code
+    summary = json.loads(next((tmp_path / "runs").glob("*/*/summary.json")).read_text())
+    assert summary["status"] == "failed"
+    assert list(summary["untrained_sites"]) == ["cloud"]
+    assert "worker-cloud-0 exited" in summary["untrained_sites"]["cloud"]
+
+
+def test_run_status_follows_the_jobs_site_policy(tmp_path):
+    from hybridfleet.launch.psjob import run_status
+
+    spec = load_spec(_job(tmp_path, "digits-hybrid.yaml"))  # hospital 2 workers, cloud 2 workers
+    everyone = ["worker-hospital-0", "worker-hospital-1", "worker-cloud-0", "worker-cloud-1"]
+    assert run_status(spec, everyone) == ("completed", [])
+    assert run_status(spec, everyone[:3]) == ("degraded", [])  # each site still had a worker train to the end
+    assert run_status(spec, everyone[:2]) == ("failed", ["cloud"])  # by default every site must train
+    relaxed = spec.model_copy(update={"min_sites": 1})
+    assert run_status(relaxed, everyone[:2]) == ("degraded", ["cloud"])
+    strict = spec.model_copy(update={"min_workers_per_site": 2})
+    assert run_status(strict, everyone[:3]) == ("failed", ["cloud"])
+    status, untrained = run_status(spec, [])
+    assert status == "failed" and sorted(untrained) == ["cloud", "hospital"]
+
+
+def test_a_privacy_block_without_its_package_is_refused_with_the_install_command(tmp_path, monkeypatch):
+    import importlib.util
+
+    from hybridfleet.errors import SpecError
+    from hybridfleet.spec import preflight
+
+    job = _job(tmp_path, "digits-hybrid.yaml", ps={"shards": 2, "sync": "bsp", "privacy": {"clip_norm": 1.0,
+                                                                                           "noise_multiplier": 0.6}})
+    spec = load_spec(job)
+    preflight.check_here(spec)  # installed here: accepted
+    # dp_accounting is installed on this machine; hide it to see what a machine without the extra is told
+    real = importlib.util.find_spec
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: None if name == "dp_accounting" else real(name, *a))
+    with pytest.raises(SpecError, match="ps.privacy: needs the Python package 'dp_accounting'") as refused:
+        preflight.check_here(spec)
+    assert refused.value.hint == "pip install 'hybridfleet[privacy]'"
+    with pytest.raises(SpecError, match="ps.privacy"):
+        run_ps_job(spec, job, echo=False, show_progress=False, run_root=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()

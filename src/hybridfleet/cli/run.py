@@ -55,6 +55,13 @@ def run(
     if not verbose and summary["status"] != "completed":
         _print_failed_logs(summary)
     if summary["status"] == "failed":
+        untrained = summary.get("untrained_sites") or {}
+        if untrained:
+            site, first = next(iter(untrained.items()))
+            raise LaunchError(f"job {spec.name} failed: site {', '.join(untrained)} never trained"
+                              f"{f' ({first})' if first else ''}; logs in {summary['run_dir']}/logs",
+                              hint=f"fix what {site}'s worker log names; min_sites / min_workers_per_site in the "
+                                   "job say how many must train")
         raise LaunchError(f"job {spec.name} failed; exit codes {summary['exit_codes']}; logs in {summary['run_dir']}/logs",
                           hint=f"the failing process's log in {summary['run_dir']}/logs ends with its error")
 

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Optional
 
 import typer
 import yaml
 
 from hybridfleet.errors import SpecError
 from hybridfleet.spec import load_spec
+from hybridfleet.spec.preflight import check_here
 
 group = typer.Typer(help="Job files: validate and show the resolved spec.", no_args_is_help=True)
 
 
 @group.command("check")
-def check(job: str = typer.Argument(..., help="path of the YAML job file")) -> None:
-    """Validate JOB; print the resolved spec (defaults filled) or every error with its field path."""
+def check(job: str = typer.Argument(..., help="path of the YAML job file"),
+          site: Optional[list[str]] = typer.Option(None, "--site", metavar="SITE",
+                                                   help="check only these sites' entrypoints and data (on a "
+                                                        "site's own host; default: every site)"),
+          no_data: bool = typer.Option(False, "--no-data", help="do not open the sites' datasets")) -> None:
+    """Validate JOB and what this machine can check of it (entrypoints exist and import the job's framework,
+    local site datasets open, the extras a block needs are installed); print the resolved spec."""
     spec = load_spec(job)
-    if not Path(spec.entrypoint).is_file():
-        raise SpecError(f"{job}: entrypoint: {spec.entrypoint!r} is not a file (relative paths start at {Path.cwd()})",
-                        hint="fix entrypoint in the job file, or run the command from the folder it is relative to")
+    try:
+        check_here(spec, site or None, data=not no_data)
+    except SpecError as err:
+        raise SpecError(f"{job}: {err}", hint=err.hint) from None
     typer.echo(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), nl=False)
 
 

@@ -29,6 +29,7 @@ from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_confi
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.spec.models import JobSpec
+from hybridfleet.spec.preflight import check_here
 
 log = get_logger("run")
 
@@ -347,6 +348,37 @@ def _privacy_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict]
     return out
 
 
+def run_status(spec: JobSpec, finished: list[str]) -> tuple[str, list[str]]:
+    """(status, the sites that did not train) from the workers that trained to the end.
+
+    ``completed``: every worker finished. ``degraded``: some did not, yet at least
+    ``min_sites`` sites (default: every site) each had ``min_workers_per_site`` workers finish,
+    which the job declared enough. ``failed`` otherwise: a job whose site never trained does
+    not pass for a joint model.
+    """
+    done = {site: sum(1 for n in finished if n.rsplit("-", 1)[0] == f"worker-{site}") for site in spec.sites}
+    untrained = [site for site, n in done.items() if n < min(spec.min_workers_per_site, spec.sites[site].workers)]
+    if len(finished) == spec.num_workers:
+        return "completed", []
+    trained = len(spec.sites) - len(untrained)
+    if finished and trained >= (spec.min_sites or len(spec.sites)):
+        return "degraded", untrained  # some workers died for good; enough of them trained to the end
+    return "failed", untrained
+
+
+def first_error_line(run_dir: Path, site: str, codes: dict[str, int]) -> str | None:
+    """The last line of the first failed worker log of ``site`` that names an error (its cause, usually)."""
+    for name in sorted(n for n, c in codes.items() if c != 0 and n.rsplit("-", 1)[0] == f"worker-{site}"):
+        path = run_dir / "logs" / f"{name}.log"
+        if not path.is_file():
+            continue
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        if errors or lines:
+            return f"{name} exited {codes[name]}: {(errors or lines)[-1][:300]}"
+    return None
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -375,15 +407,11 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
     finished = [n for n, c in worker_codes.items() if c == 0 and n in workers]
-    if finished and len(finished) == spec.num_workers:
-        status = "completed"
-    elif finished:
-        status = "degraded"  # some workers died for good; the others trained to the end
-    else:
-        status = "failed"
+    status, untrained = run_status(spec, finished)
     return {
         "job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "shards": spec.ps.shards,
         "workers": spec.num_workers, "status": status,
+        "untrained_sites": {site: first_error_line(layout.run_dir, site, codes) for site in untrained},
         "test_accuracy": round(min(accs), 5) if accs else None,  # the worst worker's view of the model
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
@@ -410,7 +438,9 @@ def finish_model(spec: JobSpec, run_dir: Path, summary: dict) -> dict | None:
         return None
     out = {"url": card["url"], "final_step": card["final"]["step"],
            "best_step": card["best"]["step"] if card["best"] else None, "registered": None}
-    if spec.registry.publish_as:
+    if spec.registry.publish_as and summary["status"] == "failed":
+        out["registered"] = {"message": "not published: the run failed"}
+    elif spec.registry.publish_as:
         from hybridfleet.registry.publish import publish_run
 
         out["registered"] = publish_run(spec, card)
@@ -436,10 +466,7 @@ def run_ps_job(spec: JobSpec, job_path: str | os.PathLike[str], echo: bool = Tru
     run's snapshots instead of starting fresh. Ctrl-C / SIGTERM stop every process and exit 130 / 143.
     """
     job_path = Path(job_path).resolve()
-    for entry in dict.fromkeys(spec.site_entrypoint(site) for site in spec.sites):
-        if not Path(entry).is_file():
-            raise LaunchError(f"entrypoint {entry!r} not found (relative paths start at {Path.cwd()})",
-                              hint="fix entrypoint in the job file, or run from the folder it is relative to")
+    check_here(spec)  # entrypoints, their frameworks, local site data, the extras blocks need
     run_dir = new_run_dir(spec, run_root)
     write_run_info(spec, run_dir, resume_from)
     if log_to_file:

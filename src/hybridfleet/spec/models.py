@@ -278,6 +278,10 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = ResourcesSpec()
     environment: EnvironmentSpec = EnvironmentSpec()
     max_restarts: int = Field(0, ge=0)
+    min_sites: int | None = Field(None, ge=1, description="sites that must train to the end for a run with lost "
+                                  "workers to count as degraded rather than failed (default: every site)")
+    min_workers_per_site: int = Field(1, ge=1, description="workers of a site that must train to the end for "
+                                      "the site to count as trained")
     run_dir: str = "runs"
 
     @model_validator(mode="after")
@@ -290,6 +294,8 @@ class JobSpec(_Strict):
         from hybridfleet.spec.rules import check_site_frameworks
 
         check_site_frameworks(self)
+        if self.min_sites is not None and self.min_sites > len(self.sites):
+            raise ValueError(f"min_sites: must be at most the number of sites ({len(self.sites)}; got {self.min_sites})")
         if self.ps.init_site is not None and self.ps.init_site not in self.sites:
             raise ValueError(f"ps.init_site: {self.ps.init_site!r} is not a site of this job "
                              f"(sites: {', '.join(self.sites)})")

@@ -48,6 +48,10 @@ class ParameterServerHandle(ABC):
         if declared and declared != self.framework:
             raise SpecError(f"sites.{site}.framework: the site declares {declared}, this script trains with "
                             f"{self.framework}; fix the job file or run the site's {declared} script")
+        if not declared and job.framework != self.framework:
+            raise SpecError(f"framework: site {site} trains with the job's framework, {job.framework}; this script "
+                            f"trains with {self.framework}; run the {job.framework} script, or set "
+                            f"sites.{site}.framework: {self.framework} with its own entrypoint")
         params = self._named_parameters()
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
