@@ -31,4 +31,4 @@ proto: $(VENV)/.installed-test
 	$(BIN)/python -m hybridfleet.ps.wire.proto_gen
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .hfleet .pytest_cache

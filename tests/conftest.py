@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _private_model_registry(tmp_path_factory, monkeypatch):
     # Jobs with a `registry:` block publish at the end of a run; tests publish to a
-    # registry of their own session, never to the user's ~/.hfleet/registry.
+    # registry of their own session, never to the project's .hfleet/registry.
     if "HFLEET_REGISTRY" not in os.environ:
         monkeypatch.setenv("HFLEET_REGISTRY", str(tmp_path_factory.getbasetemp() / "registry" / "registry.db"))
 

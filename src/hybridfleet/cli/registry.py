@@ -11,7 +11,7 @@ from hybridfleet.errors import GateFailedError, RegistryError
 
 group = typer.Typer(help="Model registry: publish, promote, rollout, resolve, pull, history, serve.", no_args_is_help=True)
 
-REGISTRY_HELP = "registry: http(s)://server, sqlite:///PATH, postgresql://... (default: $HFLEET_REGISTRY or ~/.hfleet/registry)"
+REGISTRY_HELP = "registry: http(s)://server, sqlite:///PATH, postgresql://... (default: $HFLEET_REGISTRY or the project's .hfleet/registry)"
 TOKEN_HELP = "token of a user or service account (default: $HFLEET_REGISTRY_TOKEN; none: local database owner)"
 Url = typer.Option(None, "--registry", "-r", help=REGISTRY_HELP)
 Token = typer.Option(None, "--token", help=TOKEN_HELP)

@@ -10,7 +10,7 @@ Rules, each tested:
   shard larger than the whole budget is refused with both sizes;
 - two processes asking for the same shard download it once (a lock file per entry),
   and the index is read-modified-written under a lock of its own (``fcntl.flock``);
-- the location is the caller's (``HFLEET_DATA_CACHE`` or ``~/.cache/hybridfleet/data``),
+- the location is the caller's (``HFLEET_DATA_CACHE`` or the project's ``.hfleet/cache/data``),
   never a fixed /tmp path.
 """
 
@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridfleet.errors import DataError, StoreError
+from hybridfleet.paths import state_dir
 from hybridfleet.store import Store, download_verified
 
 INDEX = "index.json"
 
 
 def default_cache_dir() -> Path:
-    """``HFLEET_DATA_CACHE``, else ``$XDG_CACHE_HOME/hybridfleet/data`` (``~/.cache/...``)."""
+    """``HFLEET_DATA_CACHE``, else the project's ``.hfleet/cache/data`` (`hybridfleet.paths`)."""
     if os.environ.get("HFLEET_DATA_CACHE"):
         return Path(os.environ["HFLEET_DATA_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hybridfleet" / "data"
+    return state_dir() / "cache" / "data"
 
 
 def default_budget_bytes(path: Path) -> int:

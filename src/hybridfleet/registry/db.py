@@ -17,16 +17,18 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, inspect
 
 from hybridfleet.errors import RegistryError, SchemaError
+from hybridfleet.paths import state_dir
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 DB_ENV = "HFLEET_REGISTRY"
 
 
 def default_db_url() -> str:
-    """``$HFLEET_REGISTRY`` (when it names a database, not a server), else SQLite at ``~/.hfleet/registry/registry.db``."""
+    """``$HFLEET_REGISTRY`` (when it names a database, not a server), else SQLite at the project's
+    ``.hfleet/registry/registry.db`` (`hybridfleet.paths`)."""
     if os.environ.get(DB_ENV) and not os.environ[DB_ENV].startswith(("http://", "https://")):
         return os.environ[DB_ENV]
-    path = Path.home() / ".hfleet" / "registry" / "registry.db"
+    path = state_dir() / "registry" / "registry.db"
     return f"sqlite:///{path}"
 
 
