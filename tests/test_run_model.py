@@ -79,6 +79,11 @@ def test_ps_run_ends_in_final_and_best_model_with_lineage(tmp_path, example):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     digests = {m["params_sha256"] for m in metrics if m.get("final")}
     assert len(digests) == 1
+    # the job trained on every worker's rows: MODEL.json records the job's total,
+    # not the share of the worker that saved the model
+    per_worker = [m["train_rows"] for m in metrics if m.get("final") and m.get("process", "").startswith("worker-")]
+    assert len(per_worker) == 2 and summary["train_rows"] == sum(per_worker) > max(per_worker)
+    assert card["final"]["metrics"]["train_rows"] == summary["train_rows"]
     # registry: the gate passed, so the best model is version 1 of test/digits, alias staging
     registered = model["registered"]
     assert registered["published"] and registered["version"] == 1, registered

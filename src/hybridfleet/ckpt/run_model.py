@@ -187,6 +187,11 @@ def _best_step(store: Store, steps: list[int], rule: BestRule | None) -> tuple[i
     return step, value
 
 
+# Figures a worker reports for its own share of the data, whose job-wide value is the sum over
+# the workers (summary.json): MODEL.json and the registry record the job's.
+JOB_TOTALS = ("train_rows",)
+
+
 def write_model_card(model_root: str | Store, lineage: dict[str, Any], keep_best: str | None = None) -> dict[str, Any] | None:
     """Write ``MODEL.json`` under ``model_root``: final and best checkpoint plus ``lineage``.
 
@@ -205,7 +210,8 @@ def write_model_card(model_root: str | Store, lineage: dict[str, Any], keep_best
             log.warning("model_checkpoint_invalid", url=store.url, step=step, reason=str(err))
             continue
         final_step, framework, framework_version = step, manifest.framework, state.get("framework_version")
-        final_metrics = manifest.metrics
+        # the job's totals (the run's summary) replace the one worker's share the checkpoint recorded
+        final_metrics = {**manifest.metrics, **{k: v for k, v in lineage.get("metrics", {}).items() if k in JOB_TOTALS}}
         break
     if final_step is None:
         return None

@@ -404,6 +404,9 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
             for key in ("bytes_scanned", "rows_scanned", "rows_found"):
                 mine[key] += int(rec["egress"].get(key, 0))
     accs = [r["test_accuracy"] for r in workers.values() if "test_accuracy" in r]
+    # a worker reports the rows of its own share; the job trained on the sum over its workers
+    rows_by_site = {s: sum(int(r["train_rows"]) for r in workers.values() if r.get("site") == s and "train_rows" in r)
+                    for s in spec.sites}
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
     finished = [n for n, c in worker_codes.items() if c == 0 and n in workers]
@@ -415,6 +418,8 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "test_accuracy": round(min(accs), 5) if accs else None,  # the worst worker's view of the model
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
+        **({"train_rows": sum(rows_by_site.values()), "train_rows_by_site": rows_by_site}
+           if any(rows_by_site.values()) else {}),
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
         "bytes_sent_by_kind": by_kind, **({"egress_scan": egress} if egress else {}),
         "privacy_by_site": _privacy_by_site(spec, workers), "datasets_by_site": _datasets_by_site(spec, workers),
