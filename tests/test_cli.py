@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -79,6 +80,35 @@ def test_ps_serve_without_certs_or_explicit_plaintext_is_a_usage_error_and_serve
         assert bad.returncode == 2, bad.stderr
         assert message in bad.stderr and "Traceback" not in bad.stderr
         assert not port_file.exists()  # nothing started serving
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_ps_serve_exits_130_on_ctrl_c_and_0_when_stopped_with_sigterm(tmp_path, signum, code):
+    import time
+
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "stopme", "framework": "torch", "entrypoint": "train.py", "mode": "ps",
+                                   "sites": {"a": {"workers": 1}}, "ps": {"shards": 1}}))
+    port_file = tmp_path / "shard.port"
+    shard = subprocess.Popen([sys.executable, "-m", "hybridfleet", "ps", "serve", str(job), "--shard", "0", "--port",
+                              "0", "--host", "127.0.0.1", "--insecure-plaintext", "--no-auth", "--port-file",
+                              str(port_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() and time.monotonic() < deadline and shard.poll() is None:
+            time.sleep(0.05)
+        assert port_file.exists(), shard.stderr.read() if shard.poll() is not None else "no port file"
+        shard.send_signal(signum)
+        _out, err = shard.communicate(timeout=30)
+    finally:
+        if shard.poll() is None:
+            shard.kill()
+    assert shard.returncode == code, err
+    assert "Traceback" not in err
+    if signum == signal.SIGINT:
+        assert "error: interrupted by Ctrl-C" in err
 
 
 def test_the_exit_code_table_in_the_docs_is_the_one_in_errors():

@@ -140,6 +140,7 @@ def test_cli_without_certs_or_placeholders_refuses_and_writes_nothing(tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "pass --certs DIR" in err and "--placeholders" in err and "Traceback" not in err
+    assert "hint: pass --certs DIR" in err and "fix the job file" not in err  # nothing is wrong with the job file
     assert not (tmp_path / "out").exists()
 
 

@@ -52,10 +52,15 @@ def serve(
         tmp.write_text(f"{host}:{server.port}\n")
         tmp.rename(port_file)
     done = threading.Event()
+    stopped_by: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, lambda signum, _frame: (stopped_by.append(signum), done.set()))
     done.wait()
     server.stop(grace_s=1.0)
+    # SIGTERM is how a supervisor or Kubernetes stops a shard: a clean exit 0. Ctrl-C is an
+    # interruption, exit 130 as for every command (docs/errors.md).
+    if stopped_by and stopped_by[0] == signal.SIGINT:
+        raise KeyboardInterrupt
 
 
 @group.command("status")

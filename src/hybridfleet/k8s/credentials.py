@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridfleet.errors import AuthError, SpecError
+from hybridfleet.errors import AuthError, UsageError
 from hybridfleet.k8s.common import Manifest, dns_name, metadata
 from hybridfleet.spec.models import JobSpec
 
@@ -123,15 +123,16 @@ def credential_value(spec: JobSpec, owner: str, name: str, source: CredentialSou
 def credential_secret(spec: JobSpec, owner: str, source: CredentialSource) -> Manifest | None:
     """``owner``'s Secret (None when the job needs no credentials), values from ``source``.
 
-    Raises SpecError when neither a certs directory nor explicit placeholders were given, and
+    Raises UsageError when neither a certs directory nor explicit placeholders were given, and
     AuthError when the certs directory lacks a file.
     """
     files = secret_files(spec, owner)
     if not files:
         return None
     if source.certs_dir is None and not source.placeholders:
-        raise SpecError("k8s render: the job needs credentials; pass --certs DIR (from `hfleet certs init`) "
-                        "for real Secrets, or --placeholders to write REPLACE-with-... values to fill in later")
+        raise UsageError("k8s render: the job needs credentials and neither --certs nor --placeholders was given",
+                         hint="pass --certs DIR (from `hfleet certs init`) for real Secrets, or --placeholders to "
+                              "write REPLACE-with-... values to fill in later")
     data = {name: credential_value(spec, owner, name, source) for name in files}
     body = metadata(spec, secret_name(spec, owner), "credentials")
     body["labels"]["hybridfleet/credentials-for"] = dns_name(owner)
