@@ -190,6 +190,20 @@ def test_cli_ls_show_verify_and_gc(tmp_path, capsys):
     assert "kept steps [2, 3]" in gc_out and "removed steps [1]" in gc_out
 
 
+def test_cli_show_and_verify_take_one_step_folder_for_that_step(tmp_path, capsys):
+    save_series(tmp_path, 3, [0.2, 0.8, 0.4])
+    folder = str(tmp_path / "step-000000000002")
+
+    show_code, show_out, _ = run_cli(["ckpt", "show", folder], capsys)
+    verify_code, verify_out, _ = run_cli(["ckpt", "verify", folder + "/"], capsys)
+    clash_code, _, clash_err = run_cli(["ckpt", "show", folder, "--step", "3"], capsys)
+
+    assert (show_code, verify_code) == (0, 0)
+    assert json.loads(show_out)["step"] == 2
+    assert verify_out.split() == ["2", "ok"]
+    assert clash_code == 2 and "is the folder of step 2, but --step 3 was given" in clash_err
+
+
 def corrupt_newest(root) -> None:
     """Replace the tensor file of the newest checkpoint under ``root`` with one byte."""
     newest = list_checkpoints(root)[-1]

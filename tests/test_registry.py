@@ -104,6 +104,14 @@ def test_pull_converts_between_frameworks(registry, tmp_path, src, dst, fmt):
     assert out["version"] == 1
 
 
+@pytest.mark.torch
+def test_pull_without_a_framework_writes_the_versions_own(registry, tmp_path):
+    save_model(tmp_path / "run", framework="torch", test_accuracy=0.9)
+    registry.register("m", str(tmp_path / "run"))
+    out = registry.pull("m@1", None, "safetensors", str(tmp_path / "out"))
+    assert out["framework"] == "torch" and Path(out["path"]).stat().st_size > 0
+
+
 def _weights(root):
     from hybridfleet.ckpt.checkpoint import read_newest_valid
     from hybridfleet.store import open_store

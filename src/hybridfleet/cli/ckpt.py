@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from hybridfleet.errors import CheckpointError
+from hybridfleet.errors import CheckpointError, UsageError
 
 group = typer.Typer(help="Checkpoints, local or s3://: ls, show, verify, convert, gc.", no_args_is_help=True)
 
@@ -17,6 +17,20 @@ ENDPOINT_HELP = "S3-compatible endpoint URL (default: $AWS_ENDPOINT_URL or AWS)"
 
 def _options(endpoint_url: Optional[str]) -> dict:
     return {"endpoint_url": endpoint_url} if endpoint_url else {}
+
+
+def _root_and_step(url: str, step: Optional[int]) -> tuple[str, Optional[int]]:
+    """A ``.../step-NNNNNNNNNNNN`` folder given where a checkpoint root is expected means that
+    step of its parent root."""
+    from hybridfleet.ckpt.manifest import parse_step_dir
+
+    named = parse_step_dir(url.rstrip("/"))
+    if named is None:
+        return url, step
+    if step is not None and step != named:
+        raise UsageError(f"{url} is the folder of step {named}, but --step {step} was given",
+                         hint="give the checkpoint root with --step, or the step folder alone")
+    return url.rstrip("/").rsplit("/", 1)[0] or "/", named
 
 
 @group.command("ls")
@@ -48,12 +62,13 @@ def ls(url: str = typer.Argument(..., help="checkpoint root: a path, file:///dir
 
 
 @group.command("show")
-def show(url: str = typer.Argument(..., help="checkpoint root"),
+def show(url: str = typer.Argument(..., help="checkpoint root (or one step-* folder of it)"),
          step: Optional[int] = typer.Option(None, help="step to show (default: newest valid)"),
          endpoint_url: Optional[str] = typer.Option(None, help=ENDPOINT_HELP)) -> None:  # fmt: skip
     """Verify and describe one checkpoint as JSON: step, framework, metrics, state and files."""
     from hybridfleet.ckpt import load_checkpoint
 
+    url, step = _root_and_step(url, step)
     info = load_checkpoint(url, step=step, **_options(endpoint_url))
     tensors = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in (info.tensors or {}).items()}
     out = {
@@ -66,12 +81,13 @@ def show(url: str = typer.Argument(..., help="checkpoint root"),
 
 
 @group.command("verify")
-def verify(url: str = typer.Argument(..., help="checkpoint root"),
+def verify(url: str = typer.Argument(..., help="checkpoint root (or one step-* folder of it)"),
            step: Optional[int] = typer.Option(None, help="verify only this step"),
            endpoint_url: Optional[str] = typer.Option(None, help=ENDPOINT_HELP)) -> None:  # fmt: skip
     """Check size and sha256 of every file; exit code 11 if any checkpoint is invalid."""
     from hybridfleet.ckpt import verify as verify_all
 
+    url, step = _root_and_step(url, step)
     results = verify_all(url, step=step, **_options(endpoint_url))
     for r in results:
         typer.echo(f"{r.step:>10}  {'ok' if r.ok else 'INVALID'}  {r.problem}".rstrip())

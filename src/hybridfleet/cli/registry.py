@@ -191,7 +191,7 @@ def resolve(ref: str = typer.Argument(..., help="NAME@ALIAS (or @VERSION)"),
 
 
 @group.command("pull")
-def pull(ref: str, framework: str = typer.Option(..., help="torch or paddle"),
+def pull(ref: str, framework: str | None = typer.Option(None, help="torch or paddle (default: the version's own)"),
          fmt: str = typer.Option("safetensors", "--format", help="safetensors, pt (torch) or pdparams (paddle)"),
          out: str | None = typer.Option(None, "-o", "--out", help="output directory (default: ./NAME-vN)"),
          key: str | None = typer.Option(None, help="resolve a gray-release alias for this key"),

@@ -116,6 +116,15 @@ def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tupl
     return manifest, state, groups
 
 
+def pull_framework(info: Any, framework: str | None) -> str:
+    """The framework a pull writes for: the one asked for, else the version's own."""
+    if framework:
+        return framework
+    if not info.framework:
+        raise RegistryError(f"{info.name} v{info.version} records no framework; pass --framework torch or paddle")
+    return info.framework
+
+
 def export_weights(manifest: Manifest, state: dict[str, Any], groups: dict[str, dict[str, np.ndarray]],
                    framework: str, fmt: str, out_dir: str | Path) -> Path:  # fmt: skip
     """Write the model weights laid out for ``framework`` as one ``fmt`` file under ``out_dir``.

@@ -145,11 +145,12 @@ class RemoteRegistry:
                 "tolerance": tolerance, "reason": reason}  # fmt: skip
         return self._call("POST", f"{self._model_path(name)}/promote", json=body)
 
-    def pull(self, ref: str, framework: str, fmt: str = "safetensors", out_dir: str | None = None,
+    def pull(self, ref: str, framework: str | None, fmt: str = "safetensors", out_dir: str | None = None,
              key: str | None = None) -> dict:  # fmt: skip
         info = self.resolve_version(ref, key)
         manifest, state, groups = artifacts.read_version(open_store(self.store_url), info.manifest_path, info.manifest_sha256)
         out = out_dir or f"{info.name.split('/')[-1]}-v{info.version}"
+        framework = artifacts.pull_framework(info, framework)
         path = artifacts.export_weights(manifest, state, groups, framework, fmt, out)
         return {"name": info.name, "version": info.version, "path": str(path), "framework": framework, "format": fmt}
 

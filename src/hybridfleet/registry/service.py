@@ -296,12 +296,13 @@ class Registry:
                 conn.execute(insert(version_tags).values(version_id=row.id, key=key, value=str(value)))
         return self.get_version(f"{ref.full_name}@{info.version}")
 
-    def pull(self, ref_text: str, framework: str, fmt: str = "safetensors", out_dir: str | None = None,
+    def pull(self, ref_text: str, framework: str | None, fmt: str = "safetensors", out_dir: str | None = None,
              key: str | None = None) -> dict[str, Any]:  # fmt: skip
         """Verify a version completely, then write its weights for ``framework`` as ``fmt``; reader."""
         info = self.resolve_version(ref_text, key)
         manifest, state, groups = artifacts.read_version(self.store, info.manifest_path, info.manifest_sha256)
         out = out_dir or f"{info.name.split('/')[-1]}-v{info.version}"
+        framework = artifacts.pull_framework(info, framework)
         path = artifacts.export_weights(manifest, state, groups, framework, fmt, out)
         return {"name": info.name, "version": info.version, "path": str(path), "framework": framework, "format": fmt}
 
