@@ -61,17 +61,22 @@ def image_python(lock: dict[str, Any], base: BaseImage) -> str:
     return base.python or lock["python"]["minor"]
 
 
-def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str], list[str], dict[str, str]]:
+def select_requirements(lock: dict[str, Any], base: BaseImage, extras: tuple[str, ...] = (),
+                        distributions: tuple[str, ...] = ()) -> tuple[list[str], list[str], dict[str, str]]:
     """Split the lock's distributions into (pins to pip install, framework pins, left out with reasons).
 
+    What runs: hybridfleet with `RUNTIME_EXTRAS` + ``extras`` (the job's blocks), the framework,
+    and ``distributions`` (what the job's script imports), each with its requirements.
     Framework pins are only non-empty when the framework is pip-installed on a
     plain Python image (torch on CPU); they then come from its own wheel index.
     """
-    from hybridfleet.env.runtime_deps import runtime_closure
+    from hybridfleet.env.runtime_deps import FRAMEWORK_DISTRIBUTIONS, RUNTIME_EXTRAS, dev_tools, runtime_closure
 
     python = image_python(lock, base)
     exact = python == lock["python"]["minor"]
-    runtime = runtime_closure(python)
+    runtime = runtime_closure(python, RUNTIME_EXTRAS + tuple(extras),
+                              (FRAMEWORK_DISTRIBUTIONS.get(base.framework, base.framework), *distributions))
+    tools = dev_tools(python)
     local = set(lock.get("local_distributions", []))
     others = _other_families(base.framework)
     pins: list[str] = []
@@ -90,7 +95,8 @@ def select_requirements(lock: dict[str, Any], base: BaseImage) -> tuple[list[str
         elif name in base.provided or name.startswith(base.provided_prefixes):
             left_out[name] = "the base image provides it"
         elif runtime is not None and name not in runtime:
-            left_out[name] = "not needed at run time (a test or development tool)"
+            left_out[name] = ("not needed at run time (a test or development tool)" if name in tools
+                              else "not needed at run time (imported by nothing the job runs)")
         elif exact:
             pins.append(f"{name}=={version}")
         else:  # made on another Python: the newest release up to the locked one that installs on the image's
@@ -125,6 +131,8 @@ def render_dockerfile(
     name: str,
     registry: str | None = None,
     lock_source: str = "hfleet.lock.json",
+    extras: tuple[str, ...] = (),
+    distributions: tuple[str, ...] = (),
 ) -> RenderedImage:
     """The Dockerfile text and tag for ``lock`` on ``base`` (see the module docstring).
 
@@ -132,7 +140,7 @@ def render_dockerfile(
     """
     _check_framework_matches(lock, base, lock_source)
     tag = image_tag(lock["hash"], name, base, registry)
-    pins, framework_pins, left_out = select_requirements(lock, base)
+    pins, framework_pins, left_out = select_requirements(lock, base, extras, distributions)
     device = f"gpu, CUDA {base.cuda}, cuDNN {base.cudnn}" if base.device == "gpu" else "cpu"
     lines = [
         "# syntax=docker/dockerfile:1",

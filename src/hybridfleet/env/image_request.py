@@ -14,6 +14,7 @@ from hybridfleet.env.dockerfile import RenderedImage, render_dockerfile
 from hybridfleet.env.images import DEVICES, base_version, resolve_base_image
 from hybridfleet.env.lock import make_lock, read_lock
 from hybridfleet.env.probe import FRAMEWORKS
+from hybridfleet.env.runtime_deps import job_extras, script_distributions
 from hybridfleet.errors import SpecError
 
 
@@ -28,6 +29,8 @@ class ImageRequest:
     lock_path: str | None
     name: str
     registry: str | None
+    extras: tuple[str, ...] = ()  # hybridfleet extras the job's blocks need (`runtime_deps.job_extras`)
+    distributions: tuple[str, ...] = ()  # what the job's scripts import (`runtime_deps.script_distributions`)
 
 
 def image_request(job: str | None, framework: str | None, version: str | None, device: str | None,
@@ -44,8 +47,10 @@ def image_request(job: str | None, framework: str | None, version: str | None, d
             raise SpecError(f"--framework: {framework} differs from the job's framework {spec.framework}")
         lock_path = lock or (str(Path(job).parent / env.lock) if env.lock and not Path(env.lock).is_absolute()
                              else env.lock)
+        scripts = dict.fromkeys(Path(spec.site_entrypoint(site)) for site in spec.sites)
+        imported = sorted({d for script in scripts for d in script_distributions(script)})
         return ImageRequest(spec.framework, version or env.version, device or env.device, cuda or env.cuda,
-                            lock_path, spec.name, env.registry)
+                            lock_path, spec.name, env.registry, job_extras(spec), tuple(imported))
     if not framework:
         raise SpecError("give a job file, or --framework with --version and --device")
     if framework not in FRAMEWORKS:
@@ -77,7 +82,7 @@ def render_request(req: ImageRequest, mirror: bool = False) -> RenderedImage:
     base = resolve_base_image(req.framework, base_version(chosen), req.device, wanted_cuda,
                               python=lock_data["python"]["minor"], mirror=mirror)
     return render_dockerfile(lock_data, base, name=req.name, registry=req.registry,
-                             lock_source=lock_source)
+                             lock_source=lock_source, extras=req.extras, distributions=req.distributions)
 
 
 def render_image_for(job: str) -> RenderedImage:
