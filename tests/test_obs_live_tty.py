@@ -3,6 +3,7 @@ rates, no log flood, the report path at the end; off a terminal, plain progress 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridfleet.obs.live import human_bytes
 from tests.obs_fixtures import demo_job
 from tests.needs import missing
 
@@ -51,6 +53,7 @@ def test_live_panel_on_a_tty_shows_rounds_sites_and_the_report_path(tmp_path):
     # Assert
     assert done.read_text().strip() == "0", final
     assert "hfleet run digits-hybrid" in panel and "ETA" in panel, panel
+    assert "phase: training" in panel and "(done: starting 2 shards" in panel, panel
     assert "hospital" in panel and "cloud" in panel and "uplink" in panel and "accuracy" in panel
     assert '"component"' not in final  # no JSON log flood on the terminal
     assert "report: " in final and "report.html" in final
@@ -67,8 +70,13 @@ def test_off_a_tty_progress_is_plain_lines_not_a_log_flood(tmp_path):
     # Assert
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stderr.splitlines()
-    progress = [line for line in lines if line.startswith("digits-hybrid: round ")]
-    assert progress and "hospital" in progress[-1] and "steps/s" in progress[-1]
+    progress = [line for line in lines if line.startswith("digits-hybrid: ") and " round " in line]
+    assert progress and "hospital" in progress[-1] and "worker steps/s" in progress[-1]
+    # every line names the phase the run is in, with its own elapsed time; the last one the summary's bytes
+    assert all(line.split(": ", 1)[1].split(" | ")[0].endswith("s)") for line in progress[:-1]), progress
+    summary = json.loads(next((tmp_path / "runs").glob("*/*/summary.json")).read_text())
+    sent = summary["bytes_sent_by_site"]["hospital"]
+    assert f"hospital 0.0 worker steps/s up {human_bytes(sent)}" in progress[-1], (progress[-1], sent)
     assert len(lines) <= 20, lines  # a few plain lines, not one per log record
     assert "report: " in result.stdout
 

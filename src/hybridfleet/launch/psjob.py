@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
+from hybridfleet.launch.run_view import RunProgress
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
@@ -498,7 +499,9 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         exporter = serve_metrics(0)
         targets.append(Target(f"127.0.0.1:{exporter.server_port}",
                               {"job": spec.name, "role": "supervisor", "process": "hfleet-run"}))
-    with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup:
+    with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup, \
+            RunProgress(spec, layout, targets, lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"),
+                        stream, enabled=show_progress) as progress:
         def start_all(procs: list[ProcessSpec]) -> None:
             if metrics:
                 targets.extend(attach_metrics(spec, procs))
@@ -507,6 +510,7 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
                 sup.start(p)
 
         def body() -> dict:
+            progress.phase(f"starting {spec.ps.shards} shard{'s' if spec.ps.shards > 1 else ''}")
             if metrics:
                 write_scrape_config(run_dir, run_dir.parent.parent)
             start_all([shard_process(spec, job_path, layout, i) for i in range(spec.ps.shards)])
@@ -519,16 +523,14 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
                     p.env[CAPTURE_ENV] = str(run_dir / "egress" / f"{p.name}.bin")
             if spec.train.site_baselines if baselines is None else baselines:
                 procs += baseline_processes(spec, job_path, layout)
+            progress.phase("workers joining", f"0/{ps_clients(spec)}")
             start_all(procs)
             log.info("job_started", job=spec.name, run_dir=str(run_dir), shards=layout.shard_addresses,
                      workers=spec.num_workers)
             if on_started is not None:
                 on_started(sup, layout)
-            names = [p.name for p in procs]
-            if not show_progress:
-                codes = sup.wait(names)
-            else:
-                codes = _wait_with_view(spec, layout, sup, names, targets, stream)
+            codes = progress.wait(sup, [p.name for p in procs])
+            progress.phase("stopping shards")
             codes.update(sup.stop(grace_s=5.0))
             return codes
 
@@ -542,39 +544,18 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
             if exporter is not None:
                 exporter.shutdown()
                 exporter.server_close()
-    collector.close()
-    summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
-    summary["model"] = finish_model(spec, run_dir, summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if report:  # after summary.json, so the report shows the run as finished
-        summary["report"] = str(_write_report(run_dir))
+        collector.close()
+        summary = summarize(spec, layout, collector, codes, sup, time.monotonic() - started)
+        progress.phase("saving the model" + (" and publishing" if spec.registry.publish_as else ""))
+        summary["model"] = finish_model(spec, run_dir, summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if report:  # after summary.json, so the report shows the run as finished
+            progress.phase("writing the report")
+            summary["report"] = str(_write_report(run_dir))
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        progress.show_final(summary)
     log.info("job_finished", job=spec.name, status=summary["status"], test_accuracy=summary["test_accuracy"])
     return summary
-
-
-def _wait_with_view(spec: JobSpec, layout: RunLayout, sup: Supervisor, names: list[str], targets: list[Target],
-                    stream) -> dict[str, int]:
-    """Wait for ``names`` while the live view (a panel on a terminal, plain lines elsewhere) shows progress."""
-    from hybridfleet.obs.live import LiveDisplay, RunView
-    from hybridfleet.ps.worker.status import ShardStatusProbe
-    from hybridfleet.spec.rules import ROUND_SYNC_MODES, outer_rounds
-
-    probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, lambda: layout.tokens.get("admin"),
-                             insecure=spec.security.tls == "off")
-    total = float(outer_rounds(spec.ps, spec.train.steps) * (1 if spec.ps.sync in ROUND_SYNC_MODES
-                                                                else spec.num_workers))
-    view = RunView(spec.name, targets, lambda: (float(min(probe.version(), total)), total),
-                   lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"))
-    try:
-        with LiveDisplay(view, stream=stream) as display:
-            while True:
-                try:
-                    return sup.wait(names, timeout_s=1.0)
-                except TimeoutError:
-                    display.refresh()
-    finally:
-        probe.close()
 
 
 def _write_report(run_dir: Path) -> Path:

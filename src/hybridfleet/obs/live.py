@@ -1,14 +1,19 @@
-"""The live view of `hfleet run`: rounds with ETA and, per site, step rate, bytes and accuracy.
+"""The live view of `hfleet run`: the run's phase, rounds with ETA and, per site, worker step
+rate, bytes and accuracy.
 
-Its numbers come from the processes' own ``/metrics`` endpoints (the same series
-Prometheus scrapes) and from the supervisor's events. On a terminal it is a rich
-`Live` panel redrawn about once a second; anywhere else (CI, a log file) one plain
-line every ``plain_interval_s``.
+From the first second it names what the run is doing (`Phases`: starting shards, workers
+joining n/N, training, saving the model, publishing, writing the report), each phase with its
+own elapsed time. The shards' rounds and the workers' own steps are kept apart: the head counts
+rounds, the table worker steps per second. Its numbers come from the processes' own
+``/metrics`` endpoints (the same series Prometheus scrapes) and from the supervisor's events;
+the last panel shows the summary's figures. On a terminal it is a rich `Live` panel redrawn
+about once a second; anywhere else (CI, a log file) one plain line every ``plain_interval_s``.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
@@ -35,10 +40,49 @@ class SiteState:
     accuracy: float | None = None
 
 
+class Phases:
+    """The run's named phases in order, each with its own elapsed time (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.done: list[tuple[str, float]] = []
+        self.current: str | None = None
+        self.detail = ""
+        self._since = time.monotonic()
+
+    def start(self, name: str, detail: str = "") -> None:
+        """End the current phase (its time is kept) and begin ``name``."""
+        with self._lock:
+            now = time.monotonic()
+            if self.current is not None:
+                self.done.append((self.current, now - self._since))
+            self.current, self.detail, self._since = name, detail, now
+
+    def set_detail(self, detail: str) -> None:
+        with self._lock:
+            self.detail = detail
+
+    def finish(self) -> None:
+        """End the current phase."""
+        with self._lock:
+            if self.current is not None:
+                self.done.append((self.current, time.monotonic() - self._since))
+            self.current, self.detail = None, ""
+
+    def read(self) -> tuple[str | None, str, float, list[tuple[str, float]]]:
+        """(current phase, its detail, seconds in it, the finished phases with their seconds)."""
+        with self._lock:
+            return self.current, self.detail, time.monotonic() - self._since, list(self.done)
+
+
 @dataclass
 class Snapshot:
     """One refresh of the view's numbers."""
 
+    phase: str | None = None
+    phase_detail: str = ""
+    phase_elapsed_s: float = 0.0
+    phases_done: list[tuple[str, float]] = field(default_factory=list)
     rounds_done: float = 0.0
     rounds_total: float = 0.0
     rounds_per_s: float = 0.0
@@ -72,9 +116,10 @@ class RunView:
     """Collects a `Snapshot` from the run's worker targets, the round counter and the restart count."""
 
     def __init__(self, job: str, targets: list[Target], read_rounds: Callable[[], tuple[float, float]],
-                 read_restarts: Callable[[], int]):
+                 read_restarts: Callable[[], int], phases: Phases | None = None):
         self.job = job
-        self.targets = [t for t in targets if t.labels.get("role") == "worker"]
+        self._targets = targets  # read at each snapshot: a run adds its workers' targets as they start
+        self.phases = phases
         self._read_rounds = read_rounds
         self._read_restarts = read_restarts
         self._started = time.monotonic()
@@ -82,10 +127,16 @@ class RunView:
         self._failure_logged = False
         self._seen: dict[str, object] = {}  # address -> last answer, so a finished worker keeps its totals
 
+    @property
+    def targets(self) -> list[Target]:
+        return [t for t in list(self._targets) if t.labels.get("role") == "worker"]
+
     def snapshot(self) -> Snapshot:
         """Read everything now; a source that fails leaves its numbers at their defaults."""
         now = time.monotonic()
         snap = Snapshot(elapsed_s=now - self._started)
+        if self.phases is not None:
+            snap.phase, snap.phase_detail, snap.phase_elapsed_s, snap.phases_done = self.phases.read()
         try:
             snap.rounds_done, snap.rounds_total = self._read_rounds()
         except Exception as err:  # a shard restarting must not break the view
@@ -122,13 +173,24 @@ class RunView:
         return snap
 
 
+def phase_text(snap: Snapshot) -> str:
+    """``training (0m12s)`` or ``workers joining 2/4 (0m03s)``; empty without phases."""
+    if snap.phase is None:
+        return ""
+    detail = f" {snap.phase_detail}" if snap.phase_detail else ""
+    return f"{snap.phase}{detail} ({_duration(snap.phase_elapsed_s)})"
+
+
 def plain_line(job: str, snap: Snapshot) -> str:
-    """One line for logs: ``digits: round 120/300 (40%) eta 0m12s | hospital 31.0 steps/s ... | restarts 0``."""
+    """One line for logs: ``digits: training (0m05s) | round 120/300 (40%) eta 0m12s | hospital 31.0
+    worker steps/s ... | restarts 0``."""
     pct = f" ({100 * snap.rounds_done / snap.rounds_total:.0f}%)" if snap.rounds_total else ""
-    parts = [f"{job}: round {snap.rounds_done:g}/{snap.rounds_total:g}{pct} eta {_duration(snap.eta_s)}"]
+    phase = phase_text(snap)
+    parts = [f"{job}: {phase + ' | ' if phase else ''}round {snap.rounds_done:g}/{snap.rounds_total:g}{pct} "
+             f"eta {_duration(snap.eta_s)}"]
     for site, st in sorted(snap.sites.items()):
         acc = "-" if st.accuracy is None else f"{st.accuracy:.3f}"
-        parts.append(f"{site} {st.steps_per_s:.1f} steps/s up {human_bytes(st.uplink_bytes)} "
+        parts.append(f"{site} {st.steps_per_s:.1f} worker steps/s up {human_bytes(st.uplink_bytes)} "
                      f"down {human_bytes(st.downlink_bytes)} acc {acc}")
     parts.append(f"restarts {snap.restarts}")
     return " | ".join(parts)
@@ -142,24 +204,44 @@ def render(job: str, snap: Snapshot):
     from rich.table import Table
     from rich.text import Text
 
-    head = Text(f"round {snap.rounds_done:g}/{snap.rounds_total:g}   elapsed {_duration(snap.elapsed_s)}   "
-                f"ETA {_duration(snap.eta_s)}   restarts {snap.restarts}")
+    lines = []
+    if snap.phase is not None or snap.phases_done:
+        done = "   ".join(f"{name} {_duration(s)}" for name, s in snap.phases_done)
+        lines.append(Text(f"phase: {phase_text(snap) or 'done'}" + (f"   (done: {done})" if done else "")))
+    lines.append(Text(f"round {snap.rounds_done:g}/{snap.rounds_total:g}   elapsed {_duration(snap.elapsed_s)}   "
+                      f"ETA {_duration(snap.eta_s)}   restarts {snap.restarts}"))
     bar = ProgressBar(total=snap.rounds_total or None, completed=snap.rounds_done)
     table = Table(expand=True)
-    for col, justify in (("site", "left"), ("workers", "right"), ("steps/s", "right"), ("uplink", "right"),
+    for col, justify in (("site", "left"), ("workers", "right"), ("worker steps/s", "right"), ("uplink", "right"),
                          ("downlink", "right"), ("accuracy", "right")):
         table.add_column(col, justify=justify)
     for site, st in sorted(snap.sites.items()):
         table.add_row(site, f"{st.workers_up}/{st.workers}", f"{st.steps_per_s:.1f}", human_bytes(st.uplink_bytes),
                       human_bytes(st.downlink_bytes), "-" if st.accuracy is None else f"{st.accuracy:.3f}")
-    return Panel(Group(head, bar, table), title=f"hfleet run {job}")
+    return Panel(Group(*lines, bar, table), title=f"hfleet run {job}")
+
+
+def apply_summary(snap: Snapshot, summary: dict) -> Snapshot:
+    """``snap`` with the run's final figures taken from its summary (bytes, accuracy, restarts), so the
+    last panel says what summary.json says."""
+    for site in summary.get("bytes_sent_by_site", {}):
+        st = snap.sites.setdefault(site, SiteState())
+        st.uplink_bytes = float(summary["bytes_sent_by_site"][site])
+        st.downlink_bytes = float(summary.get("bytes_received_by_site", {}).get(site, 0))
+        st.steps_per_s = 0.0
+    snap.restarts = int(summary.get("restarts", snap.restarts))
+    return snap
 
 
 class LiveDisplay:
-    """Shows a `RunView` on ``stream``: a rich live panel on a terminal, plain lines elsewhere."""
+    """Shows a `RunView` on ``stream``: a rich live panel on a terminal, plain lines elsewhere.
+
+    With ``background`` a thread refreshes it about once a second, so the view keeps moving
+    while the caller is busy (starting processes, saving the model, writing the report).
+    """
 
     def __init__(self, view: RunView, stream: IO[str] | None = None, terminal: bool | None = None,
-                 plain_interval_s: float = 5.0):
+                 plain_interval_s: float = 5.0, background: bool = False):
         self.view = view
         self._stream = stream if stream is not None else sys.stderr
         if terminal is None:
@@ -169,6 +251,10 @@ class LiveDisplay:
         self._plain_interval_s = plain_interval_s
         self._last_plain = 0.0
         self._live = None
+        self._final: Snapshot | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh_loop, daemon=True) if background else None
 
     def __enter__(self) -> "LiveDisplay":
         if self.terminal:
@@ -181,24 +267,41 @@ class LiveDisplay:
             self._live.start(refresh=True)
         else:
             self._last_plain = time.monotonic()
+        if self._thread is not None:
+            self._thread.start()
         return self
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.refresh()
 
     def refresh(self) -> None:
         """Redraw the panel, or write a plain line when one is due."""
-        if self._live is not None:
-            self._live.update(render(self.view.job, self.view.snapshot()), refresh=True)
-        elif time.monotonic() - self._last_plain >= self._plain_interval_s:
-            self._write_plain()
+        with self._lock:
+            if self._live is not None:
+                self._live.update(render(self.view.job, self.view.snapshot()), refresh=True)
+            elif self._stream is not None and time.monotonic() - self._last_plain >= self._plain_interval_s:
+                self._write_plain(self.view.snapshot())
 
-    def _write_plain(self) -> None:
+    def show_final(self, summary: dict) -> None:
+        """The last view shows ``summary``'s figures."""
+        with self._lock:
+            self._final = apply_summary(self.view.snapshot(), summary)
+
+    def _write_plain(self, snap: Snapshot) -> None:
         self._last_plain = time.monotonic()
-        self._stream.write(plain_line(self.view.job, self.view.snapshot()) + "\n")
+        self._stream.write(plain_line(self.view.job, snap) + "\n")
         self._stream.flush()
 
     def __exit__(self, *exc_info) -> None:
-        if self._live is not None:
-            self._live.update(render(self.view.job, self.view.snapshot()), refresh=True)
-            self._live.stop()
-            self._live = None
-        else:
-            self._write_plain()
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(5)
+        with self._lock:
+            snap = self._final or self.view.snapshot()
+            if self._live is not None:
+                self._live.update(render(self.view.job, snap), refresh=True)
+                self._live.stop()
+                self._live = None
+            else:
+                self._write_plain(snap)
