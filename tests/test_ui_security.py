@@ -67,11 +67,14 @@ def test_a_stored_script_in_run_json_and_summary_is_rendered_escaped(tmp_path):
     # Prepare: a job that writes markup into every field it controls
     make_run(tmp_path, "x", "r1", {**GOOD, "job": XSS}, {**DONE, "job": XSS, "site_alone_accuracy": {XSS: 0.5},
                                                           "status": "completed'><img src=x onerror=alert(1)>"})  # fmt: skip
+    make_run(tmp_path, "x", "live", {**GOOD, "job": XSS, "pid": os.getpid(), "steps": XSS})  # a live run's progress line
     with ui(tmp_path) as url:
         # Execute
         listing = httpx.get(url + "/").text
         detail = httpx.get(url + "/runs/x/r1").text
+        live = httpx.get(url + "/runs/x/live").text
     # Assert
+    assert "<script" not in live and "&lt;script&gt;alert(1)&lt;/script&gt;" in live
     for body in (listing, detail):
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body
         assert "<script" not in body and "onerror=alert" not in body.replace("onerror=alert(1)&gt;", "")
