@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.browser import chromium_page
+from tests.test_ui import in_process_ui as ui
 
 REPO = Path(__file__).resolve().parents[1]
 XSS = "<script>alert(1)</script>"
@@ -40,26 +41,6 @@ def make_run(root: Path, job: str, stamp: str, info: bytes | str | dict, summary
 GOOD = {"job": "digits", "framework": "torch", "sync": "bsp", "pid": 999999999, "started": 1.7e9, "steps": 10,
         "sites": ["hospital"]}  # fmt: skip
 DONE = {"job": "digits", "status": "completed", "test_accuracy": 0.93, "restarts": 0, "wall_s": 12.5}
-
-
-@contextmanager
-def ui(runs: Path, **options):
-    """The UI app on a real socket, served by uvicorn in a thread; yields its base URL."""
-    import uvicorn
-
-    from hybridfleet.ui.app import bind, create_app
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(runs, **options), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 # ------------------------------------------------------------------ escaping and headers
