@@ -263,3 +263,27 @@ def test_over_rest_claims_are_refused_and_a_measurement_is_recorded_as_the_calle
         result = remote.promote("ci/m", 1, "prod", ["test_accuracy>=0.2"], measurement=measure(remote, "ci/m@1", script(tmp_path)))
     assert result["passed"] and result["measured"]["metrics"] == {"test_accuracy": expected_accuracy("torch")}
     assert owner.get_version("ci/m@1").metric_sources["test_accuracy"]["by"] == "ci"
+
+
+def test_versions_from_before_metric_sources_migrate_and_count_as_claimed(db_url, tmp_path):
+    # Prepare: a database at the previous schema holding one version with a metric
+    from sqlalchemy import text
+
+    from hybridfleet.registry import db
+
+    engine = db.make_engine(db_url)
+    db.upgrade(engine, "0002")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO models (namespace, name, description, created_by, created_s) "
+                          "VALUES ('default', 'old', '', 'someone', 1.0)"))
+        conn.execute(text("INSERT INTO versions (model_id, version, manifest_path, manifest_sha256, size_bytes, metrics, "
+                          "lineage, description, created_by, created_s) VALUES (1, 1, 'm', :sha, 1, :metrics, '{}', '', "
+                          "'someone', 1.0)"), {"sha": "0" * 64, "metrics": '{"test_accuracy": 0.99}'})  # fmt: skip
+    # Execute
+    db.upgrade(engine)
+    registry = Registry(db_url, store=str(tmp_path / "artifacts"))
+    # Assert
+    assert db.current_revision(engine) == db.head_revision()
+    assert registry.get_version("old@1").metric_sources == {}
+    with pytest.raises(GateFailedError, match="test_accuracy=0.99 is claimed, not evidence"):
+        registry.promote("old", 1, "prod", ["test_accuracy>=0.95"])
