@@ -157,22 +157,38 @@ def test_unknown_and_escaping_run_paths_are_404(tmp_path):
 
 
 class _Models:
-    """A `RegistrySource` holding two versions and an alias history (the interface the models page reads)."""
+    """A registry view holding two versions and an alias history (the interface the models pages read)."""
+
+    def whoami(self):
+        return {"name": "ann"}
 
     def models(self):
-        return [{"name": "digits", "description": "hospital + cloud digits classifier"}]
+        return [{"name": "default/digits", "description": "hospital + cloud digits classifier", "latest": 2}]
 
     def versions(self, name):
-        return [{"version": 1, "step": 200, "metrics": {"test_accuracy": 0.95}},
-                {"version": 2, "step": 300, "metrics": {"test_accuracy": 0.97}}]
+        return [{"version": 1, "step": 200, "metrics": {"test_accuracy": 0.95}, "created_s": 1.7e9},
+                {"version": 2, "step": 300, "metrics": {"test_accuracy": 0.97}, "created_s": 1.7e9 + 60,
+                 "metric_sources": {"test_accuracy": {"source": "checkpoint", "origin": "manifest"}}}]
 
-    def aliases(self, name):
-        return [{"alias": "production", "version": 1, "reason": "first"},
-                {"alias": "production", "version": 2, "reason": "better accuracy"}]
+    def history(self, name):
+        return [{"alias": "production", "action": "move", "to_version": 1, "reason": "first", "at_s": 1.7e9,
+                 "actor": "ci"},
+                {"alias": "production", "action": "move", "from_version": 1, "to_version": 2,
+                 "reason": "better accuracy", "at_s": 1.7e9 + 90, "actor": "ci"}]
+
+
+class _Access:
+    """`RegistryAccess` with a fixed principal, over `_Models`."""
+
+    viewer_signs_in = False
+
+    def view(self, token=None):
+        return _Models()
 
 
 @contextmanager
-def in_process_ui(runs: Path, registry):
+def in_process_ui(runs: Path, registry=None, no_registry_reason: str = "no registry configured", token=None):
+    """The UI app on a real socket, served by uvicorn in a thread; yields its base URL."""
     import threading
 
     import uvicorn
@@ -180,7 +196,7 @@ def in_process_ui(runs: Path, registry):
     from hybridfleet.ui.app import bind, create_app
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(runs, registry=registry), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(runs, token=token, registry=registry, no_registry_reason=no_registry_reason), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -193,16 +209,19 @@ def in_process_ui(runs: Path, registry):
 
 
 def test_models_page_lists_models_versions_and_alias_history(tmp_path):
-    with in_process_ui(tmp_path, _Models()) as url, chromium_page() as page:
+    with in_process_ui(tmp_path, _Access()) as url, chromium_page() as page:
         # Execute
         page.goto(url + "/")
         page.click("text=Models")
         page.click("text=digits")
-        versions = page.locator("#versions").inner_text()
+        versions = page.locator("#versions tr").all_inner_texts()
         aliases = page.locator("#aliases").inner_text()
-    # Assert
-    assert "0.97" in versions and "300" in versions
-    assert "better accuracy" in aliases and "production" in aliases
+        current = page.locator("#current-aliases").inner_text()
+    # Assert: newest version first, metrics formatted with their source, alias history with time and actor
+    assert versions[1].startswith("v2") and "test_accuracy = 0.97 (checkpoint)" in versions[1]
+    assert "test_accuracy = 0.95 (claimed)" in versions[2] and "300" in versions[1]
+    assert "better accuracy" in aliases and "production" in aliases and "ci" in aliases and "2023-11-14" in aliases
+    assert "production" in current and "v2" in current
 
 
 def test_the_models_page_reads_the_real_registry(tmp_path):
@@ -210,7 +229,7 @@ def test_the_models_page_reads_the_real_registry(tmp_path):
     import numpy as np
 
     from hybridfleet.ckpt import save_checkpoint
-    from hybridfleet.ui.registry_view import registry_source
+    from hybridfleet.ui.registry_view import RegistryAccess
 
     save_checkpoint(f"file://{tmp_path / 'ckpt'}", 300, tensors={"w": np.ones(4, np.float32)},
                     metrics={"test_accuracy": 0.97})
@@ -221,8 +240,10 @@ def test_the_models_page_reads_the_real_registry(tmp_path):
     registry.create_model("digits")
     registry.register("digits", f"file://{tmp_path / 'ckpt'}")
     registry.move_alias("digits", "production", 1, reason="better accuracy")
+    token = registry.add_principal("ann")
+    registry.grant("ann", "reader", "default")
     # Execute
-    with in_process_ui(tmp_path / "runs", registry_source(db)) as url, chromium_page() as page:
+    with in_process_ui(tmp_path / "runs", RegistryAccess(db, token)) as url, chromium_page() as page:
         page.goto(url + "/")
         page.click("text=Models")
         page.click("text=digits")
@@ -237,8 +258,9 @@ def test_without_the_registry_package_the_models_page_is_left_out(tmp_path, monk
     from hybridfleet.ui import registry_view
 
     monkeypatch.setattr(registry_view, "registry_available", lambda: False)  # as where the package is not installed
-    with in_process_ui(tmp_path, registry_view.registry_source(None)) as url:
+    access, reason = registry_view.open_access("sqlite:///anything.db")
+    with in_process_ui(tmp_path, access, reason) as url:
         body = urllib.request.urlopen(url + "/", timeout=5).read().decode()
-        redirected = urllib.request.urlopen(url + "/models", timeout=5)
-        assert "/models" not in body
-        assert redirected.geturl().rstrip("/") == url
+        models = urllib.request.urlopen(url + "/models", timeout=5).read().decode()
+        assert access is None and "/models" not in body
+        assert "the registry package is not installed" in models

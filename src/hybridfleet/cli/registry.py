@@ -41,6 +41,16 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def _numbers(pairs: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for key, text in pairs.items():
+        try:
+            out[key] = float(text)
+        except ValueError:
+            raise RegistryError(f"--metric {key}={text!r}: expected NAME=NUMBER") from None
+    return out
+
+
 @group.command("init")
 def init(registry: str | None = Url, store: str | None = typer.Option(None, help="artifact store: file:///DIR or s3://BUCKET/PREFIX")) -> None:
     """Create a registry database (newest schema) and fix its artifact store."""
@@ -68,17 +78,20 @@ def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
             step: int | None = typer.Option(None, help="checkpoint step (default: newest; or the run's final/best)"),
             which: str = typer.Option("final", help="for a run's model dir: final or best"),
             tag: list[str] = typer.Option([], "--tag", help="KEY=VALUE, repeatable"),
+            metric: list[str] = typer.Option([], "--metric", help="NAME=NUMBER, repeatable; stored as claimed (a gate "
+                                             "refuses claims unless --trust-claimed)"),
             description: str = typer.Option("", help="free text"),
             registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
     """Register a checkpoint as NAME's next immutable version (blobs already in the store are not copied)."""
     from hybridfleet.store import open_store
 
-    reg = _open(registry, token)
     tags = _pairs(tag, "--tag")
+    claims = _numbers(_pairs(metric, "--metric"))
+    reg = _open(registry, token)
     if step is None and open_store(checkpoint).exists("MODEL.json"):
-        info = reg.register_run(name, checkpoint, which, description, tags)
+        info = reg.register_run(name, checkpoint, which, description, tags, claims)
     else:
-        info = reg.register(name, checkpoint, step, description, tags)
+        info = reg.register(name, checkpoint, step, description, tags, claims)
     typer.echo(f"registered {info.name} v{info.version} (manifest sha256 {info.manifest_sha256[:12]}..., "
                f"{info.copied_bytes if info.copied_bytes is not None else '?'} bytes copied)")
 
@@ -154,12 +167,31 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
             no_regression_vs: str | None = typer.Option(None, "--no-regression-vs", help="alias or version to compare with"),
             tolerance: float = typer.Option(0.0, help="allowed regression vs --no-regression-vs"),
             reason: str = typer.Option("", help="recorded in the history"),
+            trust_claimed: bool = typer.Option(False, "--trust-claimed", help="accept metrics the writer only claimed"),
+            evaluate: str | None = typer.Option(None, "--evaluate", metavar="SCRIPT",
+                                                help="measure the version first: `python SCRIPT WEIGHTS` prints one JSON "
+                                                     "object of metrics; recorded as measured, with the script's sha256"),
+            evaluate_timeout: float = typer.Option(600.0, "--evaluate-timeout", help="seconds the script may take"),
             as_json: bool = typer.Option(False, "--json", help="print the machine-readable result"),
             registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
-    """Move ALIAS to VERSION only if the gate passes; exit 25 with the reasons otherwise."""
+    """Move ALIAS to VERSION only if the gate passes; exit 25 with the reasons otherwise.
+
+    The gate reads the checkpoint's own metrics and what --evaluate measures; claimed ones only with --trust-claimed.
+    """
     candidate: int | str = int(version.lstrip("v")) if version.lstrip("v").isdigit() else version
+    reg = _open(registry, token)
+    measurement = None
+    if evaluate:
+        from hybridfleet.registry.evaluate import measure
+        from hybridfleet.registry.gate import parse_requirement
+
+        for text in require:  # a typo is refused before the evaluation runs
+            parse_requirement(text)
+
+        measurement = measure(reg, f"{name}@{candidate}", evaluate, evaluate_timeout)
     try:
-        result = _open(registry, token).promote(name, candidate, alias_name, require, no_regression_vs, tolerance, reason)
+        result = reg.promote(name, candidate, alias_name, require, no_regression_vs, tolerance, reason, trust_claimed,
+                             measurement)  # fmt: skip
     except GateFailedError as err:
         if as_json:
             typer.echo(json.dumps({"name": name, "version": version, "alias": alias_name, "passed": False,
@@ -168,7 +200,11 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        typer.echo(f"{result['name']}@{alias_name} -> v{result['version']} (gate passed)")
+        if result.get("measured"):
+            shown = " ".join(f"{k}={v:g}" for k, v in sorted(result["measured"]["metrics"].items()))
+            typer.echo(f"measured {result['name']} v{result['version']} with {evaluate}: {shown}")
+        verdict = "gate passed" if result.get("checked") else "no requirement given: nothing was checked"
+        typer.echo(f"{result['name']}@{alias_name} -> v{result['version']} ({verdict})")
 
 
 @group.command("rollout")

@@ -12,12 +12,16 @@ partial report that lists what is missing.
 from __future__ import annotations
 
 import base64
-import html
+import hashlib
 import io
 import time
 from collections import defaultdict
+from importlib import resources
 from pathlib import Path
 from typing import Callable
+
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
 
 from hybridfleet.errors import ReportError
 from hybridfleet.obs.runinfo import RunData, load_run
@@ -199,48 +203,33 @@ def _summary_rows(run: RunData) -> list[tuple[str, str]]:
     return rows
 
 
-_CSS = """body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}
-h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse}td{padding:2px 12px 2px 0}td:first-child{color:#555}
-.status{display:inline-block;padding:2px 10px;border-radius:4px;color:#fff;font-weight:bold}
-.completed{background:#2a7}.degraded{background:#c80}.failed,.crashed{background:#c33}.live{background:#27c}
-.unknown{background:#888}.note{background:#fff4d6;padding:8px;border-left:4px solid #c80}
-img{max-width:100%}"""
+_ENV = Environment(loader=PackageLoader("hybridfleet.obs", "templates"), autoescape=select_autoescape(["html"]),
+                   undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)  # fmt: skip
+STYLE = (resources.files("hybridfleet.obs") / "templates" / "report.css").read_text(encoding="utf-8")
+# The report is one self-contained file, so its style is inline; a page serving it allows exactly this style.
+STYLE_CSP_SOURCE = "'sha256-" + base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode() + "'"
 
 
 def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
-    """The report page for ``run`` with ``plots`` (section key -> PNG bytes, None when no data)."""
-    esc = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run.job)} run report</title>",
-             f"<style>{_CSS}</style></head><body>",
-             f"<h1>Run report: {esc(run.job)} <span class='status {esc(run.status)}' id='status'>"
-             f"{esc(run.status.upper())}</span></h1>",
-             f"<p>{esc(str(run.path))}</p>"]
+    """The report page for ``run`` with ``plots`` (section key -> PNG bytes, None when no data); every value escaped."""
     notes = []
     if run.live:
         notes.append("This run is still in progress: the figures show the data written so far.")
     elif run.status == "crashed":
         notes.append("This run stopped without writing summary.json (its supervisor is gone): a partial report.")
+    elif run.status == "broken":
+        notes.append("This run is broken: " + "; ".join(run.problems) + ".")
     if run.missing:
         notes.append("Missing: " + ", ".join(run.missing) + ".")
     if run.bad_lines:
         notes.append(f"{run.bad_lines} unreadable line(s) skipped (half-written?).")
-    for note in notes:
-        parts.append(f"<p class='note'>{esc(note)}</p>")
-    parts.append("<h2>Summary</h2><table>")
-    parts += [f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _summary_rows(run)]
-    parts.append("</table>")
-    for key, title, _ in SECTIONS:
-        parts.append(f"<h2 id='{key}'>{esc(title)}</h2>")
-        png = plots.get(key)
-        if png is None:
-            parts.append("<p class='note'>No data for this plot in this run.</p>")
-        else:
-            data = base64.b64encode(png).decode()
-            parts.append(f"<img alt='{esc(title)}' src='data:image/png;base64,{data}'>")
-    parts.append(f"<p><small>written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} "
-                 "by hfleet report</small></p></body></html>")
-    return "\n".join(parts)
+    sections = [{"key": key, "title": title,
+                 "png": None if plots.get(key) is None else base64.b64encode(plots[key]).decode()}
+                for key, title, _ in SECTIONS]  # fmt: skip
+    return _ENV.get_template("report.html").render(
+        style=Markup(STYLE), job=run.job, status=run.status, path=str(run.path), notes=notes,
+        summary=_summary_rows(run), sections=sections,
+        written=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))  # fmt: skip
 
 
 def build_report(run_dir: str | Path) -> tuple[RunData, str, dict[str, bytes | None]]:

@@ -2,12 +2,16 @@
 
 `hfleet run` writes ``run.json`` first, then ``events.jsonl`` and ``metrics.jsonl`` as
 the run goes, and ``summary.json`` last. A directory with none of these is not a run.
-Half-written lines (a crash mid-write) are skipped and counted, never fatal.
+Half-written lines (a crash mid-write) are skipped and counted, never fatal. A ``run.json``
+that is not a JSON object, or whose known fields have the wrong type, makes the run
+``broken``: its problems are listed and the offending fields dropped, so no reader ever
+acts on a value of the wrong type.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +20,38 @@ from typing import Any
 from hybridfleet.errors import ReportError
 
 RUN_FILES = ("run.json", "events.jsonl", "metrics.jsonl", "summary.json")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The fields of run.json its readers use, and the type each must have.
+_RUN_FIELDS = {
+    "job": ("a string", lambda v: isinstance(v, str)),
+    "framework": ("a string", lambda v: isinstance(v, str)),
+    "sync": ("a string", lambda v: isinstance(v, str)),
+    "pid": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "started": ("a UNIX time in seconds", lambda v: _is_number(v) and 0 <= v < 1e11),
+    "steps": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "sites": ("a list of site names", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+
+
+def _per_site(check):
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
+
+
+# The fields of summary.json its readers use.
+_SUMMARY_FIELDS = {
+    "job": _RUN_FIELDS["job"], "framework": _RUN_FIELDS["framework"], "sync": _RUN_FIELDS["sync"],
+    "status": ("a string", lambda v: isinstance(v, str)),
+    "test_accuracy": ("a number or null", lambda v: v is None or _is_number(v)),
+    "restarts": ("an integer >= 0", _RUN_FIELDS["steps"][1]),
+    "wall_s": ("a number", _is_number),
+    "site_alone_accuracy": ("an object of site: number", _per_site(lambda x: x is None or _is_number(x))),
+    "bytes_sent_by_site": ("an object of site: bytes", _per_site(lambda x: isinstance(x, int) and not isinstance(x, bool))),
+}  # fmt: skip
 
 
 @dataclass
@@ -28,8 +64,9 @@ class RunData:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)          # what a complete run has and this one lacks
+    problems: list[str] = field(default_factory=list)         # why the run is broken (malformed run.json)
     bad_lines: int = 0
-    status: str = "unknown"  # completed | degraded | failed | live | crashed
+    status: str = "unknown"  # completed | degraded | failed | live | crashed | broken
 
     @property
     def job(self) -> str:
@@ -71,13 +108,24 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
     return records, bad
 
 
-def _read_json(path: Path, run: RunData) -> dict | None:
+def _checked(path: Path, run: RunData, fields: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    """The file's JSON object with every known field of the right type; each problem recorded on ``run``."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        run.missing.append(f"{path.name} (unreadable: half-written?)")
-        return None
-    return value if isinstance(value, dict) else None
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        run.problems.append(f"{path.name} is not readable JSON ({type(err).__name__})")
+        return {}
+    if not isinstance(value, dict):
+        run.problems.append(f"{path.name} holds a JSON {type(value).__name__}, not an object")
+        return {}
+    out = {}
+    for key, item in value.items():
+        check = fields.get(key)
+        if check is not None and not check[1](item):
+            run.problems.append(f"{path.name}: {key!r} must be {check[0]}")
+            continue
+        out[key] = item
+    return out
 
 
 def load_run(path: str | os.PathLike[str]) -> RunData:
@@ -94,15 +142,17 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
     run = RunData(path=root)
     run.missing = [name for name in RUN_FILES if name not in present]
     if (root / "run.json").is_file():
-        run.info = _read_json(root / "run.json", run) or {}
+        run.info = _checked(root / "run.json", run, _RUN_FIELDS)
     if (root / "summary.json").is_file():
-        run.summary = _read_json(root / "summary.json", run)
+        run.summary = _checked(root / "summary.json", run, _SUMMARY_FIELDS) or None
     for name, attr in (("metrics.jsonl", "metrics"), ("events.jsonl", "events")):
         if (root / name).is_file():
             records, bad = _read_jsonl(root / name)
             setattr(run, attr, records)
             run.bad_lines += bad
-    if run.summary is not None:
+    if run.problems:
+        run.status = "broken"
+    elif run.summary is not None:
         run.status = str(run.summary.get("status", "unknown"))
     elif _pid_alive(run.info.get("pid")):
         run.status = "live"

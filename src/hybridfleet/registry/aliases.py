@@ -26,6 +26,7 @@ from hybridfleet.errors import (
     RegistryNotFoundError,
 )
 from hybridfleet.registry import gate
+from hybridfleet.registry.evidence import Measurement
 from hybridfleet.registry.refs import ModelRef, check_alias, parse_name, parse_ref
 from hybridfleet.registry.schema import alias_events, aliases, versions
 
@@ -198,21 +199,31 @@ def history(reg: Registry, name: str, alias: str | None = None) -> list[dict[str
 
 
 def promote(reg: Registry, name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
-            tolerance: float = 0.0, reason: str = "") -> dict[str, Any]:  # fmt: skip
+            tolerance: float = 0.0, reason: str = "", trust_claimed: bool = False,
+            measurement: Measurement | dict | None = None) -> dict[str, Any]:  # fmt: skip
     """Move ``alias`` to ``version`` (a number, or an alias naming the candidate) only if the gate passes.
 
     GateFailedError (with machine-readable reasons) otherwise.
 
-    Permission and parse errors come first, so a gate never runs for a caller who could
-    not move the alias anyway. Nothing changes unless every check passes.
+    The gate reads the version's evidence: the checkpoint's own metrics and what a gate
+    measured (``measurement``, from `hybridfleet.registry.evaluate.measure`, is recorded on
+    the version first, as measured by the caller, even when the gate then refuses); a
+    claimed metric fails unless ``trust_claimed``. Permission and parse errors come first,
+    so a gate never runs for a caller who could not move the alias anyway. The alias does
+    not change unless every check passes. ``checked`` in the result is False when no
+    requirement was given: then nothing was judged.
     """
     namespace, short = parse_name(name)
     requirements = [gate.parse_requirement(text) for text in require]
+    if isinstance(measurement, dict):
+        measurement = Measurement.from_dict(measurement)
     with reg.engine.connect() as conn:
         model_id = reg._model_id(conn, namespace, short)
         row = _alias_row(conn, model_id, alias)
     reg.actor.require(_required_role(row, alias), namespace, short, f"move alias {alias!r}")
     candidate = reg.get_version(f"{namespace}/{short}@{version}")
+    if measurement is not None:
+        candidate = reg.record_measurement(f"{namespace}/{short}@{candidate.version}", measurement)
     baseline = None
     if no_regression_vs:
         try:
@@ -220,14 +231,17 @@ def promote(reg: Registry, name: str, version: int | str, alias: str, require: l
         except RegistryNotFoundError:
             baseline = None  # the first promotion: nothing to regress from
     checks = gate.evaluate(candidate.metrics, requirements, baseline.metrics if baseline else None,
-                           f"{no_regression_vs} (v{baseline.version})" if baseline else "", tolerance)  # fmt: skip
+                           f"{no_regression_vs} (v{baseline.version})" if baseline else "", tolerance,
+                           candidate.metric_sources, baseline.metric_sources if baseline else None, trust_claimed)  # fmt: skip
     version = candidate.version
-    result = {"name": f"{namespace}/{short}", "version": version, "alias": alias,
-              "passed": all(c.passed for c in checks), "checks": [c.to_dict() for c in checks]}  # fmt: skip
+    result = {"name": f"{namespace}/{short}", "version": version, "alias": alias, "checked": bool(requirements),
+              "passed": all(c.passed for c in checks), "checks": [c.to_dict() for c in checks],
+              "measured": measurement.to_dict() if measurement is not None else None}  # fmt: skip
     if not result["passed"]:
         failed = "; ".join(c.reason for c in checks if not c.passed)
         raise GateFailedError(f"gate refused {namespace}/{short} v{version} for {alias!r}: {failed}", result["checks"])
-    gate_text = ", ".join(str(r) for r in requirements) or "no requirements"
-    moved = move_alias(reg, name, alias, version, reason=reason or f"promoted through gate: {gate_text}",
+    gate_text = (f"promoted through gate: {', '.join(str(r) for r in requirements)}" if requirements
+                 else "moved by promote with no requirement given (nothing checked)")  # fmt: skip
+    moved = move_alias(reg, name, alias, version, reason=reason or gate_text,
                        expect_revision=row.revision if row is not None else 0)
     return {**result, "alias_state": moved}

@@ -6,7 +6,10 @@ Layout under the registry store root (file:// or s3://)::
     models/<namespace>/<name>/v<N>/MANIFEST-<id>.json   a checkpoint manifest whose entries all name blobs
 
 Registering a checkpoint copies only the blobs the store lacks, so a checkpoint already in
-the same store (or sharing tensors with an earlier version) copies no tensor bytes. A
+the same store (or sharing tensors with an earlier version) copies no tensor bytes. A blob
+already present is reused only after its sha256 matches its name; a copy that does not
+(a same-size file planted under a digest, a corrupted upload) is rewritten from the
+source and logged (``blob_rewritten``), never referenced by one more version. A
 version's manifest sha256 is kept in the database; a pull checks it and every file's
 sha256 before anything is served.
 """
@@ -17,6 +20,7 @@ import hashlib
 import io
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +29,13 @@ import numpy as np
 
 from hybridfleet.ckpt import safetensors_io
 from hybridfleet.ckpt.manifest import FileEntry, Manifest
-from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
+from hybridfleet.ckpt.reader import READ_WORKERS, list_steps, read_manifest, read_verified
 from hybridfleet.errors import CheckpointError, RegistryError, StoreError
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
-from hybridfleet.store import Store, blob_path, open_store, put_blob
+from hybridfleet.obs.log import get_logger
+from hybridfleet.store import Store, blob_path, open_store, sha256_parts
+
+log = get_logger("registry.artifacts")
 
 FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt", "pdparams": "model.pdparams"}
 
@@ -68,26 +75,46 @@ def source_manifest(source: Store, step: int | None) -> Manifest:
 def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_path: str) -> Registered:
     """Copy ``manifest``'s files into ``target`` as blobs (only those absent), then write its manifest.
 
-    Each copied file is checked against its size and CRC-32 on the way; nothing is
-    written under ``manifest_path`` until every blob is in place.
+    A blob already in ``target`` counts as present only when its sha256 matches; each
+    copied file is checked against its size and sha256 on the way (the one hash pass
+    that names the blob). Nothing is written under ``manifest_path`` until every blob is
+    in place.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
-    copied = 0
-    entries = []
-    for entry in manifest.files:
-        blob = blob_path(entry.sha256)
-        present = target.exists(blob) and target.size(blob) == entry.size_bytes
-        if not present:
-            data = read_verified(source, entry)
-            copied += put_blob(target, [data], entry.sha256)
-        entries.append(FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
-                                 sha256=entry.sha256, crc32=entry.crc32))  # fmt: skip
+    with ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="hfleet-register") as pool:  # hashing releases the GIL
+        sound = list(pool.map(lambda e: _sound_blob(target, blob_path(e.sha256), e), manifest.files))
+        copies = [pool.submit(_copy_blob, source, target, e) for e, ok in zip(manifest.files, sound) if not ok]
+        copied = sum(c.result() for c in copies)
+    entries = [FileEntry(name=e.name, path=blob_path(e.sha256), role=e.role, size_bytes=e.size_bytes, sha256=e.sha256,
+                         crc32=e.crc32) for e in manifest.files]  # fmt: skip
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
                    files=entries, metrics=dict(manifest.metrics))  # fmt: skip
     data = out.to_json()
     target.put_bytes(manifest_path, data)
     return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
+
+
+def _copy_blob(source: Store, target: Store, entry: FileEntry) -> int:
+    """Copy one file into ``target`` as its blob after checking its sha256; the payload bytes written."""
+    target.put_parts(blob_path(entry.sha256), [read_verified(source, entry, check_sha256=True)])
+    return entry.size_bytes
+
+
+def _sound_blob(store: Store, blob: str, entry: FileEntry) -> bool:
+    """True when ``blob`` is in ``store`` with ``entry``'s size and sha256; a present copy that is not is logged."""
+    try:
+        if not store.exists(blob):
+            return False
+        size = store.size(blob)
+        digest = sha256_parts([store.read_buffer(blob)])[0] if size == entry.size_bytes else None
+    except StoreError:
+        return False  # removed meanwhile: write it
+    if digest == entry.sha256:
+        return True
+    log.warning("blob_rewritten", url=store.url, path=blob, file=entry.name,
+                reason=f"stored copy has {'sha256 ' + str(digest) if digest else f'{size} bytes'}, not its name's content")
+    return False
 
 
 def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:

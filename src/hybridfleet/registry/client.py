@@ -96,8 +96,9 @@ class RemoteRegistry:
         return VersionInfo(**self._call("POST", f"{self._model_path(name)}/versions", json=body))
 
     def register_run(self, name: str, model_root: str, which: str = "final", description: str = "",
-                     tags: dict | None = None) -> VersionInfo:  # fmt: skip
-        body = {"checkpoint_url": model_root, "run_model": True, "which": which, "description": description, "tags": tags or {}}
+                     tags: dict | None = None, metrics: dict | None = None) -> VersionInfo:  # fmt: skip
+        body = {"checkpoint_url": model_root, "run_model": True, "which": which, "description": description,
+                "tags": tags or {}, "metrics": metrics or {}}  # fmt: skip
         return VersionInfo(**self._call("POST", f"{self._model_path(name)}/versions", json=body))
 
     def get_version(self, ref: str) -> VersionInfo:
@@ -139,10 +140,13 @@ class RemoteRegistry:
     def history(self, name: str, alias: str | None = None) -> list[dict]:
         return self._call("GET", f"{self._model_path(name)}/history", params={"alias": alias} if alias else {})
 
-    def promote(self, name: str, version: int, alias: str, require: list[str], no_regression_vs: str | None = None,
-                tolerance: float = 0.0, reason: str = "") -> dict:  # fmt: skip
+    def promote(self, name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
+                tolerance: float = 0.0, reason: str = "", trust_claimed: bool = False,
+                measurement: Any = None) -> dict:  # fmt: skip
+        if measurement is not None and hasattr(measurement, "to_dict"):
+            measurement = measurement.to_dict()
         body = {"version": version, "alias": alias, "require": require, "no_regression_vs": no_regression_vs,
-                "tolerance": tolerance, "reason": reason}  # fmt: skip
+                "tolerance": tolerance, "reason": reason, "trust_claimed": trust_claimed, "measurement": measurement}  # fmt: skip
         return self._call("POST", f"{self._model_path(name)}/promote", json=body)
 
     def pull(self, ref: str, framework: str | None, fmt: str = "safetensors", out_dir: str | None = None,

@@ -4,6 +4,10 @@
 direction is better (``>``/``>=``: higher; ``<``/``<=``: lower), which is what the
 no-regression check uses: the candidate may be worse than the alias's version by at
 most ``tolerance``.
+
+A gate judges evidence, not claims: a metric the writer merely sent with the
+registration (or one without a recorded source) fails its check unless the caller
+trusts claims (see `hybridfleet.registry.evidence`); a non-finite value fails always.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from hybridfleet.errors import RegistryError
+from hybridfleet.registry.evidence import EVIDENCE, source_of
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 _EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.\-/]*)\s*(>=|<=|==|>|<)\s*([-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)\s*$")
@@ -57,11 +62,23 @@ class Check:
         return asdict(self)
 
 
+def _unusable(value: float, source: str, trust_claimed: bool, whose: str, metric: str) -> str | None:
+    """Why ``value`` cannot be judged (None: it can)."""
+    if not math.isfinite(value):
+        return f"{whose} {metric}={value!r} is not a finite number"
+    if source not in EVIDENCE and not trust_claimed:
+        return (f"{whose} {metric}={value:g} is {source}, not evidence: the checkpoint does not record it and no "
+                f"gate measured it (measure it with --evaluate SCRIPT, or pass --trust-claimed)")
+    return None
+
+
 def evaluate(metrics: dict[str, float], requirements: list[Requirement], baseline: dict[str, float] | None = None,
-             baseline_name: str = "", tolerance: float = 0.0) -> list[Check]:  # fmt: skip
+             baseline_name: str = "", tolerance: float = 0.0, sources: dict[str, dict] | None = None,
+             baseline_sources: dict[str, dict] | None = None, trust_claimed: bool = False) -> list[Check]:  # fmt: skip
     """Every requirement against ``metrics``, then (with a ``baseline``) no regression on the same metrics.
 
-    A metric the version lacks fails its check (never passes silently).
+    A metric the version lacks fails its check (never passes silently), as does a claimed
+    one (``sources`` says which are) unless ``trust_claimed``, and a non-finite one.
     """
     if tolerance < 0 or not math.isfinite(tolerance):
         raise RegistryError(f"--tolerance must be a finite number >= 0 (got {tolerance})")
@@ -72,9 +89,13 @@ def evaluate(metrics: dict[str, float], requirements: list[Requirement], baselin
             checks.append(Check("require", req.metric, False, None, req.threshold,
                                 f"the version has no metric {req.metric!r} (it has: {', '.join(sorted(metrics)) or 'none'})"))
             continue
+        refusal = _unusable(value, source_of(sources, req.metric), trust_claimed, "the version's", req.metric)
+        if refusal:
+            checks.append(Check("require", req.metric, False, value, req.threshold, refusal))
+            continue
         ok = _OPS[req.op](value, req.threshold)
         checks.append(Check("require", req.metric, ok, value, req.threshold,
-                            f"{req.metric}={value:g} {'meets' if ok else 'fails'} {req}"))
+                            f"{req.metric}={value:g} {'meets' if ok else 'fails'} {req} ({source_of(sources, req.metric)})"))
     if baseline is not None:
         for req in requirements:
             value, base = metrics.get(req.metric), baseline.get(req.metric)
@@ -83,6 +104,10 @@ def evaluate(metrics: dict[str, float], requirements: list[Requirement], baselin
             if base is None:
                 checks.append(Check("no_regression", req.metric, True, value, None,
                                     f"{baseline_name} has no {req.metric}; nothing to regress from"))
+                continue
+            refusal = _unusable(base, source_of(baseline_sources, req.metric), trust_claimed, baseline_name, req.metric)
+            if refusal:
+                checks.append(Check("no_regression", req.metric, False, value, None, refusal))
                 continue
             floor = base - tolerance if req.higher_is_better else base + tolerance
             ok = value >= floor if req.higher_is_better else value <= floor

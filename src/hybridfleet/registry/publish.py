@@ -11,7 +11,7 @@ from typing import Any
 
 from hybridfleet.errors import HfleetError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.registry import gate
+from hybridfleet.registry import evidence, gate
 
 log = get_logger("registry.publish")
 
@@ -28,7 +28,7 @@ def publish_run(spec: Any, card: dict[str, Any]) -> dict[str, Any]:
     try:
         requirements = [gate.parse_requirement(text) for text in block.require]
         metrics = {**card["lineage"].get("metrics", {}), **card["final"].get("metrics", {})}
-        checks = gate.evaluate(metrics, requirements)
+        checks = gate.evaluate(metrics, requirements, sources={k: {"source": evidence.CHECKPOINT} for k in metrics})
         out["checks"] = [c.to_dict() for c in checks]
         if not all(c.passed for c in checks):
             out["message"] = "not published: " + "; ".join(c.reason for c in checks if not c.passed)

@@ -51,6 +51,7 @@ versions = Table(
     Column("size_bytes", Integer, nullable=False),
     Column("metrics", JSON, nullable=False),
     Column("lineage", JSON, nullable=False),
+    Column("metric_sources", JSON, nullable=False, default=dict),  # metric -> provenance; added by 0003_metric_sources
     Column("description", Text, nullable=False, default=""),
     Column("created_by", String(128), nullable=False),
     Column("created_s", Float, nullable=False),

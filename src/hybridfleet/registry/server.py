@@ -75,6 +75,8 @@ class Promotion(BaseModel):
     no_regression_vs: str | None = None
     tolerance: float = 0.0
     reason: str = ""
+    trust_claimed: bool = Field(False, description="let the gate accept metrics the writer only claimed")
+    measurement: dict[str, Any] | None = Field(None, description="what `promote --evaluate` measured, recorded first")
 
 
 class NewPrincipal(BaseModel):
@@ -138,7 +140,8 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
     def register(namespace: str, name: str, body: NewVersion, reg: Registry = Depends(caller)) -> dict:
         _check_source(body.checkpoint_url, allowed_roots)
         if body.run_model:
-            return reg.register_run(f"{namespace}/{name}", body.checkpoint_url, body.which, body.description, body.tags).to_dict()
+            return reg.register_run(f"{namespace}/{name}", body.checkpoint_url, body.which, body.description, body.tags,
+                                    body.metrics).to_dict()  # fmt: skip
         return reg.register(f"{namespace}/{name}", body.checkpoint_url, body.step, body.description, body.tags,
                             body.metrics, body.lineage).to_dict()  # fmt: skip
 
@@ -177,7 +180,7 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
     @app.post(f"{API}/models/{{namespace}}/{{name}}/promote")
     def promote(namespace: str, name: str, body: Promotion, reg: Registry = Depends(caller)) -> dict:
         return reg.promote(f"{namespace}/{name}", body.version, body.alias, body.require, body.no_regression_vs,
-                           body.tolerance, body.reason)  # fmt: skip
+                           body.tolerance, body.reason, body.trust_claimed, body.measurement)  # fmt: skip
 
     @app.post(f"{API}/principals", status_code=201)
     def add_principal(body: NewPrincipal, reg: Registry = Depends(caller)) -> dict:

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, insert, select
+from sqlalchemy import Connection, and_, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
-from hybridfleet.registry import artifacts, auth, db
+from hybridfleet.registry import artifacts, auth, db, evidence
 from hybridfleet.registry.refs import ModelRef, parse_name, parse_ref
 from hybridfleet.registry.schema import (
     aliases,
@@ -61,6 +61,7 @@ class VersionInfo:
     created_by: str
     created_s: float
     tags: dict[str, str] = field(default_factory=dict)
+    metric_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # see `hybridfleet.registry.evidence`
     copied_bytes: int | None = None  # set by `register`: payload bytes it copied into the store
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,7 +72,8 @@ def _version_info(full_name: str, row: Any, tags: dict[str, str]) -> VersionInfo
     return VersionInfo(name=full_name, version=row.version, manifest_path=row.manifest_path,
                        manifest_sha256=row.manifest_sha256, framework=row.framework, step=row.step,
                        size_bytes=row.size_bytes, metrics=dict(row.metrics), lineage=dict(row.lineage),
-                       description=row.description, created_by=row.created_by, created_s=row.created_s, tags=tags)  # fmt: skip
+                       description=row.description, created_by=row.created_by, created_s=row.created_s, tags=tags,
+                       metric_sources=dict(row.metric_sources or {}))  # fmt: skip
 
 
 class Registry:
@@ -164,17 +166,31 @@ class Registry:
         """Register a checkpoint (newest step, or ``step``) as the next version of ``name``.
 
         Blobs the store lacks are copied (verified on the way); a checkpoint already in the
-        store copies none. The version's metrics are the checkpoint's, updated with ``metrics``.
-        Needs writer; the model is created when absent.
+        store copies none. The version's metrics are the checkpoint's own (source
+        ``checkpoint``) plus ``metrics``, stored as *claimed* by the caller; a claim may
+        not contradict the checkpoint, and a non-finite metric is refused. Needs writer;
+        the model is created when absent.
         """
+        return self._register(name, checkpoint_url, step, description, tags, metrics, lineage, None, store_options)
+
+    def _register(self, name: str, checkpoint_url: str, step: int | None, description: str,
+                  tags: dict[str, str] | None, claimed: dict[str, float] | None, lineage: dict[str, Any] | None,
+                  card_metrics: dict[str, float] | None, store_options: dict[str, Any]) -> VersionInfo:  # fmt: skip
         namespace, short = parse_name(name)
         self.actor.require("writer", namespace, short, "register a version")
+        claims = evidence.finite_metrics(claimed, "metrics")
         source = open_store(checkpoint_url, **store_options)
         manifest = artifacts.source_manifest(source, step)
-        merged_metrics = {**manifest.metrics, **(metrics or {})}
+        own = evidence.finite_metrics(manifest.metrics, f"{source.url} (its manifest)")
+        own_sources = {k: {"source": evidence.CHECKPOINT, "origin": "manifest"} for k in own}
+        if card_metrics:
+            card = evidence.finite_metrics(card_metrics, "MODEL.json")
+            own.update(card)
+            own_sources.update({k: {"source": evidence.CHECKPOINT, "origin": "MODEL.json"} for k in card})
+        merged, sources = evidence.combine(own, own_sources, claims, self.actor.name)
         for attempt in range(REGISTER_RETRIES):
             try:
-                return self._insert_version(namespace, short, source, manifest, merged_metrics, lineage or {},
+                return self._insert_version(namespace, short, source, manifest, merged, sources, lineage or {},
                                             description, tags or {})  # fmt: skip
             except (IntegrityError, OperationalError) as err:  # another registration took the number: take the next
                 if attempt == REGISTER_RETRIES - 1 or (isinstance(err, OperationalError) and "locked" not in str(err)):
@@ -182,7 +198,8 @@ class Registry:
         raise AssertionError("unreachable")
 
     def _insert_version(self, namespace: str, short: str, source: Store, manifest: Any, metrics: dict[str, float],
-                        lineage: dict[str, Any], description: str, tags: dict[str, str]) -> VersionInfo:  # fmt: skip
+                        sources: dict[str, dict], lineage: dict[str, Any], description: str,
+                        tags: dict[str, str]) -> VersionInfo:  # fmt: skip
         with self.engine.begin() as conn:
             model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == short))).scalar()
             if model_id is None:  # created with its first version, in the same transaction
@@ -196,7 +213,7 @@ class Registry:
                 version_id = conn.execute(insert(versions).values(
                     model_id=model_id, version=number, manifest_path=path, manifest_sha256=done.manifest_sha256,
                     framework=manifest.framework, step=manifest.step, size_bytes=manifest.size_bytes,
-                    metrics=metrics, lineage=lineage, description=description, created_by=self.actor.name,
+                    metrics=metrics, metric_sources=sources, lineage=lineage, description=description, created_by=self.actor.name,
                     created_s=time.time())).inserted_primary_key[0]  # fmt: skip
                 for key, value in tags.items():
                     conn.execute(insert(version_tags).values(version_id=version_id, key=key, value=str(value)))
@@ -209,8 +226,11 @@ class Registry:
         return info
 
     def register_run(self, name: str, model_root: str, which: str = "final", description: str = "",
-                     tags: dict[str, str] | None = None) -> VersionInfo:  # fmt: skip
-        """Register a run's final (or best) model from its MODEL.json, with the run's lineage."""
+                     tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None) -> VersionInfo:  # fmt: skip
+        """Register a run's final (or best) model from its MODEL.json, with the run's lineage.
+
+        The card's metrics count as the checkpoint's own; ``metrics`` are claims (see `register`).
+        """
         from hybridfleet.ckpt.run_model import read_model_card
 
         if which not in ("final", "best"):
@@ -218,10 +238,10 @@ class Registry:
         card = read_model_card(model_root)
         chosen = card[which] or card["final"]
         lineage = dict(card["lineage"])
+        claimed = metrics
         metrics = {**lineage.get("metrics", {}), **chosen.get("metrics", {})} if chosen is card["final"] else {}
         lineage["model"] = {"url": card["url"], "which": which if card[which] else "final", "step": chosen["step"]}
-        return self.register(name, card["url"], step=chosen["step"], description=description, tags=tags,
-                             metrics=metrics, lineage=lineage)  # fmt: skip
+        return self._register(name, card["url"], chosen["step"], description, tags, claimed, lineage, metrics, {})
 
     def get_version(self, ref_text: str) -> VersionInfo:
         """The version a reference names (``NAME`` alone: the newest); reader."""
@@ -296,6 +316,30 @@ class Registry:
                 conn.execute(insert(version_tags).values(version_id=row.id, key=key, value=str(value)))
         return self.get_version(f"{ref.full_name}@{info.version}")
 
+    def record_measurement(self, ref_text: str, measurement: evidence.Measurement) -> VersionInfo:
+        """Record what an evaluation measured on a version, as ``measured`` by the caller; writer.
+
+        The measurement must name the version's manifest (the weights it measured); a
+        measured metric replaces a figure of the same name, whose value and source are kept
+        in the new record's ``replaced``.
+        """
+        ref = parse_ref(ref_text)
+        self.actor.require("writer", ref.namespace, ref.name, "record a measurement")
+        info = self.get_version(ref_text)
+        if measurement.manifest_sha256 != info.manifest_sha256:
+            raise RegistryError(f"the measurement was made on manifest {measurement.manifest_sha256[:12]}..., not on "
+                                f"{info.name} v{info.version} ({info.manifest_sha256[:12]}...); nothing recorded")
+        metrics, sources = dict(info.metrics), dict(info.metric_sources)
+        for name, record in measurement.sources(self.actor.name).items():
+            if name in metrics:
+                record["replaced"] = {"value": metrics[name], "source": evidence.source_of(sources, name)}
+            metrics[name], sources[name] = measurement.metrics[name], record
+        with self.engine.begin() as conn:
+            model_id = self._model_id(conn, ref.namespace, ref.name)
+            row = self._version_row(conn, model_id, ref, info.version)
+            conn.execute(update(versions).where(versions.c.id == row.id).values(metrics=metrics, metric_sources=sources))
+        return self.get_version(f"{info.name}@{info.version}")
+
     def pull(self, ref_text: str, framework: str | None, fmt: str = "safetensors", out_dir: str | None = None,
              key: str | None = None) -> dict[str, Any]:  # fmt: skip
         """Verify a version completely, then write its weights for ``framework`` as ``fmt``; reader."""
@@ -339,11 +383,13 @@ class Registry:
 
         return a.history(self, name, alias)
 
-    def promote(self, name: str, version: int, alias: str, require: list[str], no_regression_vs: str | None = None,
-                tolerance: float = 0.0, reason: str = "") -> dict[str, Any]:  # fmt: skip
+    def promote(self, name: str, version: int | str, alias: str, require: list[str], no_regression_vs: str | None = None,
+                tolerance: float = 0.0, reason: str = "", trust_claimed: bool = False,
+                measurement: evidence.Measurement | dict | None = None) -> dict[str, Any]:  # fmt: skip
         from hybridfleet.registry import aliases as a
 
-        return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason)
+        return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason, trust_claimed,
+                         measurement)  # fmt: skip
 
     def for_token(self, token: str) -> Registry:
         """This registry (same engine and store) acting for ``token``'s principal.

@@ -1,9 +1,15 @@
-"""`hfleet ui`: a read-only web app over the runs under one directory and, when installed, the registry.
+"""`hfleet ui`: a read-only web app over the runs under one directory and, when configured, the registry.
 
-Bound to 127.0.0.1 by default. Bound anywhere else it requires a token: the first
-request brings it as ``Authorization: Bearer TOKEN`` or ``?token=TOKEN`` (which then
-sets a cookie, so links work in a browser). Nothing here writes: a run's report is
-rendered in memory, its directory is only read.
+Bound to 127.0.0.1 by default. Bound anywhere else it requires a UI token, sent as
+``Authorization: Bearer TOKEN`` or through the sign-in form, which sets an HttpOnly,
+SameSite=Strict cookie; a token is never read from a URL. Registry pages act for a
+registry principal: the token the UI was given (``--registry-token``), else the
+viewer's own, entered in the same form; never the database's owner.
+
+Every page is a Jinja2 template with autoescape, served with a strict
+Content-Security-Policy (no script at all, styles from the UI itself, no framing).
+Nothing here writes: a run's report is rendered in memory, its directory and the
+registry are only read, and no database is created.
 """
 
 from __future__ import annotations
@@ -12,114 +18,206 @@ import errno
 import hmac
 import re
 import socket
+from importlib import resources
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridfleet.errors import LaunchError, ReportError
+from hybridfleet.errors import (
+    AuthError,
+    HfleetError,
+    LaunchError,
+    PermissionDeniedError,
+    RegistryNotFoundError,
+    ReportError,
+)
 from hybridfleet.obs.discovery import read_targets
 from hybridfleet.obs.live import RunView
-from hybridfleet.obs.report import build_report
+from hybridfleet.obs.report import STYLE_CSP_SOURCE, build_report
 from hybridfleet.obs.runinfo import list_runs, load_run
 from hybridfleet.ui import pages
-from hybridfleet.ui.registry_view import RegistrySource
+from hybridfleet.ui.registry_view import RegistryAccess
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_COOKIE = "hfleet_ui_token"
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+UI_COOKIE = "hfleet_ui_token"
+REGISTRY_COOKIE = "hfleet_registry_token"
+_FORM_LIMIT_BYTES = 8192
+_OPEN_PATHS = ("/login", "/static/ui.css")
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+       "base-uri 'none'")  # fmt: skip
+REPORT_CSP = f"default-src 'none'; style-src {STYLE_CSP_SOURCE}; img-src data:; frame-ancestors 'none'; base-uri 'none'"
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+                    "Cache-Control": "no-store"}  # fmt: skip
+_STATUS = [(AuthError, 401), (PermissionDeniedError, 403), (RegistryNotFoundError, 404), (HfleetError, 400)]
 
 
-def create_app(runs_root: Path, token: str | None = None, registry: RegistrySource | None = None) -> FastAPI:
-    """The app over ``runs_root``; with ``token`` every request must carry it."""
+def _html(body: str, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(body, status_code=status)
+
+
+def create_app(runs_root: Path, token: str | None = None, registry: RegistryAccess | None = None,
+               no_registry_reason: str = "no registry configured") -> FastAPI:  # fmt: skip
+    """The app over ``runs_root``; with ``token`` every request must carry it; ``registry``: the models pages' source."""
     app = FastAPI(title="hybridfleet", docs_url=None, redoc_url=None, openapi_url=None)
     root = Path(runs_root).resolve()
+    css = (resources.files("hybridfleet.ui") / "static" / "ui.css").read_bytes()
+
+    def ui_token_ok(request: Request) -> bool:
+        if token is None:
+            return True
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else request.cookies.get(UI_COOKIE, "")
+        return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+
+    def login_page(request: Request, error: str = "", status: int = 401) -> HTMLResponse:
+        return _html(pages.render("login.html", title="Sign in", error=error, ask_ui_token=not ui_token_ok(request),
+                                  ask_registry_token=registry is not None and registry.viewer_signs_in,
+                                  registry=registry is not None), status)  # fmt: skip
 
     @app.middleware("http")
-    async def require_token(request: Request, call_next):
-        if token is None:
-            return await call_next(request)
-        given = request.query_params.get("token") or request.cookies.get(_COOKIE) or ""
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = auth[7:]
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            return Response("token required: add ?token=TOKEN or an Authorization: Bearer header\n", status_code=401,
-                            media_type="text/plain")
-        response = await call_next(request)
-        if request.query_params.get("token"):
-            response.set_cookie(_COOKIE, token, httponly=True, samesite="strict")
+    async def guard(request: Request, call_next):
+        if ui_token_ok(request) or request.url.path in _OPEN_PATHS:
+            response = await call_next(request)
+        elif "text/html" in request.headers.get("accept", ""):
+            response = login_page(request, "this UI needs its token")
+        else:
+            response = Response("token required: send Authorization: Bearer TOKEN or sign in at /login\n",
+                                status_code=401, media_type="text/plain")  # fmt: skip
+        response.headers.setdefault("Content-Security-Policy", CSP)
+        for key, value in SECURITY_HEADERS.items():
+            response.headers[key] = value
         return response
 
+    def signed_in(request: Request) -> bool:
+        return bool(request.cookies.get(UI_COOKIE) or request.cookies.get(REGISTRY_COOKIE))
+
+    def page(request: Request, template: str, status: int = 200, **values) -> HTMLResponse:
+        return _html(pages.render(template, registry=registry is not None, signed_in=signed_in(request), **values),
+                     status)  # fmt: skip
+
     def run_dir(job: str, stamp: str) -> Path:
-        if not (_PART.match(job) and _PART.match(stamp)):
+        if not (_PART.fullmatch(job) and _PART.fullmatch(stamp)):
             raise HTTPException(404, "no such run")
         path = root / job / stamp
         if not path.is_dir():
             raise HTTPException(404, "no such run")
         return path
 
-    def load(job: str, stamp: str):
-        try:
-            return load_run(run_dir(job, stamp))
-        except ReportError as err:
-            raise HTTPException(404, str(err)) from None
-
-    @app.get("/", response_class=HTMLResponse)
-    def runs_page() -> str:
-        runs = []
+    def runs() -> list[tuple[str, object]]:
+        out = []
         for path in list_runs(root):
             try:
-                runs.append((f"{path.parent.name}/{path.name}", load_run(path)))
+                out.append((f"{path.parent.name}/{path.name}", load_run(path)))
             except ReportError:
-                continue
-        refresh = 5 if any(r.live for _, r in runs) else None
-        return pages.page("Runs", pages.runs_table(runs), refresh_s=refresh, registry=registry is not None)
+                continue  # removed meanwhile
+        return out
+
+    @app.get("/static/ui.css")
+    def stylesheet() -> Response:
+        return Response(css, media_type="text/css")
+
+    @app.get("/login", response_class=HTMLResponse)
+    def login_form(request: Request) -> HTMLResponse:
+        return login_page(request, status=200)
+
+    @app.post("/login")
+    async def login(request: Request) -> Response:
+        body = await request.body()
+        if len(body) > _FORM_LIMIT_BYTES:
+            return login_page(request, "the form is too large", 413)
+        form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
+        cookies = {}
+        if token is not None and not ui_token_ok(request):
+            given = form.get("ui_token", "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
+                return login_page(request, "that is not this UI's token")
+            cookies[UI_COOKIE] = given
+        registry_token = form.get("registry_token", "").strip()
+        if registry_token and registry is not None and registry.viewer_signs_in:
+            try:
+                registry.view(registry_token).whoami()
+            except HfleetError as err:
+                return login_page(request, f"registry: {err}")
+            cookies[REGISTRY_COOKIE] = registry_token
+        response = RedirectResponse("/models" if REGISTRY_COOKIE in cookies else "/", status_code=303)
+        for name, value in cookies.items():
+            response.set_cookie(name, value, httponly=True, samesite="strict", secure=request.url.scheme == "https")
+        return response
+
+    @app.post("/logout")
+    def logout() -> Response:
+        response = RedirectResponse("/", status_code=303)
+        for name in (UI_COOKIE, REGISTRY_COOKIE):
+            response.delete_cookie(name, httponly=True, samesite="strict")
+        return response
+
+    @app.get("/", response_class=HTMLResponse)
+    def runs_page(request: Request) -> HTMLResponse:
+        rows = [pages.run_row(run_id, run) for run_id, run in runs()]
+        refresh = 5 if any(r["status"] == "live" for r in rows) else None
+        return page(request, "runs.html", title="Runs", runs=rows, refresh_s=refresh)
 
     @app.get("/runs/{job}/{stamp}", response_class=HTMLResponse)
-    def run_page(job: str, stamp: str) -> str:
-        run = load(job, stamp)
+    def run_page(request: Request, job: str, stamp: str) -> HTMLResponse:
+        try:
+            run = load_run(run_dir(job, stamp))
+        except ReportError as err:
+            raise HTTPException(404, str(err)) from None
         sites = None
         if run.live:
             view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0)
             sites = view.snapshot().sites
-        body = pages.run_detail(f"{job}/{stamp}", run, sites)
-        return pages.page(f"Run {run.job} {stamp}", body, refresh_s=2 if run.live else None,
-                          registry=registry is not None)
+        return page(request, "run.html", title=f"Run {run.job} {stamp}", run=pages.run_view(f"{job}/{stamp}", run, sites),
+                    refresh_s=2 if run.live else None)  # fmt: skip
 
     @app.get("/runs/{job}/{stamp}/report", response_class=HTMLResponse)
-    def report_page(job: str, stamp: str) -> str:
+    def report_page(job: str, stamp: str) -> HTMLResponse:
         try:
-            _, page, _ = build_report(run_dir(job, stamp))
+            _, body, _ = build_report(run_dir(job, stamp))
         except ReportError as err:
             raise HTTPException(404, str(err)) from None
-        return page
+        return HTMLResponse(body, headers={"Content-Security-Policy": REPORT_CSP})
 
     @app.get("/api/runs")
     def runs_api() -> JSONResponse:
-        out = []
-        for path in list_runs(root):
-            try:
-                run = load_run(path)
-            except ReportError:
-                continue
-            out.append({"run": f"{path.parent.name}/{path.name}", "job": run.job, "status": run.status,
-                        "latest_step": pages.latest_step(run), "steps": run.info.get("steps")})
-        return JSONResponse(out)
+        return JSONResponse([{"run": run_id, "job": run.job, "status": pages.status_of(run),
+                              "latest_step": pages.latest_step(run), "steps": run.info.get("steps"),
+                              "problems": run.problems} for run_id, run in runs()])  # fmt: skip
 
-    if registry is not None:
-        @app.get("/models", response_class=HTMLResponse)
-        def models() -> str:
-            return pages.page("Models", pages.models_page(registry.models()), registry=True)
+    def registry_page(request: Request, render) -> HTMLResponse:
+        if registry is None:
+            return page(request, "message.html", title="Models", message=no_registry_reason)
+        try:
+            return render(registry.view(request.cookies.get(REGISTRY_COOKIE)))
+        except AuthError as err:
+            return login_page(request, str(err))
+        except HfleetError as err:
+            status = next(code for cls, code in _STATUS if isinstance(err, cls))
+            return page(request, "message.html", status, title="Models", message=str(err))
 
-        @app.get("/models/{name:path}", response_class=HTMLResponse)  # names are namespace/model
-        def model(name: str) -> str:
-            return pages.page(f"Model {name}", pages.model_page(registry.versions(name), registry.aliases(name)),
-                              registry=True)
-    else:
-        @app.get("/models")
-        def no_models() -> RedirectResponse:
-            return RedirectResponse("/")
+    @app.get("/models", response_class=HTMLResponse)
+    def models(request: Request) -> HTMLResponse:
+        return registry_page(request, lambda view: page(
+            request, "models.html", title="Models", principal=view.whoami().get("name", "-"), models=view.models()))
+
+    @app.get("/models/{name:path}", response_class=HTMLResponse)  # names are namespace/model
+    def model(request: Request, name: str) -> HTMLResponse:
+        def render(view) -> HTMLResponse:
+            versions = [pages.version_view(v) for v in reversed(view.versions(name))]
+            current, history = pages.history_view(view.history(name))
+            return page(request, "model.html", title=f"Model {name}", versions=versions, aliases=current,
+                        history=history)  # fmt: skip
+
+        return registry_page(request, render)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> HTMLResponse:
+        return page(request, "message.html", err.status_code, title="Not found" if err.status_code == 404 else "Error",
+                    message=str(err.detail))  # fmt: skip
 
     return app
 

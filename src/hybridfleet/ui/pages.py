@@ -1,113 +1,136 @@
-"""Server-rendered pages of `hfleet ui`: plain HTML, no scripts, no build chain."""
+"""Server-rendered pages of `hfleet ui`: Jinja2 templates with autoescape, no scripts, no build chain.
+
+Every value reaches a template through a view function here that turns whatever a run
+directory or the registry holds into plain strings and numbers of the expected type, so a
+malformed file renders as text (escaped by the template engine), never as markup or a 500.
+"""
 
 from __future__ import annotations
 
-import html
+import math
 import time
 from typing import Any
+
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from hybridfleet.obs.live import SiteState, human_bytes
 from hybridfleet.obs.runinfo import RunData
 
-_CSS = """body{font-family:sans-serif;max-width:1000px;margin:1.5em auto;color:#222}
-nav a{margin-right:1em}table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:4px 8px;
-border-bottom:1px solid #eee}.status{padding:1px 8px;border-radius:4px;color:#fff;font-weight:bold;font-size:.9em}
-.completed{background:#2a7}.degraded{background:#c80}.failed,.crashed{background:#c33}.live{background:#27c}
-.unknown{background:#888}progress{width:200px}"""
-
-esc = html.escape
+STATUSES = ("completed", "degraded", "failed", "live", "crashed", "broken", "unknown")
+_ENV = Environment(loader=PackageLoader("hybridfleet.ui", "templates"), autoescape=select_autoescape(["html"]),
+                   undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)  # fmt: skip
 
 
-def page(title: str, body: str, refresh_s: int | None = None, registry: bool = False) -> str:
-    """A whole page with the navigation bar."""
-    meta = f"<meta http-equiv='refresh' content='{refresh_s}'>" if refresh_s else ""
-    nav = "<nav><a href='/'>Runs</a>" + ("<a href='/models'>Models</a>" if registry else "") + "</nav>"
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>{meta}"
-            f"<style>{_CSS}</style></head><body>{nav}<h1>{esc(title)}</h1>{body}</body></html>")
+def render(template: str, **values: Any) -> str:
+    """The page ``template`` (under ui/templates) with ``values``; every value is HTML-escaped."""
+    values.setdefault("refresh_s", None)
+    values.setdefault("registry", False)
+    values.setdefault("signed_in", False)
+    return _ENV.get_template(template).render(**values)
 
 
-def badge(status: str) -> str:
-    return f"<span class='status {esc(status)}'>{esc(status.upper())}</span>"
+def when(seconds: Any) -> str:
+    """A UNIX time as ``YYYY-MM-DD HH:MM:SS`` (UTC), ``-`` for anything else."""
+    if not _number(seconds) or not 0 <= seconds < 1e11:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def number(value: Any, digits: int = 4) -> str:
+    """A metric for display: ints as they are, floats with ``digits`` significant digits, ``-`` for the rest."""
+    if not _number(value):
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.{digits}g}"
+
+
+def status_of(run: RunData) -> str:
+    return run.status if run.status in STATUSES else "unknown"
 
 
 def latest_step(run: RunData) -> int | None:
     steps = [r["step"] for r in run.metrics if isinstance(r.get("step"), int)
-             and str(r.get("process", "")).startswith("worker-")]
+             and str(r.get("process", "")).startswith("worker-")]  # fmt: skip
     return max(steps) if steps else None
 
 
-def runs_table(runs: list[tuple[str, RunData]]) -> str:
-    """The runs list: job, start, status, progress, link."""
-    if not runs:
-        return "<p>No runs yet. Start one with <code>hfleet run JOB</code>.</p>"
+def _summary(run: RunData) -> dict[str, Any]:
+    return run.summary if isinstance(run.summary, dict) else {}
+
+
+def run_row(run_id: str, run: RunData) -> dict[str, Any]:
+    """One line of the runs list."""
+    status, total, step = status_of(run), run.info.get("steps"), latest_step(run)
+    done = total if status in ("completed", "degraded") else (step or 0)
+    return {"id": run_id, "job": run.job, "started": when(run.info.get("started")), "status": status,
+            "total": total or None, "done": min(done, total) if total else None,
+            "accuracy": number(_summary(run).get("test_accuracy")), "problems": list(run.problems)}  # fmt: skip
+
+
+def _site(name: str, st: SiteState) -> dict[str, Any]:
+    return {"name": name, "workers_up": st.workers_up, "workers": st.workers, "steps": f"{st.steps:g}",
+            "uplink": human_bytes(st.uplink_bytes), "downlink": human_bytes(st.downlink_bytes),
+            "accuracy": "-" if st.accuracy is None else f"{st.accuracy:.3f}"}  # fmt: skip
+
+
+def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None) -> dict[str, Any]:
+    """One run: status, problems, live progress per site, summary rows, what is missing."""
+    summary = _summary(run)
+    rows: list[tuple[str, str]] = []
+    if run.summary is not None:
+        rows = [("joint test accuracy", number(summary.get("test_accuracy"))),
+                ("restarts", number(summary.get("restarts"))), ("wall time (s)", number(summary.get("wall_s")))]
+        alone = summary.get("site_alone_accuracy")
+        if isinstance(alone, dict):
+            rows += [(f"{k} alone", number(v)) for k, v in alone.items()]
+    step, total = latest_step(run), run.info.get("steps")
+    return {"id": run_id, "status": status_of(run), "path": str(run.path), "problems": list(run.problems),
+            "live": run.live, "step": "-" if step is None else step, "total": total or "-",
+            "sites": [_site(name, st) for name, st in sorted((sites or {}).items())],
+            "summary": rows, "missing": list(run.missing)}  # fmt: skip
+
+
+def _metric_detail(record: Any) -> str:
+    if not isinstance(record, dict):
+        return "no recorded source: counts as claimed"
+    parts = [f"{k}={when(v) if k == 'at_s' else v}" for k, v in record.items() if k not in ("source", "replaced")]
+    return ", ".join(parts)
+
+
+def version_view(v: dict[str, Any]) -> dict[str, Any]:
+    """One version: formatted metrics with their source (checkpoint, claimed, measured), tags, who and when."""
+    sources = v.get("metric_sources") if isinstance(v.get("metric_sources"), dict) else {}
+    metrics = v.get("metrics") if isinstance(v.get("metrics"), dict) else {}
+    shown = []
+    for name in sorted(metrics):
+        record = sources.get(name)
+        source = record.get("source") if isinstance(record, dict) else "claimed"
+        shown.append({"name": str(name), "value": number(metrics[name]),
+                      "source": source if source in ("checkpoint", "claimed", "measured") else "claimed",
+                      "detail": _metric_detail(record)})  # fmt: skip
+    tags = v.get("tags") if isinstance(v.get("tags"), dict) else {}
+    return {"version": v.get("version"), "created": when(v.get("created_s")), "created_by": v.get("created_by", "-"),
+            "framework": v.get("framework") or "-", "step": "-" if v.get("step") is None else v.get("step"),
+            "metrics": shown, "tags": sorted((str(k), str(t)) for k, t in tags.items())}  # fmt: skip
+
+
+def history_view(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(current aliases, alias history newest first) from the append-only history (oldest first)."""
+    current: dict[str, dict[str, Any]] = {}
     rows = []
-    for run_id, run in runs:
-        started = run.info.get("started")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) if started else "-"
-        total = run.info.get("steps")
-        step = latest_step(run)
-        progress = "-"
-        if total:
-            done = total if run.status in ("completed", "degraded") else (step or 0)
-            progress = f"<progress max='{int(total)}' value='{int(done)}'></progress> {done}/{total}"
-        acc = (run.summary or {}).get("test_accuracy")
-        rows.append(f"<tr><td><a href='/runs/{esc(run_id)}'>{esc(run.job)}</a></td><td>{esc(run_id)}</td>"
-                    f"<td>{when}</td><td>{badge(run.status)}</td><td>{progress}</td>"
-                    f"<td>{'-' if acc is None else esc(str(acc))}</td></tr>")
-    return ("<table id='runs'><tr><th>job</th><th>run</th><th>started (UTC)</th><th>status</th><th>progress</th>"
-            "<th>joint accuracy</th></tr>" + "".join(rows) + "</table>")
-
-
-def sites_table(sites: dict[str, SiteState]) -> str:
-    """Live per-site progress from the run's metrics endpoints."""
-    rows = "".join(f"<tr><td>{esc(site)}</td><td>{st.workers_up}/{st.workers}</td><td>{st.steps:g}</td>"
-                   f"<td>{human_bytes(st.uplink_bytes)}</td><td>{human_bytes(st.downlink_bytes)}</td>"
-                   f"<td>{'-' if st.accuracy is None else f'{st.accuracy:.3f}'}</td></tr>"
-                   for site, st in sorted(sites.items()))
-    return ("<table id='sites'><tr><th>site</th><th>workers up</th><th>steps</th><th>uplink</th><th>downlink</th>"
-            "<th>accuracy</th></tr>" + rows + "</table>")
-
-
-def run_detail(run_id: str, run: RunData, sites: dict[str, SiteState] | None) -> str:
-    """One run: status, summary or live progress, links to its report and logs."""
-    parts = [f"<p>{badge(run.status)} <code>{esc(str(run.path))}</code></p>"]
-    total, step = run.info.get("steps"), latest_step(run)
-    if run.live:
-        parts.append(f"<h2>Live progress</h2><p id='progress'>latest reported step {step if step is not None else '-'}"
-                     f" of {total or '-'}</p>")
-        parts.append(sites_table(sites or {}))
-    if run.summary:
-        s = run.summary
-        rows = [("joint test accuracy", s.get("test_accuracy")), ("restarts", s.get("restarts")),
-                ("wall time (s)", s.get("wall_s"))]
-        rows += [(f"{k} alone", v) for k, v in (s.get("site_alone_accuracy") or {}).items()]
-        shown = [(k, f"{v:.4f}" if isinstance(v, float) and ("accuracy" in k or k.endswith("alone")) else str(v))
-                 for k, v in rows]
-        parts.append("<h2>Summary</h2><table id='summary'>" +
-                     "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in shown) + "</table>")
-    if run.missing:
-        parts.append(f"<p>Missing: {esc(', '.join(run.missing))}</p>")
-    parts.append(f"<h2>Report</h2><p><a id='report-link' href='/runs/{esc(run_id)}/report'>Open the report</a></p>")
-    return "".join(parts)
-
-
-def models_page(models: list[dict[str, Any]]) -> str:
-    if not models:
-        return "<p>The registry holds no models yet.</p>"
-    rows = "".join(f"<tr><td><a href='/models/{esc(str(m.get('name', '')))}'>{esc(str(m.get('name', '')))}</a></td>"
-                   f"<td>{esc(str(m.get('description', '')))}</td></tr>" for m in models)
-    return "<table id='models'><tr><th>model</th><th>description</th></tr>" + rows + "</table>"
-
-
-def _cells(rows: list[dict[str, Any]], keys: list[str]) -> str:
-    head = "".join(f"<th>{esc(k)}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(f"<td>{esc(str(r.get(k, '')))}</td>" for k in keys) + "</tr>" for r in rows)
-    return f"<tr>{head}</tr>{body}"
-
-
-def model_page(versions: list[dict[str, Any]], aliases: list[dict[str, Any]]) -> str:
-    vkeys = sorted({k for v in versions for k in v if k in ("version", "created", "step", "metrics", "tags")}) or ["version"]
-    shown = ("alias", "action", "version", "from_version", "to_version", "at", "actor", "reason", "revision")
-    akeys = sorted({k for a in aliases for k in a if k in shown}) or ["alias"]
-    return (f"<h2>Versions</h2><table id='versions'>{_cells(versions, vkeys)}</table>"
-            f"<h2>Aliases</h2><table id='aliases'>{_cells(aliases, akeys)}</table>")
+    for e in events:
+        canary = e.get("canary_version")
+        row = {"at": when(e.get("at_s")), "alias": e.get("alias"), "action": e.get("action"),
+               "from_version": "-" if e.get("from_version") is None else f"v{e['from_version']}",
+               "to_version": "-" if e.get("to_version") is None else f"v{e['to_version']}",
+               "canary": "-" if canary is None else f"v{canary} at {number(e.get('canary_weight'))}%",
+               "actor": e.get("actor", "-"), "reason": e.get("reason", "")}  # fmt: skip
+        rows.append(row)
+        current[str(e.get("alias"))] = {"alias": e.get("alias"), "version": e.get("to_version"),
+                                        "canary": "-" if canary is None else f"v{canary}",
+                                        "weight": "-" if canary is None else f"{number(e.get('canary_weight'))}%",
+                                        "since": row["at"]}  # fmt: skip
+    return [current[k] for k in sorted(current)], rows[::-1]
