@@ -192,9 +192,10 @@ class PSSession:
         self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
         if cfg.aggregates:
             from hybridfleet.ps.worker.site import SiteHub
+            from hybridfleet.ps.worker.site_security import HubSecurity
 
             followers = cfg.job.sites[cfg.site].workers - 1
-            self.hub = SiteHub(cfg.site_hub, followers, self._numel())
+            self.hub = SiteHub(cfg.site_hub, followers, self._numel(), HubSecurity.from_env(cfg.job, cfg.site))
             joined = self.hub.wait_for_followers()
             log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
@@ -213,9 +214,10 @@ class PSSession:
 
     def _start_follower(self) -> dict[str, np.ndarray]:
         from hybridfleet.ps.worker.site import SiteLink
+        from hybridfleet.ps.worker.site_security import LinkSecurity
 
         cfg = self.config
-        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel())
+        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel(), LinkSecurity.from_client(cfg.site, cfg.security))
         self._receive_from_leader()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, site_follower=True,
                  resumed_clock=self.step_count)
