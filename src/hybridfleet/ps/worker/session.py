@@ -59,9 +59,11 @@ class WorkerConfig:
 
     @property
     def initialises(self) -> bool:
-        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0)."""
-        init_site = self.job.ps.init_site
-        return self.rank == 0 if init_site is None else (self.site == init_site and self.site_rank == 0)
+        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0),
+        the one worker whose INIT the shards accept."""
+        from hybridfleet.security.credentials import initialising_worker
+
+        return self.worker_id == initialising_worker(self.job)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
