@@ -128,11 +128,11 @@ class PSSession:
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
-        from hybridfleet.privacy import GaussianMechanism, steps_within_budget
+        from hybridfleet.privacy import GaussianMechanism, budgeted_steps
 
         p, train = self.ps.privacy, self.config.job.train
-        if p.epsilon_budget is not None:
-            allowed = steps_within_budget(p.noise_multiplier, p.delta, p.epsilon_budget, train.steps)
+        if p.epsilon_budget is not None:  # in sync: local one noised push per outer round of local_steps
+            allowed = budgeted_steps(p, train.steps, self.ps.local_steps if self.ps.sync == "local" else None)
             if allowed < train.steps:
                 log.warning("privacy_budget_limits_steps", steps=train.steps, allowed=allowed,
                             epsilon_budget=p.epsilon_budget, delta=p.delta)
