@@ -237,3 +237,27 @@ def test_a_leader_without_hub_credentials_refuses_to_start_and_says_what_is_miss
     with pytest.raises(AuthError, match="HFLEET_TOKEN_VERIFY_KEY"):
         HubSecurity.from_env(job, "h", {HUB_CERT_ENV: str(pair.cert), HUB_KEY_ENV: str(pair.key),
                                         "HFLEET_CA_CERT": str(pki_dir / "ca.pem")})
+
+
+def test_hfleet_certs_hub_issues_the_certificate_a_leader_serves_with(tmp_path):
+    from typer.testing import CliRunner
+
+    from hybridfleet.cli.app import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["certs", "init", str(tmp_path), "--client", "h"]).exit_code == 0
+    result = runner.invoke(app, ["certs", "hub", str(tmp_path), "h"])
+    assert result.exit_code == 0, result.output
+    pair = hub_certificate_paths(tmp_path, "h")
+    assert result.output.split() == [str(pair.cert), str(pair.key)]
+    assert oct(pair.key.stat().st_mode & 0o777) == "0o600"
+    bad = runner.invoke(app, ["certs", "hub", str(tmp_path), "no/such"])
+    assert bad.exit_code != 0 and "not a valid client name" in bad.output
+    assert sorted(p.name for p in tmp_path.glob("hub-*")) == ["hub-h.key", "hub-h.pem"]  # nothing else written
+    job = _job()
+    hub = _hub(tmp_path, job)
+    try:
+        with pytest.raises(AuthError, match="missing token"):  # the issued certificate serves: TLS completes
+            _link(tmp_path, hub, 1, None)
+    finally:
+        hub.close()
