@@ -177,8 +177,10 @@ class SiteHub:
                 raise AuthError("malformed hello (expected a JSON object)")
             wid = self.security.follower_id(hello, conn)
             with self._lock:
-                known = set(self._pending) | self._follower_ids | self._admitting
-                if wid in self._admitting or (wid not in known and len(known) >= self.expected_followers):
+                if wid in self._admitting:
+                    raise AuthError(f"worker {wid} is being admitted on another connection right now")
+                known = set(self._pending) | self._follower_ids
+                if wid not in known and len(known) >= self.expected_followers:
                     raise AuthError(f"site {self.security.site!r} already has {len(known)} followers "
                                     f"(at most {self.expected_followers})")
                 if not self._slots.release(fd):
