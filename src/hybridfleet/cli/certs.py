@@ -72,6 +72,22 @@ def token(
     typer.echo(signed)
 
 
+@group.command("hub")
+def hub(
+    directory: Path = typer.Argument(..., help="PKI directory holding the CA key"),
+    site: str = typer.Argument(..., help="the aggregating site whose leader serves its followers"),
+    valid_days: float = typer.Option(certs.DEFAULT_VALID_DAYS, "--valid-days", help="certificate lifetime in days"),
+) -> None:
+    """Issue the site hub certificate of SITE (kept if it exists) and print its paths; give them to the
+    site leader as HFLEET_SITE_HUB_CERT / HFLEET_SITE_HUB_KEY, with HFLEET_TOKEN_VERIFY_KEY=DIR/token-signing.pub."""
+    try:
+        pair = certs.issue_hub_certificate(certs.load_pki(directory), site, valid_days=valid_days)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="SITE") from None
+    typer.echo(str(pair.cert))
+    typer.echo(str(pair.key))
+
+
 @group.command("revoke")
 def revoke(
     directory: Path = typer.Argument(..., help="PKI directory the shards verify tokens from"),

@@ -80,6 +80,14 @@ def prepare_security(spec: JobSpec, run_dir: Path) -> RunLayout:
     else:
         make_dev_pki(certs, hosts=sorted({spec.ps.host, "127.0.0.1", "localhost"}), clients=list(spec.sites))
     layout.certs_dir = certs
+    if spec.security.tls != "off":
+        from hybridfleet.security import load_pki
+        from hybridfleet.security.certs import issue_hub_certificate
+
+        pki = load_pki(certs)
+        for site, s in spec.sites.items():
+            if s.aggregate and s.workers > 1:
+                issue_hub_certificate(pki, site)  # the site leader serves its followers with it
     if spec.security.tokens == "auto":
         if not (certs / SIGNING_KEY).exists():
             generate_signing_key(certs)
@@ -240,8 +248,28 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
                                      env={**worker_env(spec, job_path, layout, site, rank, site_rank),
                                           **({"HFLEET_SITE_HUB": hub} if hub else {})},
                                      max_restarts=spec.max_restarts, role="worker"))
+            if hub and site_rank == 0:
+                procs[-1].env.update(site_hub_env(spec, layout, site))
             rank += 1
     return procs
+
+
+def site_hub_env(spec: JobSpec, layout: RunLayout, site: str) -> dict[str, str]:
+    """What the leader of an aggregating site needs to admit only its site's workers: the hub's
+    certificate (TLS on) and the job's token-verifying public key (tokens on)."""
+    from hybridfleet.ps.worker.site_security import HUB_CERT_ENV, HUB_KEY_ENV, VERIFY_KEY_ENV
+    from hybridfleet.security.certs import hub_certificate_paths
+    from hybridfleet.security.tokens import VERIFY_KEY
+
+    env = {}
+    if layout.certs_dir is None:
+        return env
+    if spec.security.tls != "off":
+        pair = hub_certificate_paths(layout.certs_dir, site)
+        env.update({HUB_CERT_ENV: str(pair.cert), HUB_KEY_ENV: str(pair.key)})
+    if spec.security.tokens != "off":
+        env[VERIFY_KEY_ENV] = str(layout.certs_dir / VERIFY_KEY)
+    return env
 
 
 def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[ProcessSpec]:

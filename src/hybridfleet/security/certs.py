@@ -271,6 +271,38 @@ def make_dev_pki(
     return load_pki(directory)
 
 
+HUB_PREFIX = "hub-"
+# The one name a site hub's certificate is valid for: no shard address, so a site leader
+# holding it cannot pass as a shard; its common name is the site, which followers check.
+HUB_SERVER_NAME = "site-hub.hybridfleet"
+
+
+def hub_certificate_paths(directory: str | os.PathLike[str], site: str) -> CertKeyPair:
+    """Where the site hub certificate of ``site`` lives in a PKI directory."""
+    root = Path(directory)
+    return CertKeyPair(root / f"{HUB_PREFIX}{site}.pem", root / f"{HUB_PREFIX}{site}.key")
+
+
+def issue_hub_certificate(pki: Pki, site: str, valid_days: float = DEFAULT_VALID_DAYS) -> CertKeyPair:
+    """A server certificate for the site hub of ``site`` (common name the site, the only SAN
+    `HUB_SERVER_NAME`), signed by the PKI's CA; kept when it already exists. Raises `AuthError`
+    when the CA key is not in the directory and the certificate does not exist yet."""
+    (site,) = _check_clients([site])
+    pair = hub_certificate_paths(pki.directory, site)
+    if pair.cert.is_file() and pair.key.is_file():
+        return pair
+    if pki.ca_key is None:
+        raise AuthError(f"{pki.directory} has no CA key to issue the site hub certificate of site {site!r}; "
+                        f"put {pair.cert.name} and {pair.key.name} there")
+    ca_cert = _read_cert(pki.ca_cert)
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    pem, key = _leaf(site, ExtendedKeyUsageOID.SERVER_AUTH, [x509.DNSName(HUB_SERVER_NAME)], ca_cert, ca_key,
+                     valid_days)
+    write_file_atomic(pair.key, key, KEY_FILE_MODE)
+    write_file_atomic(pair.cert, pem, CERT_FILE_MODE)
+    return pair
+
+
 def _read_cert(path: Path) -> x509.Certificate:
     try:
         return x509.load_pem_x509_certificate(path.read_bytes())

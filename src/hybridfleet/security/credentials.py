@@ -46,6 +46,12 @@ def worker_id(site: str, site_rank: int) -> str:
     return f"{site}-{site_rank}"
 
 
+def initialising_worker(job) -> str:
+    """The one worker whose values initialise the shards: site rank 0 of ``ps.init_site``, else
+    global rank 0 (site rank 0 of the first site; global ranks follow the order of ``sites``)."""
+    return worker_id(job.ps.init_site or next(iter(job.sites)), 0)
+
+
 def site_worker_ids(job, site: str) -> list[str]:
     """Every worker id ``job`` defines for ``site`` (a `hybridfleet.spec.models.JobSpec`)."""
     if site not in job.sites:

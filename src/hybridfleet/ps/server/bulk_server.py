@@ -1,8 +1,10 @@
 """The shard side of the bulk data plane (framing in `hybridfleet.ps.wire.bulk`).
 
-Every peer's share is bounded: at most ``max_connections`` connections in all, at
-most `MAX_PENDING_HANDSHAKES` of them before their HELLO is accepted and
-`CONNECTIONS_PER_IDENTITY` per worker after it; the TLS handshake and HELLO together
+Every peer's share is bounded: at most ``max_connections`` authenticated connections
+(`CONNECTIONS_PER_IDENTITY` per worker), and apart from them at most
+`MAX_PENDING_HANDSHAKES` before their HELLO is accepted, `PENDING_PER_SOURCE` of them from
+one address, a new arrival evicting the oldest pending one rather than being refused
+(`hybridfleet.ps.wire.admission`): idle connections from anywhere never lock a worker out; the TLS handshake and HELLO together
 must finish within `HANDSHAKE_TIMEOUT_S`, and each request frame within a deadline
 set by its size (`frame_deadline`), however the bytes trickle in. A `Deadlines`
 watchdog enforces both by shutting the socket down, so the reads stay plain blocking
@@ -31,12 +33,14 @@ from hybridfleet.ps.wire.bulk import (
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.server.identity import tls_peer_site
+from hybridfleet.ps.wire.admission import HandshakeSlots, shutdown_fd
 from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.ps.wire.tls import remember_files, wrap
 
 log = get_logger("ps.bulk")
 
 MAX_PENDING_HANDSHAKES = 32
+PENDING_PER_SOURCE = 8
 CONNECTIONS_PER_IDENTITY = 2
 # A request frame may take FRAME_DEADLINE_S plus one second per MIN_FRAME_RATE bytes it carries.
 FRAME_DEADLINE_S = 30.0
@@ -87,18 +91,7 @@ class Deadlines:
                 for fd in [fd for fd, due in self._due.items() if due <= now]:
                     del self._due[fd]
                     self.expired += 1
-                    _shutdown(fd)
-
-
-def _shutdown(fd: int) -> None:
-    """Shut down the TCP connection on ``fd`` (also under TLS) without closing the descriptor."""
-    sock = socket.socket(fileno=fd)
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
+                    shutdown_fd(fd)
 
 
 class BulkServer:
@@ -124,8 +117,8 @@ class BulkServer:
             raise PortInUseError(f"cannot serve the bulk data plane on {host}:{port}: {err.strerror}") from err
         self.port = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
-        self._open = 0        # connections with a serving thread
-        self._pending = 0     # of which not past HELLO yet
+        self._authenticated = 0  # connections past HELLO
+        self._slots = HandshakeSlots(MAX_PENDING_HANDSHAKES, PENDING_PER_SOURCE)  # the others
         self._by_identity: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -161,21 +154,12 @@ class BulkServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            with self._lock:
-                refused = self._open >= self.max_connections or self._pending >= MAX_PENDING_HANDSHAKES
-                if not refused:
-                    self._open += 1
-                    self._pending += 1
-            if refused:
-                log.warning("bulk_connection_refused", peer=f"{peer[0]}:{peer[1]}", open=self._open,
-                            pending=self._pending, reason="connection cap")
-                conn.close()
-                continue
+            self._slots.take(conn.fileno(), peer[0])  # may evict an older pending connection
             threading.Thread(target=self._serve, args=(conn, peer), name="ps-bulk-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
-        fd, pending, identity = conn.fileno(), True, None
+        fd, identity = conn.fileno(), None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -190,11 +174,20 @@ class BulkServer:
                 return
             token, identity = hello
             with self._lock:
-                self._pending -= 1
-                pending = False
+                if not self._slots.release(fd):
+                    identity = None
+                    return  # evicted while its HELLO was being checked
                 n = self._by_identity.get(identity, 0)
-                if n < CONNECTIONS_PER_IDENTITY:
+                full = self._authenticated >= self.max_connections
+                if n < CONNECTIONS_PER_IDENTITY and not full:
                     self._by_identity[identity] = n + 1
+                    self._authenticated += 1
+            if full and n < CONNECTIONS_PER_IDENTITY:
+                msg = f"the shard's bulk plane serves {self.max_connections} connections already"
+                log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
+                conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
+                identity = None
+                return
             if n >= CONNECTIONS_PER_IDENTITY:
                 msg = f"worker {identity} already has {n} bulk connections to this shard (at most {CONNECTIONS_PER_IDENTITY})"
                 log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
@@ -219,12 +212,11 @@ class BulkServer:
                 log.info("bulk_connection_closed", peer=who, reason=str(err) or type(err).__name__)
         finally:
             self.deadlines.disarm(fd)
+            self._slots.release(fd)
             with self._lock:
                 self._conns.discard(conn)
-                self._open -= 1
-                if pending:
-                    self._pending -= 1
                 if identity is not None:
+                    self._authenticated -= 1
                     left = self._by_identity.get(identity, 1) - 1
                     if left > 0:
                         self._by_identity[identity] = left

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hybridfleet.ps.server.service import ServerSecurity, ShardServer, method_roles
 from hybridfleet.ps.server.shard import ShardState
+from hybridfleet.security.credentials import initialising_worker
 from hybridfleet.errors import UsageError
 from hybridfleet.spec.models import JobSpec
 
@@ -52,7 +53,8 @@ def start_shard(job: JobSpec, shard: int, host: str, port: int, security: Server
 
         secagg = SecAggSettings.resolve(job.ps, job.sites)
     state = ShardState(shard, job.ps, flavour=job.framework, expected_workers=expected_workers,
-                       sites={name: site.workers for name, site in job.sites.items()}, secagg=secagg)
+                       sites={name: site.workers for name, site in job.sites.items()}, secagg=secagg,
+                       initialiser=initialising_worker(job))
     snapshotter = None
     if job.ps.snapshot_every_steps or job.ps.snapshot_every_s:
         from hybridfleet.ps.server.snapshot import Snapshotter, snapshot_url

@@ -53,11 +53,13 @@ class ShardState:
 
     def __init__(self, shard: int, spec: PSSpec, flavour: str = "torch", expected_workers: int = 0,
                  codec: str | None = None, clock=time.monotonic, sites: dict[str, int] | None = None,
-                 secagg=None):
+                 secagg=None, initialiser: str | None = None):
         """``sites``: each site's worker count from the job; with it a Join must name one of the
         job's worker ids (``<site>-<rank>``, rank below the count) and a push may count at most
         that many contributors. ``secagg``: the job's resolved `SecAggSettings` when
-        ``spec.secure_aggregation`` is on (pushes are then masked ring vectors)."""
+        ``spec.secure_aggregation`` is on (pushes are then masked ring vectors). ``initialiser``:
+        the one worker id whose INIT is accepted (`hybridfleet.security.credentials.initialising_worker`;
+        None: any member's)."""
         from hybridfleet.ps.server.optim import make_optimizer
 
         self.shard = shard
@@ -67,6 +69,7 @@ class ShardState:
         self.codec_name = codec or spec.compression.codec
         self.expected_workers = expected_workers
         self.sites = dict(sites) if sites is not None else None
+        self.initialiser = initialiser
         self.optimizer = make_optimizer(spec.optimizer, flavour)
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
@@ -186,6 +189,11 @@ class ShardState:
         if len(params) > spec.max_tensors:
             raise Reject("RESOURCE_EXHAUSTED", f"join declares {len(params)} tensors; this job allows at most "
                                                f"{spec.max_tensors} (ps.max_tensors)")
+        stored = [p.name for p in params if p.dtype != "float32"]
+        if stored:  # the caps below are computed for the declared dtype; the shard stores float32 only
+            raise Reject("INVALID_ARGUMENT", f"join declares parameter {stored[0]!r} as "
+                                             f"{next(p.dtype for p in params if p.name == stored[0])}; the shards "
+                                             f"store float32 values only (declare every parameter as float32)")
         total = sum(p.nbytes for p in params)
         if total > spec.max_model_bytes:
             raise Reject("RESOURCE_EXHAUSTED", f"join declares a model of {total} bytes; this job allows at most "
@@ -264,6 +272,10 @@ class ShardState:
             if member.site != site:
                 raise Reject("PERMISSION_DENIED", f"token is for site {site!r}, worker {worker_id} is at {member.site!r}")
             if kind == "INIT":
+                if self.initialiser is not None and worker_id != self.initialiser:
+                    raise Reject("PERMISSION_DENIED", f"worker {worker_id} may not initialise the parameters: the "
+                                                      f"job names {self.initialiser} (ps.init_site, else global "
+                                                      f"rank 0); nothing changed")
                 return self._push_init(worker_id, payloads)
             if not self.is_initialized():
                 raise Reject("FAILED_PRECONDITION", "parameters are not initialized yet; pull first")

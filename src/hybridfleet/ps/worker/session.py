@@ -59,9 +59,11 @@ class WorkerConfig:
 
     @property
     def initialises(self) -> bool:
-        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0)."""
-        init_site = self.job.ps.init_site
-        return self.rank == 0 if init_site is None else (self.site == init_site and self.site_rank == 0)
+        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0),
+        the one worker whose INIT the shards accept."""
+        from hybridfleet.security.credentials import initialising_worker
+
+        return self.worker_id == initialising_worker(self.job)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
@@ -126,11 +128,11 @@ class PSSession:
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
-        from hybridfleet.privacy import GaussianMechanism, steps_within_budget
+        from hybridfleet.privacy import GaussianMechanism, budgeted_steps
 
         p, train = self.ps.privacy, self.config.job.train
-        if p.epsilon_budget is not None:
-            allowed = steps_within_budget(p.noise_multiplier, p.delta, p.epsilon_budget, train.steps)
+        if p.epsilon_budget is not None:  # in sync: local one noised push per outer round of local_steps
+            allowed = budgeted_steps(p, train.steps, self.ps.local_steps if self.ps.sync == "local" else None)
             if allowed < train.steps:
                 log.warning("privacy_budget_limits_steps", steps=train.steps, allowed=allowed,
                             epsilon_budget=p.epsilon_budget, delta=p.delta)
@@ -192,9 +194,10 @@ class PSSession:
         self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
         if cfg.aggregates:
             from hybridfleet.ps.worker.site import SiteHub
+            from hybridfleet.ps.worker.site_security import HubSecurity
 
             followers = cfg.job.sites[cfg.site].workers - 1
-            self.hub = SiteHub(cfg.site_hub, followers, self._numel())
+            self.hub = SiteHub(cfg.site_hub, followers, self._numel(), HubSecurity.from_env(cfg.job, cfg.site))
             joined = self.hub.wait_for_followers()
             log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
@@ -213,9 +216,10 @@ class PSSession:
 
     def _start_follower(self) -> dict[str, np.ndarray]:
         from hybridfleet.ps.worker.site import SiteLink
+        from hybridfleet.ps.worker.site_security import LinkSecurity
 
         cfg = self.config
-        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel())
+        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel(), LinkSecurity.from_client(cfg.site, cfg.security))
         self._receive_from_leader()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, site_follower=True,
                  resumed_clock=self.step_count)

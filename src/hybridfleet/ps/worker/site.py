@@ -11,30 +11,54 @@ set-up; the traffic stays inside the site. A follower that fails is dropped from
 the reduce (the supervisor restarts it and it reconnects); a leader that fails
 takes its followers down with it, and they reconnect to its restart.
 
-Frame: 8-byte little-endian length, then the payload. Follower -> leader:
-``hello`` (JSON) once, then one gradient per step (float32, parameters in sorted
-name order). Leader -> follower: ``u64 step`` + the parameters, same layout.
+Who may join (TLS, each follower's own token, at most the site's followers) is
+`hybridfleet.ps.worker.site_security`'s to decide. No peer holds up another: each
+connection's TLS handshake and hello run in their own thread under a deadline
+(`HANDSHAKE_TIMEOUT_S`), pending connections are bounded per source address
+(`hybridfleet.ps.wire.admission`), and every frame, once its first byte is in, must
+arrive within a deadline set by its size (`frame_deadline`).
+
+Frame: 8-byte little-endian length, then the payload; every length is checked against
+what the job's model needs before anything is allocated. Follower -> leader: ``hello``
+(JSON: site rank, token) once, answered by the leader's JSON verdict (``ok`` or
+``error``), then one gradient per step (float32, parameters in sorted name order).
+Leader -> follower: ``u64 step`` + the parameters, same layout.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import threading
 import time
 
 import numpy as np
 
-from hybridfleet.errors import ProtocolError
+from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.wire.admission import HandshakeSlots
+from hybridfleet.ps.worker.site_security import HubSecurity, LinkSecurity
 
 log = get_logger("ps.site")
 
 DTYPE = np.dtype("<f4")
 _LEN = struct.Struct("<Q")
 CONNECT_TIMEOUT_S = 120.0
-STEP_TIMEOUT_S = 600.0
+STEP_TIMEOUT_S = 600.0       # how long the leader waits for a follower's next gradient to start
+HANDSHAKE_TIMEOUT_S = 10.0   # TLS handshake, hello and verdict together
+HELLO_MAX_BYTES = 16 << 10
+PENDING_HANDSHAKES = 16
+PENDING_PER_SOURCE = 4
+# Once its first byte is in, a frame may take FRAME_DEADLINE_S plus one second per MIN_FRAME_RATE bytes.
+FRAME_DEADLINE_S = 30.0
+MIN_FRAME_RATE = 256 << 10
+
+
+def frame_deadline(nbytes: int) -> float:
+    """Seconds a peer has to deliver the rest of a frame of ``nbytes`` payload bytes."""
+    return FRAME_DEADLINE_S + nbytes / MIN_FRAME_RATE
 
 
 def _send(sock: socket.socket, payload: bytes | memoryview) -> int:
@@ -43,11 +67,15 @@ def _send(sock: socket.socket, payload: bytes | memoryview) -> int:
     return _LEN.size + len(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"site peer sent {got} of {n} bytes before its deadline")
+        sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("site peer closed the connection")
@@ -55,11 +83,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv(sock: socket.socket, max_bytes: int) -> bytearray:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def _recv(sock: socket.socket, max_bytes: int, first_byte_timeout_s: float = STEP_TIMEOUT_S,
+          deadline: float | None = None) -> bytearray:
+    """One frame of at most ``max_bytes``: its first byte within ``first_byte_timeout_s`` (or by
+    ``deadline``), the rest within `frame_deadline` of its size (and by ``deadline``)."""
+    start = time.monotonic()
+    first_by = start + first_byte_timeout_s if deadline is None else deadline
+    head = _recv_exact(sock, 1, first_by)
+    by = time.monotonic() + FRAME_DEADLINE_S if deadline is None else deadline
+    head += _recv_exact(sock, _LEN.size - 1, by)
+    (n,) = _LEN.unpack(head)
     if n > max_bytes:
         raise ProtocolError(f"site frame of {n} bytes exceeds the expected {max_bytes}")
-    return _recv_exact(sock, n)
+    by = time.monotonic() + frame_deadline(n) if deadline is None else deadline
+    return _recv_exact(sock, n, by)
 
 
 def flatten(arrays: dict[str, np.ndarray], names: list[str]) -> np.ndarray:
@@ -77,69 +114,146 @@ def unflatten(vector: np.ndarray, shapes: dict[str, tuple[int, ...]], names: lis
 
 
 class SiteHub:
-    """The leader's side: accepts followers, gathers and sums their gradients, sends parameters."""
+    """The leader's side: admits the site's followers, gathers and sums their gradients, sends parameters.
 
-    def __init__(self, address: str, expected_followers: int, numel: int):
+    ``security`` says who may join (`HubSecurity`); at most ``security.workers - 1``
+    followers, one connection per follower (a follower that reconnects with its own token
+    replaces its old connection, as after a restart).
+    """
+
+    def __init__(self, address: str, expected_followers: int, numel: int, security: HubSecurity):
         host, port = address.rsplit(":", 1)
+        if expected_followers > security.workers - 1:
+            raise ValueError(f"site {security.site!r} has {security.workers - 1} followers, not {expected_followers}")
         self.numel = numel
         self.expected_followers = expected_followers
+        self.security = security
         self._server = socket.create_server((host, int(port)), reuse_port=False)
         self._server.settimeout(0.5)
-        self._pending: list[socket.socket] = []
-        self._followers: list[socket.socket] = []
+        self.port = self._server.getsockname()[1]
+        self._pending: dict[str, socket.socket] = {}    # worker id -> admitted connection, not sent to yet
+        self._followers: list[tuple[str, socket.socket]] = []
+        self._follower_ids: set[str] = set()
+        self._admitting: set[str] = set()  # verdict being sent
+        self._slots = HandshakeSlots(PENDING_HANDSHAKES, PENDING_PER_SOURCE)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lan_bytes = 0
+        self.refused = 0  # connections refused so far (bad hello, bad token, over the cap)
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="site-hub")
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._server.accept()
+                conn, peer = self._server.accept()
             except (TimeoutError, socket.timeout):
                 continue
             except OSError:
                 return
-            conn.settimeout(STEP_TIMEOUT_S)
+            self._slots.take(conn.fileno(), peer[0])
+            threading.Thread(target=self._handshake, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
+                             name="site-hub-handshake").start()
+
+    def _handshake(self, conn: socket.socket, who: str) -> None:
+        """TLS, hello and verdict of one connection, all by one deadline; admitted connections wait
+        in ``_pending`` for the next `admit`."""
+        fd, deadline = conn.fileno(), time.monotonic() + HANDSHAKE_TIMEOUT_S
+        admitted = False
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.security.ssl_context is not None:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                conn = self.security.ssl_context.wrap_socket(conn, server_side=True)
             try:
-                hello = json.loads(_recv(conn, 4096))
-            except (OSError, ValueError, ProtocolError) as err:
-                log.warning("site_hello_failed", error=str(err))
-                conn.close()
-                continue
-            log.info("site_follower_connected", site_rank=hello.get("site_rank"))
+                raw = _recv(conn, HELLO_MAX_BYTES, deadline=deadline)
+            except ProtocolError as err:
+                raise AuthError(f"hello refused: {err}") from None
+            try:
+                hello = json.loads(raw)
+            except ValueError:
+                raise AuthError("malformed hello (expected a JSON object)") from None
+            if not isinstance(hello, dict):
+                raise AuthError("malformed hello (expected a JSON object)")
+            wid = self.security.follower_id(hello, conn)
             with self._lock:
-                self._pending.append(conn)
+                if wid in self._admitting:
+                    raise AuthError(f"worker {wid} is being admitted on another connection right now")
+                known = set(self._pending) | self._follower_ids
+                if wid not in known and len(known) >= self.expected_followers:
+                    raise AuthError(f"site {self.security.site!r} already has {len(known)} followers "
+                                    f"(at most {self.expected_followers})")
+                if not self._slots.release(fd):
+                    raise ConnectionError("evicted before its handshake completed")
+                self._admitting.add(wid)
+            try:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                _send(conn, json.dumps({"ok": True}).encode())  # before `admit` may write to it
+                conn.settimeout(STEP_TIMEOUT_S)
+                with self._lock:
+                    old = self._pending.pop(wid, None)
+                    self._pending[wid] = conn
+                    admitted = True
+            finally:
+                with self._lock:
+                    self._admitting.discard(wid)
+            if old is not None:
+                old.close()
+            log.info("site_follower_connected", worker=wid, peer=who)
+        except AuthError as err:
+            self.refused += 1
+            log.warning("site_follower_refused", peer=who, reason=str(err))
+            try:
+                conn.settimeout(1.0)
+                _send(conn, json.dumps({"ok": False, "error": str(err)}).encode())
+            except OSError:
+                pass
+        except (OSError, ProtocolError, ssl.SSLError) as err:
+            self.refused += 1
+            log.warning("site_hello_failed", peer=who, error=str(err) or type(err).__name__)
+        finally:
+            self._slots.release(fd)
+            if not admitted:
+                conn.close()
+
+    @property
+    def followers(self) -> int:
+        """Followers admitted (waiting for the next step or already reducing)."""
+        with self._lock:
+            return len(set(self._pending) | self._follower_ids)
 
     def wait_for_followers(self, timeout_s: float = CONNECT_TIMEOUT_S) -> int:
         """Block until the expected followers connected (or the timeout); returns how many did."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if len(self._pending) + len(self._followers) >= self.expected_followers:
-                    break
+        while time.monotonic() < deadline and self.followers < self.expected_followers:
             time.sleep(0.05)
-        with self._lock:
-            return len(self._pending) + len(self._followers)
+        return self.followers
 
     def admit(self, params: np.ndarray, step: int) -> None:
-        """Send the current parameters to followers that connected since the last step."""
+        """Send the current parameters to followers admitted since the last step (a follower's new
+        connection replaces its old one)."""
         with self._lock:
-            new, self._pending = self._pending, []
-        for conn in new:
+            new, self._pending = self._pending, {}
+        for wid, conn in new.items():
+            for old in [c for w, c in self._followers if w == wid]:
+                old.close()
+            self._followers = [(w, c) for w, c in self._followers if w != wid]
             try:
                 self.lan_bytes += _send(conn, _LEN.pack(step) + params.tobytes())
-                self._followers.append(conn)
+                self._followers.append((wid, conn))
             except OSError:
                 conn.close()
+        self._sync_ids()
+
+    def _sync_ids(self) -> None:
+        with self._lock:
+            self._follower_ids = {w for w, _ in self._followers}
 
     def gather(self, own: np.ndarray) -> tuple[np.ndarray, int]:
         """Sum the leader's gradient with every follower's; returns (sum, contributors)."""
         total = own.astype(DTYPE, copy=True)
         alive = []
-        for conn in self._followers:
+        for wid, conn in self._followers:
             try:
                 g = np.frombuffer(_recv(conn, self.numel * DTYPE.itemsize), dtype=DTYPE)
                 if g.size != self.numel:
@@ -148,50 +262,70 @@ class SiteHub:
                     raise ProtocolError("follower sent non-finite gradient values")
                 total += g
                 self.lan_bytes += _LEN.size + g.nbytes
-                alive.append(conn)
-            except (OSError, ProtocolError) as err:
-                log.warning("site_follower_dropped", error=str(err))
+                alive.append((wid, conn))
+            except (OSError, ProtocolError, ssl.SSLError) as err:
+                log.warning("site_follower_dropped", worker=wid, error=str(err))
                 conn.close()
         self._followers = alive
+        self._sync_ids()
         return total, 1 + len(alive)
 
     def broadcast(self, params: np.ndarray, step: int) -> None:
         payload = _LEN.pack(step) + params.tobytes()
         alive = []
-        for conn in self._followers:
+        for wid, conn in self._followers:
             try:
                 self.lan_bytes += _send(conn, payload)
-                alive.append(conn)
+                alive.append((wid, conn))
             except OSError as err:
-                log.warning("site_follower_dropped", error=str(err))
+                log.warning("site_follower_dropped", worker=wid, error=str(err))
                 conn.close()
         self._followers = alive
+        self._sync_ids()
 
     def close(self) -> None:
         self._stop.set()
         self._server.close()
-        for conn in self._followers + self._pending:
+        with self._lock:
+            conns = [c for _, c in self._followers] + list(self._pending.values())
+        for conn in conns:
             conn.close()
 
 
 class SiteLink:
-    """A follower's side: sends gradients to the site leader, receives parameters."""
+    """A follower's side: proves it is a worker of the site, sends gradients, receives parameters."""
 
-    def __init__(self, address: str, site_rank: int, numel: int, timeout_s: float = CONNECT_TIMEOUT_S):
+    def __init__(self, address: str, site_rank: int, numel: int, security: LinkSecurity,
+                 timeout_s: float = CONNECT_TIMEOUT_S):
+        """Raises `AuthError` with the leader's reason when the leader refuses this worker."""
         host, port = address.rsplit(":", 1)
         self.numel = numel
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.sock = socket.create_connection((host, int(port)), timeout=5)
+                sock = socket.create_connection((host, int(port)), timeout=HANDSHAKE_TIMEOUT_S)
                 break
             except OSError:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"site leader at {address} did not answer within {timeout_s:.0f} s") from None
                 time.sleep(0.1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = security.wrap(sock)
+            self.lan_bytes = _send(self.sock, json.dumps({"site_rank": site_rank, "token": security.token()}).encode())
+            verdict = _recv(self.sock, HELLO_MAX_BYTES, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            answer = json.loads(verdict)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or answer.get("ok") is not True:
+            self.sock.close()
+            reason = answer.get("error") if isinstance(answer, dict) else None
+            raise AuthError(f"site leader at {address} refused this worker: {reason or 'malformed verdict'}")
         self.sock.settimeout(STEP_TIMEOUT_S)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.lan_bytes = _send(self.sock, json.dumps({"site_rank": site_rank}).encode())
 
     def receive(self) -> tuple[int, np.ndarray]:
         """(step, parameters) from the leader."""
@@ -204,6 +338,7 @@ class SiteLink:
         return step, params
 
     def send(self, grads: np.ndarray) -> None:
+        self.sock.settimeout(frame_deadline(grads.size * DTYPE.itemsize))
         self.lan_bytes += _send(self.sock, grads.astype(DTYPE, copy=False).tobytes())
 
     def close(self) -> None:
