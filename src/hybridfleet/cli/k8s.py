@@ -23,6 +23,11 @@ def render(
                                                                         "(default: 'cloud', else the first site)"),
     external_name: List[str] = typer.Option([], "--external-name", help="DNS name other sites dial for shard i "
                                                                         "(repeat once per shard, in shard order)"),
+    ingress_cidr: List[str] = typer.Option([], "--ingress-cidr", help="with --external-name: a network (CIDR) the "
+                                                                      "other sites connect from; the shards' "
+                                                                      "NetworkPolicy admits only these (repeat)"),
+    metrics_namespace: str = typer.Option("monitoring", "--metrics-namespace", help="the namespace whose pods may "
+                                                                                 "scrape every pod's metrics port"),
     certs: Optional[Path] = typer.Option(None, "--certs", help="`hfleet certs init` directory: Secrets get real values"),
     placeholders: bool = typer.Option(False, "--placeholders", help="write REPLACE-with-... Secret values "
                                                                     "(to fill in later) instead of --certs"),
@@ -35,6 +40,7 @@ def render(
     from hybridfleet.k8s.credentials import CredentialSource
 
     options = RenderOptions(image=image, api=api, site=site, shard_site=shard_site, external_names=tuple(external_name),
+                            ingress_cidrs=tuple(ingress_cidr), metrics_namespace=metrics_namespace,
                             credentials=CredentialSource(certs, placeholders), scheduler=scheduler)
     if plain_host:
         from hybridfleet.k8s.hostbundle import write_host_bundle

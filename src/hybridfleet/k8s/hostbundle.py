@@ -84,7 +84,7 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
         raise SpecError("--plain-host: give --external-name once per shard (the names machines dial the shards at)")
     if options.credentials.certs_dir is None and (tls_on(spec) or spec.security.tokens != "off"):
         raise SpecError("--plain-host: needs --certs DIR (from `hfleet certs init`); a bundle holds real files")
-    options = check_options(spec, options)
+    options = check_options(spec, options, manifests=False)
     site = options.site
     assert site is not None
     with_shards = site == options.shard_site
