@@ -5,8 +5,14 @@ cluster at ``<job>-ps-<i>.<job>-ps:50051`` (gRPC) and ``:50052`` (bulk data plan
 the job sets ``ps.transport: grpc``). With external names (``--external-name``, one per
 shard) every shard also gets a LoadBalancer Service exposing both ports under the same
 numbers, because a worker reaches a shard's bulk plane at the gRPC host and the port the
-shard announces (so not a NodePort, whose numbers differ from the pod's). Workers: one Indexed Job per site, the completion index being the
-worker's rank in its site. Each pod mounts only its own credentials (`credentials`).
+shard announces (so not a NodePort, whose numbers differ from the pod's); they keep the
+client's source address (``externalTrafficPolicy: Local``), which the shards' NetworkPolicy
+checks (`hybridfleet.k8s.netpol`).
+
+Workers: one Job per worker, each mounting a Secret that holds that worker's token alone
+(`credentials`). A Secret is mounted whole and a pod template cannot pick a volume by its
+index, so an Indexed Job would have to give every pod every token of its site, and any pod
+could then act as any worker of the site.
 
 Restarts: a shard pod is restarted by its StatefulSet (``restartPolicy: Always``) and
 resumes from its newest snapshot, kept in a remote ``checkpoint.store`` or else on the
