@@ -338,7 +338,7 @@ def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs
     class Nowhere:
         address, name = "10.0.0.1", "nowhere"
 
-    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0-0: Secret '[a-z-]+' key '[a-z.-]+' "
+    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0-0: Secret '[a-z0-9-]+' key '[a-z.-]+' "
                                            r"still holds the placeholder 'REPLACE"):
         _volume_sources(placeholders, worker, tmp_path / "placeholder-volumes")  # the Secret mounted as files
     real = expand(_render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)), out="k8s-real"))
