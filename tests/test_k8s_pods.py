@@ -125,6 +125,29 @@ def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security):
     assert shard.pod.hostname == "digits-deploy-ps-0" and shard.pod.subdomain == "digits-deploy-ps"
 
 
+@pytest.mark.parametrize("framework", ["paddle"])
+def test_an_aggregating_site_s_followers_reach_their_leader_by_its_pod_name(tmp_path, framework):
+    # Prepare: the hospital's two workers reduce inside the site; each is its own Job with its own Secret
+    job = _ps_job(framework)
+    job["sites"]["hospital"] = {**job["sites"]["hospital"], "workers": 2, "aggregate": True}
+    manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
+    # Execute
+    with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert: all three workers finished with the joint model; the follower dialled the leader's pod name
+    workers = {k: r for k, r in runs.items() if r.pod.owner.startswith("Job/")}
+    assert sorted(workers) == ["cloud/digits-deploy-worker-cloud-0-0", "cloud/digits-deploy-worker-hospital-0-0",
+                               "cloud/digits-deploy-worker-hospital-1-0"], summary(runs)
+    for key, run in workers.items():
+        assert run.returncodes == {"worker": 0}, summary(runs)
+        finals = _final_metrics(run.log())
+        assert len(finals) == 1 and finals[0]["test_accuracy"] >= 0.9, (key, finals)
+    follower = runs["cloud/digits-deploy-worker-hospital-1-0"].pod
+    assert {"name": "HFLEET_SITE_HUB", "value": "digits-deploy-worker-hospital-0.digits-deploy-worker-hospital:50060"} \
+        in follower.spec["containers"][0]["env"]
+
+
 @pytest.mark.parametrize("framework", ["torch"])
 def test_a_sigkilled_shard_pod_is_restarted_and_resumes_from_its_volume(tmp_path, framework):
     from hybridfleet.ckpt import list_checkpoints
