@@ -314,6 +314,34 @@ def test_plain_host_bundle_for_the_hospital_holds_its_files_and_a_runnable_worke
     assert name == "worker" and params["site"] == "hospital" and params["site_rank"] == 1
 
 
+def test_plain_host_bundle_of_one_worker_s_machine_holds_only_its_token_and_runs_only_its_rank(tmp_path, certs, capsys):
+    # Execute
+    main(["k8s", "render", str(_job(tmp_path, mutual_tls=True)), "--site", "hospital", "--plain-host", "--site-rank", "1",
+          "--external-name", EXTERNAL[0], "--external-name", EXTERNAL[1], "--certs", str(certs),
+          "-o", str(tmp_path / "bundle")])
+
+    # Assert
+    bundle = tmp_path / "bundle"
+    assert sorted(p.name for p in (bundle / "certs").iterdir()) == ["ca.pem", "client-hospital.key",
+                                                                      "client-hospital.pem", "worker-token-hospital-1"]
+    refused = subprocess.run(["bash", str(bundle / "run-worker.sh"), "0"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "this bundle holds the token of site rank 1 only" in refused.stderr
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--plain-host", "--site-rank", "2"], "--site-rank: must be in 0..1 for site 'hospital' (got 2)"),
+    (["--site-rank", "0"], "only with --plain-host"),
+])
+def test_a_bad_site_rank_is_refused_and_nothing_is_written(tmp_path, certs, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["k8s", "render", str(_job(tmp_path)), "--site", "hospital", *extra, "--external-name", EXTERNAL[0],
+              "--external-name", EXTERNAL[1], "--certs", str(certs), "-o", str(tmp_path / "out")])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_plain_host_bundle_of_the_shard_site_has_shard_units_and_needs_certs(tmp_path, certs, capsys):
     job = _job(tmp_path)
     with pytest.raises(SystemExit):

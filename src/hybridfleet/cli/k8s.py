@@ -34,6 +34,8 @@ def render(
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="volcano: gang-schedule all pods of the job"),
     plain_host: bool = typer.Option(False, "--plain-host", help="with --site: a bundle for machines without "
                                                                 "Kubernetes (scripts + systemd units), not manifests"),
+    site_rank: Optional[int] = typer.Option(None, "--site-rank", help="with --plain-host: the bundle of one worker's "
+                                                                      "machine (only its token)"),
 ) -> None:
     """Render JOB as Kubernetes manifests (one file per object), or one site's plain-host bundle."""
     from hybridfleet.k8s.common import RenderOptions
@@ -45,10 +47,13 @@ def render(
     if plain_host:
         from hybridfleet.k8s.hostbundle import write_host_bundle
 
-        paths = write_host_bundle(job, options, out_dir)
+        paths = write_host_bundle(job, options, out_dir, site_rank)
     else:
         from hybridfleet.k8s.render import render_to_dir
 
+        if site_rank is not None:
+            raise typer.BadParameter("only with --plain-host (each worker's pod already mounts only its own token)",
+                                     param_hint="--site-rank")
         paths = render_to_dir(job, options, out_dir)
     for path in paths:
         typer.echo(str(path))
