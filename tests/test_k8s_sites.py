@@ -268,6 +268,17 @@ def test_bad_site_options_are_refused_and_nothing_is_written(tmp_path, options, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_worker_name_longer_than_a_dns_label_is_refused_naming_the_site(tmp_path):
+    job = copy.deepcopy(JOB)
+    job["sites"]["a-very-long-site-name-for-the-hospital-ward"] = {"workers": 10}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    with pytest.raises(SpecError, match=r"sites\.a-very-long-site-name-for-the-hospital-ward: the worker Job name "
+                                        r"'digits-hybrid-worker-a-very-long-site-name-for-the-hospital-ward-9' has 66 "
+                                        r"characters, over Kubernetes' 63"):
+        render_job_file(path, RenderOptions(credentials=CredentialSource(placeholders=True)))
+
+
 def test_volcano_gang_puts_every_pod_in_one_pod_group(tmp_path):
     manifests = render_job_file(_job(tmp_path), RenderOptions(credentials=CredentialSource(placeholders=True),
                                                               scheduler="volcano"))

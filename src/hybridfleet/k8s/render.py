@@ -11,7 +11,7 @@ from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
 from hybridfleet.k8s.common import APIS, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
 from hybridfleet.k8s.netpol import check_cidrs, network_policies
-from hybridfleet.k8s.ps import dialled_hosts, render_ps
+from hybridfleet.k8s.ps import dialled_hosts, render_ps, worker_name
 from hybridfleet.k8s.scrape import add_scrape_annotations
 from hybridfleet.security.certs import KEY_FILE_MODE, write_file_atomic
 from hybridfleet.spec.load import parse_spec
@@ -69,6 +69,11 @@ def check_options(spec: JobSpec, options: RenderOptions, manifests: bool = True)
     if options.api == "v2":
         raise SpecError("--api v2: only collective jobs become a TrainJob; PS jobs render as core objects")
     shard_site = options.shard_site or ("cloud" if "cloud" in spec.sites else next(iter(spec.sites)))
+    for site, site_spec in spec.sites.items():  # a pod's hostname and its Job's label are DNS labels
+        longest = worker_name(spec, site, site_spec.workers - 1)
+        if len(longest) > 63:
+            raise SpecError(f"sites.{site}: the worker Job name {longest!r} has {len(longest)} characters, over "
+                            "Kubernetes' 63; shorten the job's name or the site's")
     for flag, site in (("--site", options.site), ("--shard-site", shard_site)):
         if site is not None and site not in spec.sites:
             raise SpecError(f"{flag}: {site!r} is not a site of the job ({', '.join(spec.sites)})")
