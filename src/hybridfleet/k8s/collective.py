@@ -25,7 +25,8 @@ from typing import Any
 
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.common import (
-    JOB_FILE, RUN_DIR, Manifest, RenderOptions, container, container_env, container_security_context, dns_name, harden_pod, metadata,
+    JOB_FILE, RUN_DIR, Manifest, RenderOptions, container, container_env, container_security_context, dns_name,
+    harden_pod, metadata,
     pod_security_context, remote_store, volumes,
 )
 from hybridfleet.launch.preflight import parse_nnodes

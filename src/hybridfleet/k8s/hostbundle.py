@@ -69,7 +69,8 @@ def _write(path: Path, text: str, mode: int) -> Path:
     return path
 
 
-def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path, site_rank: int | None = None) -> list[Path]:
+def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path,
+                      site_rank: int | None = None) -> list[Path]:
     """Write ``options.site``'s plain-host bundle into ``out_dir``; return the files written.
 
     With ``site_rank`` the bundle is for that worker's machine alone: ``certs/`` holds its
@@ -108,7 +109,8 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path, sit
                   '(the same on every machine of the site)}"\nexport HFLEET_SITE_HUB\n')
     ranks = f"{site_rank}" if site_rank is not None else f"0..{spec.sites[site].workers - 1}"
     only = ("" if site_rank is None else
-            f'[ "$1" = {site_rank} ] || {{ echo "this bundle holds the token of site rank {site_rank} only" >&2; exit 2; }}\n')
+            f'[ "$1" = {site_rank} ] || '
+            f'{{ echo "this bundle holds the token of site rank {site_rank} only" >&2; exit 2; }}\n')
     scripts = {"worker": _SCRIPT_HEAD + f": \"${{1:?usage: $0 SITE_RANK ({ranks})}}\"\n" + only
                + token + "exec " + _command_line(worker, "RANK") + "\n"}
     if with_shards:

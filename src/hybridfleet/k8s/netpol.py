@@ -95,7 +95,8 @@ def collective_policies(spec: JobSpec, options: RenderOptions) -> list[Manifest]
     runtime, so they are selected by the JobSet controller's label instead.
     """
     selector = {JOBSET_LABEL: spec.name} if options.api == "v2" else labels(spec, "collective")
-    peers = _policy(spec, dns_name(spec.name, "peers"), selector, [{"from": [{"podSelector": {"matchLabels": selector}}]}])
+    peers = _policy(spec, dns_name(spec.name, "peers"), selector,
+                    [{"from": [{"podSelector": {"matchLabels": selector}}]}])
     return [default_deny(spec, selector), peers, metrics_policy(spec, options, selector)]
 
 

@@ -151,7 +151,9 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
                     "metadata": {**metadata(spec, f"{name}-{index}-external", "ps"),
                                  # ExternalDNS publishes the name when it runs in the cluster; else point DNS by hand
                                  "annotations": {"external-dns.alpha.kubernetes.io/hostname": external}},
-                    "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local", "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
+                    # Local: the client's address reaches the pod, for the shards' NetworkPolicy to check
+                    "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                             "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
                              "ports": [dict(p, protocol="TCP") for p in service_ports]}})
     return out
 
