@@ -294,3 +294,29 @@ def test_keys_and_tokens_of_a_pki_and_a_plain_host_bundle_are_0600_from_creation
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
         created = [mode for name, mode in modes.items() if name.startswith(f".{path.name}.")]
         assert created and set(created) == {0o600}, (path.name, modes)
+
+
+def test_a_run_s_keys_and_worker_tokens_are_0600_from_creation_even_under_umask_0(tmp_path, monkeypatch):
+    from hybridfleet.launch.psjob import prepare_security
+    from hybridfleet.spec.load import parse_spec
+
+    # Prepare
+    spec = parse_spec(copy.deepcopy(PS_JOB), "job.yaml")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    modes = _creation_modes(monkeypatch, tmp_path)
+    try:
+        # Execute: what `hfleet run` does before it starts the shards (and again at each renewal)
+        layout = prepare_security(spec, run_dir)
+    finally:
+        os.umask(0o022)
+
+    # Assert
+    tokens = sorted(p.name for p in (run_dir / "credentials").iterdir())
+    assert tokens == ["cloud-0.token", "cloud-1.token", "hospital-0.token", "hospital-1.token"]
+    assert stat.S_IMODE((run_dir / "credentials").stat().st_mode) == 0o700
+    secret = [*(run_dir / "credentials").iterdir(), *layout.certs_dir.glob("*.key")]
+    for path in secret:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        created = [mode for name, mode in modes.items() if name.startswith(f".{path.name}.")]
+        assert created and set(created) == {0o600}, (path.name, modes)
