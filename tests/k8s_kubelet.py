@@ -21,7 +21,16 @@ For every pod `tests/k8s_pods.py` expands from a bundle, this does the kubelet's
   ancestor, so nothing outside the pod changes;
 - init containers in order, then every container's command; the working
   directory is a fresh copy of the workspace given (it stands for the image's
-  WORKDIR), ``hfleet`` is this checkout's.
+  WORKDIR), ``hfleet`` is this checkout's;
+- the securityContext (container fields over the pod's): ``readOnlyRootFilesystem``
+  remounts the whole filesystem read-only inside the pod's mount namespace (the
+  workspace included), so only the pod's volumes (emptyDirs, claims, tmpfs) take
+  writes; ``runAsUser``/``runAsGroup`` with ``fsGroup`` as the supplementary group run
+  the command as that user, with no capabilities and ``no_new_privs``
+  (``allowPrivilegeEscalation: false``); Secret and ConfigMap files get ``defaultMode``
+  and, with ``fsGroup``, that group, emptyDirs are world-writable and claims
+  group-writable, as the kubelet makes them. A pod may only mount its own volumes, so
+  a Secret it does not name is not in its filesystem.
 
 What a real cluster adds, and this cannot show: scheduling (nodes, requests and
 limits, quotas, gang scheduling), image pulls and the image's own filesystem and
@@ -29,7 +38,7 @@ ENV, the kubelet's back-off between restarts and a Job's ``backoffLimit`` (here 
 container is restarted in place at once, as ``restartPolicy`` says, at most
 ``MAX_RESTARTS`` times), rescheduling a pod onto another node, probes, the CNI and kube-proxy (Service virtual IPs and
 load balancing; a Service whose port differs from its targetPort is refused),
-cluster DNS search paths, NetworkPolicies, admission webhooks, the PyTorchJob
+cluster DNS search paths, NetworkPolicies, seccomp profiles, admission webhooks, the PyTorchJob
 init container (names resolve here from the start), service-link env vars,
 LoadBalancer provisioning, RBAC and Secret encryption.
 
@@ -197,6 +206,7 @@ def _size(limit: str | None) -> str:
 def _volume_sources(bundle: Bundle, pod: Pod, directory: Path) -> dict[str, tuple[str, Path | str | None]]:
     """name -> ("bind", dir) for ConfigMaps/Secrets/emptyDirs, ("tmpfs", size) for in-memory emptyDirs."""
     out: dict[str, tuple[str, Path | str | None]] = {}
+    fs_group = (pod.spec.get("securityContext") or {}).get("fsGroup")
     for volume in pod.spec.get("volumes", []):
         name = volume["name"]
         target = directory / "volumes" / name
@@ -219,15 +229,21 @@ def _volume_sources(bundle: Bundle, pod: Pod, directory: Path) -> dict[str, tupl
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(value)
                 path.chmod(item.get("mode", ref.get("defaultMode", 0o644)))
+                if fs_group is not None:
+                    os.chown(path, -1, fs_group)
             out[name] = ("bind", target)
         elif "persistentVolumeClaim" in volume:  # the pod's own claim: a directory that outlives its containers
             target.mkdir(parents=True)
+            if fs_group is not None:  # the kubelet gives the claim to fsGroup, group-writable, setgid
+                os.chown(target, -1, fs_group)
+                target.chmod(0o2775)
             out[name] = ("bind", target)
         elif "emptyDir" in volume:
             if (volume["emptyDir"] or {}).get("medium") == "Memory":
                 out[name] = ("tmpfs", (volume["emptyDir"] or {}).get("sizeLimit"))
             else:
                 target.mkdir(parents=True)
+                target.chmod(0o777)  # as the kubelet makes an emptyDir
                 out[name] = ("bind", target)
         else:
             raise HarnessError(f"pod {pod.name}: volume {name!r} of type {sorted(set(volume) - {'name'})} is not emulated")
@@ -240,12 +256,62 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def security_context(pod: Pod, container: dict[str, Any]) -> dict[str, Any]:
+    """The container's effective securityContext: its own fields over the pod's (``fsGroup`` is the pod's)."""
+    return {**(pod.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+
+
+def _privileges(pod: Pod, container: dict[str, Any]) -> list[str]:
+    """The ``setpriv`` prefix that drops to the securityContext's user (none when it names no user)."""
+    context = security_context(pod, container)
+    user = context.get("runAsUser")
+    if user is None:
+        if context.get("runAsNonRoot"):
+            raise HarnessError(f"pod {pod.name}: container {container['name']!r} has runAsNonRoot without a "
+                               "numeric runAsUser; the kubelet refuses it unless the image names a non-root USER")
+        return []
+    if context.get("runAsNonRoot") and int(user) == 0:
+        raise HarnessError(f"pod {pod.name}: container {container['name']!r}: runAsNonRoot with runAsUser 0")
+    group = context.get("runAsGroup", user)
+    extra = context.get("fsGroup")
+    groups = f"--groups={extra}" if extra is not None else "--clear-groups"
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={group}", groups, "--inh-caps=-all", "--bounding-set=-all"]
+    if context.get("allowPrivilegeEscalation") is False:
+        prefix.append("--no-new-privs")
+    return prefix
+
+
+def _interpreter_lines() -> list[str]:
+    """Lines that let a non-root user reach this machine's Python, which stands in for the image's: when it lies
+    under a directory only root may enter (``/root`` for a pyenv build), that directory becomes, in the pod's
+    mount namespace only, a tmpfs of mode 0755 holding just the path to the interpreter."""
+    python = Path(sys.executable).resolve()
+    closed = [d for d in reversed(python.parents) if d != Path("/") and not d.stat().st_mode & 0o001]
+    if not closed:
+        return []
+    top = closed[0]
+    keep = python.parents[len(python.parents) - len(top.parts) - 1]  # the entry of ``top`` on the way
+    return [f"exec 3< {shlex.quote(str(keep))}", f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(str(top))}",
+            f"mkdir {shlex.quote(str(keep))}", f"mount -c --bind /proc/self/fd/3 {shlex.quote(str(keep))}",
+            "exec 3<&-"]
+
+
 def mount_script(pod: Pod, container: dict[str, Any], volumes: dict[str, tuple[str, Any]], hosts_file: Path,
                  directory: Path) -> str:
-    """Shell lines that, in a private mount namespace, put every volume at its mountPath and the hosts file."""
+    """Shell lines that, in a private mount namespace, put every volume at its mountPath and the hosts file,
+    make the root filesystem read-only when the securityContext asks, then run the command as its user."""
     lines = ["set -e", f"hostname {shlex.quote(pod.hostname[:63])}"]
     overlays: list[Path] = []
+    read_only_root = bool(security_context(pod, container).get("readOnlyRootFilesystem"))
     mounts = sorted(container.get("volumeMounts", []), key=lambda m: len(Path(m["mountPath"]).parts))
+    # a mount over an ancestor of the pod's own directory (/tmp) would hide the volume sources and the
+    # workspace: it comes last, and the workspace is bound back at its path inside it
+    hiding = [m for m in mounts if directory == Path(m["mountPath"]) or Path(m["mountPath"]) in directory.parents]
+    for late in hiding:
+        nested = [m["mountPath"] for m in mounts if Path(late["mountPath"]) in Path(m["mountPath"]).parents]
+        if nested:
+            raise HarnessError(f"pod {pod.name}: mounts under {late['mountPath']} ({', '.join(nested)}) are not emulated")
+    mounts = [m for m in mounts if m not in hiding] + hiding
     for mount in mounts:
         target = Path(mount["mountPath"])
         if not target.is_absolute():
@@ -260,6 +326,7 @@ def mount_script(pod: Pod, container: dict[str, Any], volumes: dict[str, tuple[s
             lines.append(f"mount -t overlay overlay -o lowerdir={anchor},upperdir={work / 'upper'},"
                          f"workdir={work / 'work'} {anchor}")
             overlays.append(anchor)
+    lines.append(f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts")
     for mount in mounts:
         name, target = mount["name"], mount["mountPath"]
         if name not in volumes:
@@ -268,15 +335,25 @@ def mount_script(pod: Pod, container: dict[str, Any], volumes: dict[str, tuple[s
         if kind == "tmpfs":
             lines += [f"mkdir -p {shlex.quote(target)}",
                       f"mount -t tmpfs -o mode=1777{_size(source)} tmpfs {shlex.quote(target)}"]
-            continue
-        src = Path(source) / mount.get("subPath", "")
-        make = "mkdir -p" if src.is_dir() else "touch"
-        if not src.is_dir():
-            lines.append(f"mkdir -p {shlex.quote(str(Path(target).parent))}")
-        lines += [f"{make} {shlex.quote(target)}", f"mount --bind {shlex.quote(str(src))} {shlex.quote(target)}"]
-        if mount.get("readOnly"):
-            lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
-    lines += [f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts", 'exec "$@"']
+        else:
+            src = Path(source) / mount.get("subPath", "")
+            make = "mkdir -p" if src.is_dir() else "touch"
+            if not src.is_dir():
+                lines.append(f"mkdir -p {shlex.quote(str(Path(target).parent))}")
+            lines += [f"{make} {shlex.quote(target)}", f"mount --bind {shlex.quote(str(src))} {shlex.quote(target)}"]
+            if mount.get("readOnly"):
+                lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+    privileges = _privileges(pod, container)
+    if privileges:
+        lines += _interpreter_lines()
+    if read_only_root:  # only the root's own mount and the overlays: the volumes keep their own flags
+        lines.append("mount -o remount,bind,ro /")
+        lines += [f"mount -o remount,bind,ro {shlex.quote(str(anchor))}" for anchor in overlays]
+    if hiding:  # the workspace (the shell's working directory) back at its path, as the image's read-only WORKDIR
+        lines += ['mkdir -p "$PWD"', 'mount -c --bind /proc/self/cwd "$PWD"', 'cd "$PWD"']
+        if read_only_root:
+            lines.append('mount -c -o remount,bind,ro "$PWD"')
+    lines.append(" ".join(["exec", *privileges, '"$@"']))
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ the pods and Services a cluster would end up with:
   ``<job>-node-0-<i>`` in the headless Service ``<job>``, with the torch plugin's
   ``PET_*`` variables (OPERATORS.md section 5); the trainer's image, command, args
   and env go into container ``node``, and ``runtimePatches`` add volumes, mounts
-  and env.
+  and env (and replace the pod's securityContext and serviceAccountName).
 
 `tests/k8s_kubelet.py` runs the pods. Anything else in a bundle (ConfigMaps,
 Secrets, Services) is read where pods refer to it.
@@ -313,6 +313,9 @@ def _trainjob(obj: dict[str, Any], runtimes: dict[str, dict[str, Any]]) -> tuple
                 continue
             patch_spec = rjob.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
             pod_spec.setdefault("volumes", []).extend(copy.deepcopy(patch_spec.get("volumes", [])))
+            for key in ("securityContext", "serviceAccountName"):  # replaced, as a strategic merge does
+                if key in patch_spec:
+                    pod_spec[key] = copy.deepcopy(patch_spec[key])
             _merge_containers(pod_spec["containers"], patch_spec.get("containers", []))
     reserved = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
     clash = reserved & {e["name"] for e in trainer.get("env", [])}

@@ -66,8 +66,8 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     for manifest in manifests:
         _validate(manifest)
     kinds = [m["kind"] for m in manifests]
-    assert kinds.count("Job") == 2 and kinds.count("StatefulSet") == 1 and kinds.count("Service") == 1
-    assert kinds.count("Secret") == 3 and kinds.count("ConfigMap") == 1  # the shards' and one per site
+    assert kinds.count("Job") == 5 and kinds.count("StatefulSet") == 1 and kinds.count("Service") == 1
+    assert kinds.count("Secret") == 6 and kinds.count("ConfigMap") == 1  # the shards' and one per worker
     (service,) = _by_kind(manifests, "Service")
     assert service["spec"]["clusterIP"] == "None"
     (shards,) = _by_kind(manifests, "StatefulSet")
@@ -81,16 +81,19 @@ def test_ps_job_renders_valid_core_objects_with_commands_resources_and_secrets(t
     # shards aggregate on the CPU: resources.gpus is for the workers only
     assert shard["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
     jobs = {j["metadata"]["name"]: j for j in _by_kind(manifests, "Job")}
-    hospital = jobs["digits-hybrid-worker-hospital-a"]
-    assert hospital["spec"]["completionMode"] == "Indexed" and hospital["spec"]["completions"] == 2
+    assert sorted(jobs) == ["digits-hybrid-worker-cloud-0", "digits-hybrid-worker-cloud-1",
+                            "digits-hybrid-worker-cloud-2", "digits-hybrid-worker-hospital-a-0",
+                            "digits-hybrid-worker-hospital-a-1"]  # one Job (one pod) per worker
+    hospital = jobs["digits-hybrid-worker-hospital-a-1"]
+    assert hospital["spec"]["completions"] == 1 and "completionMode" not in hospital["spec"]
     worker = hospital["spec"]["template"]["spec"]["containers"][0]
     assert worker["command"] == [
-        "hfleet", "worker", "/etc/hfleet/job/job.yaml", "--site", "hospital_a", "--site-rank", "$(JOB_COMPLETION_INDEX)",
+        "hfleet", "worker", "/etc/hfleet/job/job.yaml", "--site", "hospital_a", "--site-rank", "1",
         "--servers", "digits-hybrid-ps-0.digits-hybrid-ps:50051,digits-hybrid-ps-1.digits-hybrid-ps:50051",
         "--certs", "/etc/hfleet/certs"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     token = [e for e in worker["env"] if e["name"] == "HFLEET_TOKEN_FILE"][0]  # each pod: its own worker's token
-    assert token["value"] == "/etc/hfleet/certs/worker-token-hospital_a-$(JOB_COMPLETION_INDEX)"
+    assert token["value"] == "/etc/hfleet/certs/worker-token-hospital_a-1"
     volumes = {v["name"]: v for v in hospital["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
@@ -122,7 +125,7 @@ def test_placeholder_secrets_only_when_asked_and_with_a_comment_naming_the_certs
 
     # Assert
     secret_files = [p for p in paths if "-secret-" in p.name]
-    assert len(secret_files) == 3
+    assert len(secret_files) == 6  # the shards' and one per worker
     for path in secret_files:
         text = path.read_text()
         assert text.startswith("# Placeholders:")
@@ -232,7 +235,8 @@ def test_cli_writes_one_file_per_object_and_lists_them(tmp_path, capsys):
     # Assert
     written = sorted(str(p) for p in (tmp_path / "out").glob("*.yaml"))
     assert capsys.readouterr().out.split() == written
-    assert len(written) == 8
+    # ConfigMap, 6 Secrets (shards + 5 workers), Service, StatefulSet, 5 Jobs, 3 NetworkPolicies
+    assert len(written) == 17
     for path in written:
         _validate(yaml.safe_load(Path(path).read_text()))
 

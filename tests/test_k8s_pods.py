@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, skip_outside_ci(unavailable_reason() and f"network namespaces: {unavailable_reason()}")]
 TIMEOUT_S = 150  # a hang guard for a loaded machine, not a speed claim
 IMAGE = "registry.example.com/hybridfleet/digits:0.1"
+HOSPITAL_NET = ("--ingress-cidr", "10.0.0.0/8")  # the shards' NetworkPolicy (not enforced here) admits the hospital
 
 
 def _hfleet(*args: str, cwd: Path) -> str:
@@ -97,6 +98,10 @@ def _assert_ps_trained(runs: dict) -> None:
         assert run.returncodes == {"worker": 0}, summary(runs)
         finals = _final_metrics(run.log())
         assert len(finals) == 1 and finals[0]["test_accuracy"] >= 0.95, (key, finals)
+        own = f"worker-token-{run.pod.labels['hybridfleet/site']}-{run.pod.labels['hybridfleet/site-rank']}"
+        if "certs" in run.volumes:  # what the pod had in /etc/hfleet/certs: no other worker's token
+            assert {p.name for p in Path(run.volumes["certs"][1]).iterdir() if p.name.startswith("worker-token-")} \
+                <= {own}, key
     shards = [r for r in runs.values() if r.pod.owner.startswith("StatefulSet/")]
     assert len(shards) == 2 and all('"shard_serving"' in r.log() for r in shards), summary(runs)
 
@@ -118,6 +123,29 @@ def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security):
     _assert_ps_trained(runs)
     shard = runs["cloud/digits-deploy-ps-0"]
     assert shard.pod.hostname == "digits-deploy-ps-0" and shard.pod.subdomain == "digits-deploy-ps"
+
+
+@pytest.mark.parametrize("framework", ["paddle"])
+def test_an_aggregating_site_s_followers_reach_their_leader_by_its_pod_name(tmp_path, framework):
+    # Prepare: the hospital's two workers reduce inside the site; each is its own Job with its own Secret
+    job = _ps_job(framework)
+    job["sites"]["hospital"] = {**job["sites"]["hospital"], "workers": 2, "aggregate": True}
+    manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
+    # Execute
+    with Kubelet([Cluster("cloud", manifests)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert: all three workers finished with the joint model; the follower dialled the leader's pod name
+    workers = {k: r for k, r in runs.items() if r.pod.owner.startswith("Job/")}
+    assert sorted(workers) == ["cloud/digits-deploy-worker-cloud-0-0", "cloud/digits-deploy-worker-hospital-0-0",
+                               "cloud/digits-deploy-worker-hospital-1-0"], summary(runs)
+    for key, run in workers.items():
+        assert run.returncodes == {"worker": 0}, summary(runs)
+        finals = _final_metrics(run.log())
+        assert len(finals) == 1 and finals[0]["test_accuracy"] >= 0.9, (key, finals)
+    follower = runs["cloud/digits-deploy-worker-hospital-1-0"].pod
+    assert {"name": "HFLEET_SITE_HUB", "value": "digits-deploy-worker-hospital-0.digits-deploy-worker-hospital:50060"} \
+        in follower.spec["containers"][0]["env"]
 
 
 @pytest.mark.parametrize("framework", ["torch"])
@@ -186,7 +214,8 @@ def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framew
     external = ("ps0.example.org", "ps1.example.org")
     certs = make_certs(tmp_path, job, external)
     site_options = [a for name in external for a in ("--external-name", name)]
-    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, "--certs", str(certs), out="k8s-cloud")
+    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, *HOSPITAL_NET, "--certs", str(certs),
+                    out="k8s-cloud")
     hospital = _render(tmp_path, job, "--site", "hospital", *site_options, "--certs", str(certs), out="k8s-hospital")
     # Execute
     with Kubelet([Cluster("cloud", cloud), Cluster("hospital", hospital)], _workspace(tmp_path), tmp_path / "pods",
@@ -197,8 +226,8 @@ def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framew
     # Assert: trained across the capped link; the hospital's cluster held only its own credentials
     _assert_ps_trained(runs)
     assert {rate for rate, _ in wan.values()} == {"20Mbit"} and all(sent > 5e6 for _, sent in wan.values()), wan
-    assert {k for k in runs if k.startswith("hospital/")} == {"hospital/digits-deploy-worker-hospital-0"}
-    hospital_run = runs["hospital/digits-deploy-worker-hospital-0"]
+    assert {k for k in runs if k.startswith("hospital/")} == {"hospital/digits-deploy-worker-hospital-0-0"}
+    hospital_run = runs["hospital/digits-deploy-worker-hospital-0-0"]
     assert hospital_run.host.segment == "hospital"
     secrets = kubelet.bundles["hospital"].secrets
     assert all(not ({"server.key", "token-signing.key", "ca.key"} & set(keys)) for keys in secrets.values())
@@ -212,7 +241,8 @@ def test_hospital_on_plain_hosts_and_the_cloud_in_kubernetes_over_a_20_mbit_link
     external = ("ps0.example.org", "ps1.example.org")
     certs = make_certs(tmp_path, job, external)
     site_options = [a for name in external for a in ("--external-name", name)]
-    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, "--certs", str(certs), out="k8s-cloud")
+    cloud = _render(tmp_path, job, "--site", "cloud", *site_options, *HOSPITAL_NET, "--certs", str(certs),
+                    out="k8s-cloud")
     bundle = tmp_path / "hospital-hosts"
     _hfleet("k8s", "render", str(tmp_path / "job.yaml"), "--site", "hospital", "--plain-host", *site_options,
             "--certs", str(certs), "-o", str(bundle), cwd=tmp_path)
@@ -241,6 +271,43 @@ def test_hospital_on_plain_hosts_and_the_cloud_in_kubernetes_over_a_20_mbit_link
     assert cloud_worker.returncodes == {"worker": 0}, summary(runs)
     assert _final_metrics(cloud_worker.log())[0]["test_accuracy"] == finals[0]["test_accuracy"]  # one model
     assert sorted(p.name for p in (bundle / "certs").iterdir()) == ["ca.pem", "worker-token-hospital-0"]
+
+
+PROBE = """
+echo "ids: $(id -u) $(id -g) $(id -G)"
+echo "certs: $(ls /etc/hfleet/certs | tr '\\n' ' ')"
+cat "$HFLEET_TOKEN_FILE" > /dev/null && echo "token: readable"
+for path in probe /etc/probe /usr/probe /etc/hfleet/certs/probe /tmp/probe "$HOME/probe" /var/lib/hfleet/run/probe; do
+  if touch "$path" 2>/dev/null; then echo "writable: $path"; else echo "refused: $path"; fi
+done
+"""
+
+
+def test_a_rendered_worker_pod_holds_only_its_own_token_and_writes_only_its_volumes_as_its_own_user(tmp_path):
+    # Prepare: the rendered pod of worker hospital-1, its command swapped for a probe of what it may do
+    job = _ps_job("torch")
+    job["sites"]["hospital"]["workers"] = 2
+    manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
+    keep = {"ConfigMap", "Secret"}
+    probe = [m for m in manifests if m["kind"] in keep or m["metadata"]["name"] == "digits-deploy-worker-hospital-1"]
+    (pod_job,) = [m for m in probe if m["kind"] == "Job"]
+    pod_job["spec"]["template"]["spec"]["containers"][0]["command"] = ["sh", "-c", PROBE]
+    # Execute
+    with Kubelet([Cluster("cloud", probe)], _workspace(tmp_path), tmp_path / "pods") as kubelet:
+        kubelet.start()
+        runs = kubelet.wait(TIMEOUT_S)
+    # Assert
+    (run,) = runs.values()
+    out = run.log()
+    assert run.returncodes == {"worker": 0}, out
+    said = [tuple(line.split(": ", 1)) for line in out.splitlines() if ": " in line]
+    values = {key: value.split() for key, value in said}
+    assert values["ids"] == ["10001", "10001", "10001"], out  # uid, gid, and the groups: fsGroup alone
+    assert values["certs"] == ["ca.pem", "worker-token-hospital-1"] and values["token"] == ["readable"], out
+    refused = [value for key, value in said if key == "refused"]
+    writable = [value for key, value in said if key == "writable"]
+    assert refused == ["probe", "/etc/probe", "/usr/probe", "/etc/hfleet/certs/probe"], out
+    assert writable == ["/tmp/probe", "/var/lib/hfleet/home/probe", "/var/lib/hfleet/run/probe"], out
 
 
 def _env_of(pod) -> dict[str, str]:
@@ -289,15 +356,15 @@ def test_a_placeholder_secret_is_reported_by_object_and_key_before_anything_runs
 
     job = _ps_job("torch")
     placeholders = expand(_render(tmp_path, job, "--placeholders"))
-    worker = next(p for p in placeholders.pods if p.name == "digits-deploy-worker-hospital-0")
+    worker = next(p for p in placeholders.pods if p.name == "digits-deploy-worker-hospital-0-0")
 
     class Nowhere:
         address, name = "10.0.0.1", "nowhere"
 
-    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0: Secret '[a-z-]+' key '[a-z.-]+' "
+    with pytest.raises(HarnessError, match=r"^pod digits-deploy-worker-hospital-0-0: Secret '[a-z0-9-]+' key '[a-z.-]+' "
                                            r"still holds the placeholder 'REPLACE"):
         _volume_sources(placeholders, worker, tmp_path / "placeholder-volumes")  # the Secret mounted as files
     real = expand(_render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)), out="k8s-real"))
-    worker = next(p for p in real.pods if p.name == "digits-deploy-worker-hospital-0")
+    worker = next(p for p in real.pods if p.name == "digits-deploy-worker-hospital-0-0")
     env = container_env(real, worker, Nowhere, worker.spec["containers"][0])
-    assert env["HFLEET_TOKEN_FILE"].endswith("/worker-token-hospital-0") and env["JOB_COMPLETION_INDEX"] == "0"
+    assert env["HFLEET_TOKEN_FILE"] == "/etc/hfleet/certs/worker-token-hospital-0"

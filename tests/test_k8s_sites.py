@@ -9,6 +9,7 @@ No cluster runs here: scheduling, image pulls and DNS are a real cluster's part.
 from __future__ import annotations
 
 import copy
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -29,6 +30,7 @@ from hybridfleet.spec.load import parse_spec
 
 K8S_VERSION = "1.30.0"
 EXTERNAL = ("ps0.example.org", "ps1.example.org")
+HOSPITAL_NET = ("203.0.113.0/24",)  # where the hospital's workers connect from
 INTERNAL = ("digits-hybrid-ps-0.digits-hybrid-ps", "digits-hybrid-ps-1.digits-hybrid-ps")
 JOB = {
     "name": "digits-hybrid", "framework": "torch", "entrypoint": "examples/digits/train_torch.py", "mode": "ps",
@@ -123,7 +125,7 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
         files = _mounted_secret(manifests, pod)
         directory = _materialise(files, tmp_path / f"pod-{index}")
         (container,) = pod["containers"]
-        name, params = _parse(container["command"], job, directory, {"HFLEET_SHARD": "1", "JOB_COMPLETION_INDEX": "0"})
+        name, params = _parse(container["command"], job, directory, {"HFLEET_SHARD": "1"})
         parsed.append(name)
         if name == "ps serve":
             assert params["expected_workers"] == 3
@@ -133,8 +135,10 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
             shard_dir = directory
         else:
             assert "server.key" not in files and "ca.key" not in files and "token-signing.key" not in files
-            site = params["site"]
-            token = files.get(f"worker-token-{site}-0")  # the pod of completion index 0 reads worker site-0's token
+            site, wid = params["site"], f"{params['site']}-{params['site_rank']}"
+            tokens = {k: v for k, v in files.items() if k.startswith("worker-token-")}
+            assert set(tokens) == ({f"worker-token-{wid}"} if spec.security.tokens != "off" else set())
+            token = tokens.get(f"worker-token-{wid}")  # the pod's Secret holds its own worker's token alone
             env = {"HFLEET_TOKEN": token} if token else {}
             if params["insecure_plaintext"]:
                 env["HFLEET_INSECURE"] = "1"
@@ -148,25 +152,37 @@ def test_every_security_variant_renders_pods_whose_commands_parse_and_whose_moun
             assert security.insecure == (spec.security.tls == "off")
             if spec.security.tokens != "off":
                 claims = TokenVerifier.from_dir(shard_dir, job=spec.name).verify(token, roles=["worker"])
-                assert claims.site == site and claims.worker == f"{site}-0"
-    assert parsed == ["ps serve", "worker", "worker"]
+                assert claims.site == site and claims.worker == wid
+    assert parsed == ["ps serve", "worker", "worker", "worker"]  # one pod per worker: hospital 0 and 1, cloud 0
 
 
-def test_each_site_mounts_only_its_own_secret(tmp_path, certs):
+def test_each_worker_pod_mounts_a_secret_holding_only_its_own_token(tmp_path, certs):
+    # Execute
     manifests = render_job_file(_job(tmp_path, mutual_tls=True), RenderOptions(credentials=CredentialSource(certs)))
-    jobs = {m["metadata"]["labels"]["hybridfleet/site"]: m for m in manifests if m["kind"] == "Job"}
-    for site, job in jobs.items():
-        pod = job["spec"]["template"]["spec"]
-        assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [f"digits-hybrid-creds-{site}"]
-        token_file = [e["value"] for e in pod["containers"][0]["env"] if e["name"] == "HFLEET_TOKEN_FILE"]
-        assert token_file == [f"/etc/hfleet/certs/worker-token-{site}-$(JOB_COMPLETION_INDEX)"]
+
+    # Assert: every worker's pod mounts exactly one Secret, which names that worker alone
+    jobs = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Job"}
+    assert sorted(jobs) == ["digits-hybrid-worker-cloud-0", "digits-hybrid-worker-hospital-0",
+                            "digits-hybrid-worker-hospital-1"]
     secrets = {m["metadata"]["name"]: m["stringData"] for m in manifests if m["kind"] == "Secret"}
-    assert set(secrets["digits-hybrid-creds-hospital"]) == {"ca.pem", "client-hospital.pem", "client-hospital.key",
-                                                            "worker-token-hospital-0", "worker-token-hospital-1"}
+    tokens = []
+    for name, job in jobs.items():
+        pod = job["spec"]["template"]["spec"]
+        site, rank = job["metadata"]["labels"]["hybridfleet/site"], job["metadata"]["labels"]["hybridfleet/site-rank"]
+        mounted = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        assert mounted == [f"digits-hybrid-creds-{site}-{rank}"]
+        files = secrets[mounted[0]]
+        assert set(files) == {"ca.pem", f"client-{site}.pem", f"client-{site}.key", f"worker-token-{site}-{rank}"}
+        token_file = [e["value"] for e in pod["containers"][0]["env"] if e["name"] == "HFLEET_TOKEN_FILE"]
+        assert token_file == [f"/etc/hfleet/certs/worker-token-{site}-{rank}"]
+        claims = TokenVerifier.from_dir(certs, job="digits-hybrid").verify(files[f"worker-token-{site}-{rank}"],
+                                                                           roles=["worker"])
+        assert (claims.site, claims.worker) == (site, f"{site}-{rank}")
+        tokens.append(files[f"worker-token-{site}-{rank}"])
+    assert len(set(tokens)) == 3
     assert set(secrets["digits-hybrid-creds-ps"]) == {"ca.pem", "server.pem", "server.key", "token-signing.pub"}
-    tokens = [secrets["digits-hybrid-creds-hospital"]["worker-token-hospital-0"],
-              secrets["digits-hybrid-creds-hospital"]["worker-token-hospital-1"], secrets["digits-hybrid-creds-cloud"]["worker-token-cloud-0"]]
-    assert len(set(tokens)) == 3  # one token per worker id
+    assert sorted(secrets) == ["digits-hybrid-creds-cloud-0", "digits-hybrid-creds-hospital-0",
+                               "digits-hybrid-creds-hospital-1", "digits-hybrid-creds-ps"]
 
 
 def test_certs_without_the_service_names_are_refused_naming_them_and_nothing_is_written(tmp_path, capsys):
@@ -196,6 +212,7 @@ def test_mutual_tls_without_a_site_client_certificate_is_refused(tmp_path):
 def test_cloud_site_bundle_exposes_each_shard_outside_on_both_ports(tmp_path, certs):
     # Execute
     manifests = render_job_file(_job(tmp_path), RenderOptions(site="cloud", external_names=EXTERNAL,
+                                                              ingress_cidrs=HOSPITAL_NET,
                                                               credentials=CredentialSource(certs)))
 
     # Assert
@@ -208,20 +225,22 @@ def test_cloud_site_bundle_exposes_each_shard_outside_on_both_ports(tmp_path, ce
     assert [[p["port"] for p in s["spec"]["ports"]] for s in external] == [[50051, 50052]] * 2
     assert [s["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"] for s in external] == list(EXTERNAL)
     jobs = [m for m in manifests if m["kind"] == "Job"]
-    assert [j["metadata"]["name"] for j in jobs] == ["digits-hybrid-worker-cloud"]
+    assert [j["metadata"]["name"] for j in jobs] == ["digits-hybrid-worker-cloud-0"]
     command = jobs[0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--servers") + 1] == ",".join(f"{h}:50051" for h in INTERNAL)
     secrets = sorted(m["metadata"]["name"] for m in manifests if m["kind"] == "Secret")
-    assert secrets == ["digits-hybrid-creds-cloud", "digits-hybrid-creds-ps"]
+    assert secrets == ["digits-hybrid-creds-cloud-0", "digits-hybrid-creds-ps"]
+    assert all(s["spec"]["externalTrafficPolicy"] == "Local" for s in external)  # the client's address stays
 
 
 def test_hospital_bundle_holds_only_its_credentials_and_dials_the_external_names(tmp_path, certs):
     manifests = render_job_file(_job(tmp_path), RenderOptions(site="hospital", external_names=EXTERNAL,
                                                               credentials=CredentialSource(certs)))
-    assert sorted(m["kind"] for m in manifests) == ["ConfigMap", "Job", "Secret"]
-    (secret,) = [m for m in manifests if m["kind"] == "Secret"]
-    assert set(secret["stringData"]) == {"ca.pem", "worker-token-hospital-0", "worker-token-hospital-1"}
-    (job,) = [m for m in manifests if m["kind"] == "Job"]
+    assert sorted(m["kind"] for m in manifests) == ["ConfigMap", "Job", "Job", "NetworkPolicy", "NetworkPolicy",
+                                                    "Secret", "Secret"]
+    secrets = [m["stringData"] for m in manifests if m["kind"] == "Secret"]
+    assert [set(s) for s in secrets] == [{"ca.pem", "worker-token-hospital-0"}, {"ca.pem", "worker-token-hospital-1"}]
+    job = next(m for m in manifests if m["kind"] == "Job")
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--servers") + 1] == "ps0.example.org:50051,ps1.example.org:50051"
 
@@ -230,12 +249,34 @@ def test_hospital_bundle_holds_only_its_credentials_and_dials_the_external_names
     (RenderOptions(site="hospital"), "--site hospital: other sites reach the shards from outside"),
     (RenderOptions(site="lab", external_names=EXTERNAL), "--site: 'lab' is not a site of the job"),
     (RenderOptions(site="cloud", external_names=EXTERNAL[:1]), "--external-name: give one per shard (2), got 1"),
+    (RenderOptions(site="cloud", external_names=EXTERNAL), "--external-name: the shards' NetworkPolicy admits the "
+                                                           "other sites by source address; give --ingress-cidr"),
+    (RenderOptions(site="cloud", external_names=EXTERNAL, ingress_cidrs=("203.0.113.7/24",)),
+     "--ingress-cidr: '203.0.113.7/24' is not a network address with a prefix length"),
+    (RenderOptions(site="hospital", external_names=EXTERNAL, ingress_cidrs=HOSPITAL_NET),
+     "--ingress-cidr: only the bundle that exposes the shards"),
+    (RenderOptions(ingress_cidrs=HOSPITAL_NET), "--ingress-cidr: only the bundle that exposes the shards"),
+    (RenderOptions(metrics_namespace="Monitoring!"), "--metrics-namespace: 'Monitoring!' is not a namespace name"),
     (RenderOptions(api="v2"), "--api v2: only collective jobs become a TrainJob"),
     (RenderOptions(scheduler="kube-batch"), "--scheduler: must be one of volcano"),
 ])
-def test_bad_site_options_are_refused(tmp_path, options, message):
-    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        render_job_file(_job(tmp_path), options)
+def test_bad_site_options_are_refused_and_nothing_is_written(tmp_path, options, message):
+    from hybridfleet.k8s.render import render_to_dir
+
+    with pytest.raises(SpecError, match=re.escape(message)):
+        render_to_dir(_job(tmp_path), options, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_worker_name_longer_than_a_dns_label_is_refused_naming_the_site(tmp_path):
+    job = copy.deepcopy(JOB)
+    job["sites"]["a-very-long-site-name-for-the-hospital-ward"] = {"workers": 10}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    with pytest.raises(SpecError, match=r"sites\.a-very-long-site-name-for-the-hospital-ward: the worker Job name "
+                                        r"'digits-hybrid-worker-a-very-long-site-name-for-the-hospital-ward-9' has 66 "
+                                        r"characters, over Kubernetes' 63"):
+        render_job_file(path, RenderOptions(credentials=CredentialSource(placeholders=True)))
 
 
 def test_volcano_gang_puts_every_pod_in_one_pod_group(tmp_path):
@@ -284,6 +325,34 @@ def test_plain_host_bundle_for_the_hospital_holds_its_files_and_a_runnable_worke
     assert name == "worker" and params["site"] == "hospital" and params["site_rank"] == 1
 
 
+def test_plain_host_bundle_of_one_worker_s_machine_holds_only_its_token_and_runs_only_its_rank(tmp_path, certs, capsys):
+    # Execute
+    main(["k8s", "render", str(_job(tmp_path, mutual_tls=True)), "--site", "hospital", "--plain-host", "--site-rank", "1",
+          "--external-name", EXTERNAL[0], "--external-name", EXTERNAL[1], "--certs", str(certs),
+          "-o", str(tmp_path / "bundle")])
+
+    # Assert
+    bundle = tmp_path / "bundle"
+    assert sorted(p.name for p in (bundle / "certs").iterdir()) == ["ca.pem", "client-hospital.key",
+                                                                      "client-hospital.pem", "worker-token-hospital-1"]
+    refused = subprocess.run(["bash", str(bundle / "run-worker.sh"), "0"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "this bundle holds the token of site rank 1 only" in refused.stderr
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--plain-host", "--site-rank", "2"], "--site-rank: must be in 0..1 for site 'hospital' (got 2)"),
+    (["--site-rank", "0"], "only with --plain-host"),
+])
+def test_a_bad_site_rank_is_refused_and_nothing_is_written(tmp_path, certs, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["k8s", "render", str(_job(tmp_path)), "--site", "hospital", *extra, "--external-name", EXTERNAL[0],
+              "--external-name", EXTERNAL[1], "--certs", str(certs), "-o", str(tmp_path / "out")])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_plain_host_bundle_of_the_shard_site_has_shard_units_and_needs_certs(tmp_path, certs, capsys):
     job = _job(tmp_path)
     with pytest.raises(SystemExit):
@@ -317,11 +386,14 @@ def test_aggregating_site_finds_its_leader_through_a_headless_service(tmp_path, 
     hub = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "digits-hybrid-worker-hospital"]
     assert hub and hub[0]["spec"]["clusterIP"] == "None"
     jobs = {m["metadata"]["name"]: m["spec"]["template"]["spec"] for m in manifests if m["kind"] == "Job"}
-    hospital = jobs["digits-hybrid-worker-hospital"]
-    assert hospital["subdomain"] == "digits-hybrid-worker-hospital"
-    assert {"name": "HFLEET_SITE_HUB", "value": "digits-hybrid-worker-hospital-0.digits-hybrid-worker-hospital:50060"} \
-        in hospital["containers"][0]["env"]
-    assert "subdomain" not in jobs["digits-hybrid-worker-cloud"]
+    for rank in (0, 1):  # each pod: hostname = its Job's name, subdomain = the site's headless Service
+        hospital = jobs[f"digits-hybrid-worker-hospital-{rank}"]
+        assert (hospital["hostname"], hospital["subdomain"]) == (f"digits-hybrid-worker-hospital-{rank}",
+                                                                 "digits-hybrid-worker-hospital")
+        assert {"name": "HFLEET_SITE_HUB",
+                "value": "digits-hybrid-worker-hospital-0.digits-hybrid-worker-hospital:50060"} \
+            in hospital["containers"][0]["env"]
+    assert "subdomain" not in jobs["digits-hybrid-worker-cloud-0"]
     (shards,) = [m for m in manifests if m["kind"] == "StatefulSet"]
     command = shards["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--expected-workers") + 1] == "2"  # the hospital's leader + the cloud worker

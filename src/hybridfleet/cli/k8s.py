@@ -23,26 +23,37 @@ def render(
                                                                         "(default: 'cloud', else the first site)"),
     external_name: List[str] = typer.Option([], "--external-name", help="DNS name other sites dial for shard i "
                                                                         "(repeat once per shard, in shard order)"),
+    ingress_cidr: List[str] = typer.Option([], "--ingress-cidr", help="with --external-name: a network (CIDR) the "
+                                                                      "other sites connect from; the shards' "
+                                                                      "NetworkPolicy admits only these (repeat)"),
+    metrics_namespace: str = typer.Option("monitoring", "--metrics-namespace", help="the namespace whose pods may "
+                                                                                 "scrape every pod's metrics port"),
     certs: Optional[Path] = typer.Option(None, "--certs", help="`hfleet certs init` directory: Secrets get real values"),
     placeholders: bool = typer.Option(False, "--placeholders", help="write REPLACE-with-... Secret values "
                                                                     "(to fill in later) instead of --certs"),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="volcano: gang-schedule all pods of the job"),
     plain_host: bool = typer.Option(False, "--plain-host", help="with --site: a bundle for machines without "
                                                                 "Kubernetes (scripts + systemd units), not manifests"),
+    site_rank: Optional[int] = typer.Option(None, "--site-rank", help="with --plain-host: the bundle of one worker's "
+                                                                      "machine (only its token)"),
 ) -> None:
     """Render JOB as Kubernetes manifests (one file per object), or one site's plain-host bundle."""
     from hybridfleet.k8s.common import RenderOptions
     from hybridfleet.k8s.credentials import CredentialSource
 
     options = RenderOptions(image=image, api=api, site=site, shard_site=shard_site, external_names=tuple(external_name),
+                            ingress_cidrs=tuple(ingress_cidr), metrics_namespace=metrics_namespace,
                             credentials=CredentialSource(certs, placeholders), scheduler=scheduler)
     if plain_host:
         from hybridfleet.k8s.hostbundle import write_host_bundle
 
-        paths = write_host_bundle(job, options, out_dir)
+        paths = write_host_bundle(job, options, out_dir, site_rank)
     else:
         from hybridfleet.k8s.render import render_to_dir
 
+        if site_rank is not None:
+            raise typer.BadParameter("only with --plain-host (each worker's pod already mounts only its own token)",
+                                     param_hint="--site-rank")
         paths = render_to_dir(job, options, out_dir)
     for path in paths:
         typer.echo(str(path))

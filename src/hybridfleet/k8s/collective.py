@@ -24,7 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 from hybridfleet.errors import SpecError
-from hybridfleet.k8s.common import JOB_FILE, Manifest, RenderOptions, container, metadata, remote_store, volumes
+from hybridfleet.k8s.common import (
+    JOB_FILE, RUN_DIR, Manifest, RenderOptions, container, container_env, container_security_context, dns_name,
+    harden_pod, metadata,
+    pod_security_context, remote_store, volumes,
+)
 from hybridfleet.launch.preflight import parse_nnodes
 from hybridfleet.spec.models import JobSpec
 
@@ -45,7 +49,7 @@ def launch_command(spec: JobSpec, master: str, node_rank: str | None) -> list[st
     """``hfleet launch`` for one pod; ``master``/``node_rank`` are the operator's variables as ``$(VAR)``."""
     c = spec.collective
     cmd = ["hfleet", "launch", "--framework", spec.framework, "--nproc-per-node", str(c.nproc_per_node),
-           "--nnodes", c.nnodes, "--max-restarts", "0", "--log-dir", f"{spec.run_dir}/{spec.name}",
+           "--nnodes", c.nnodes, "--max-restarts", "0", "--log-dir", f"{RUN_DIR}/{spec.name}",
            "--master", master]
     if node_rank is not None:
         cmd += ["--node-rank", node_rank]
@@ -82,7 +86,7 @@ def render_collective_v1(spec: JobSpec, image: str, options: RenderOptions) -> l
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": restart_policy,
-                "template": {"metadata": pod_meta, "spec": {"containers": [main], "volumes": vols}}}
+                "template": {"metadata": pod_meta, "spec": harden_pod({"containers": [main], "volumes": vols})}}
 
     if spec.framework == "torch" and not elastic:
         replicas = {"Master": replica(1)}
@@ -116,23 +120,36 @@ def render_trainjob(spec: JobSpec, image: str, options: RenderOptions) -> list[M
     trainer: dict[str, Any] = {"image": image, "command": command, "numNodes": high,
                                "numProcPerNode": spec.collective.nproc_per_node,
                                "resourcesPerNode": main["resources"],
-                               "env": [{"name": "HFLEET_JOB_FILE", "value": JOB_FILE}]}
+                               "env": [*container_env(), {"name": "HFLEET_JOB_FILE", "value": JOB_FILE}]}
     # The store's credentials (optional Secret) as single variables: trainer.env has no envFrom.
     for env_from in main.get("envFrom", []):
         name = env_from["secretRef"]["name"]
         trainer["env"] += [{"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": var, "optional": True}}}
                            for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")]
-    pod_patch = {"volumes": vols, "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": mounts}]}
+    # The runtime owns the pod template: the patch adds the securityContexts and a service account that
+    # mounts no token (runtimePatches cannot set automountServiceAccountToken on the pod itself).
+    account = service_account(spec)
+    pod_patch = {"volumes": vols, "securityContext": pod_security_context(),
+                 "serviceAccountName": account["metadata"]["name"],
+                 "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": mounts,
+                                 "securityContext": container_security_context()}]}
     patch = {"manager": "hybridfleet.io/k8s-render",
              "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
                  {"name": "node", "template": {"spec": {"template": {"spec": pod_patch}}}}]}}}}
     meta = metadata(spec, spec.name, "collective")
     if options.scheduler == "volcano":  # the runtime needs podGroupPolicy.volcano; this names the queue
         meta["annotations"] = {"scheduling.volcano.sh/queue-name": "default"}
-    return [{"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": meta,
+    return [account, {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": meta,
              "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME, "kind": "ClusterTrainingRuntime",
                                      "apiGroup": "trainer.kubeflow.org"},
                       "trainer": trainer, "runtimePatches": [patch]}}]
+
+
+def service_account(spec: JobSpec) -> Manifest:
+    """A ServiceAccount of the job's own, with no API token mounted into its pods and no role bound to it."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": metadata(spec, dns_name(spec.name, "runner"), "service-account"),
+            "automountServiceAccountToken": False}
 
 
 def render_collective(spec: JobSpec, image: str, options: RenderOptions) -> list[Manifest]:

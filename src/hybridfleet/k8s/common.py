@@ -16,6 +16,15 @@ JOB_FILE = f"{JOB_MOUNT_DIR}/job.yaml"
 CERTS_DIR = "/etc/hfleet/certs"
 PS_PORT = 50051
 PS_BULK_PORT = 50052  # the shard's bulk data plane (tensor bytes over TLS)
+# Every process runs as this numeric user and group: runAsNonRoot can only be checked by the kubelet
+# against a numeric uid (the image's /etc/passwd may not name one), and the same number as fsGroup
+# makes the mounted Secrets, emptyDirs and claims readable (and the latter writable) to it alone.
+RUN_AS_USER = 10001
+HOME_DIR = "/var/lib/hfleet/home"  # HOME: framework caches (~/.cache, matplotlib's config), the data cache
+RUN_DIR = "/var/lib/hfleet/run"  # logs and checkpoints of `hfleet launch` (the image's WORKDIR is read-only)
+# The only writable paths of a pod: the root filesystem is read-only, these are emptyDirs.
+WRITABLE_DIRS = (("tmp", "/tmp"), ("home", HOME_DIR), ("run", RUN_DIR))
+SECRET_FILE_MODE = 0o440  # owner root, group fsGroup: the pod's own user reads its credentials
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 Manifest = dict[str, Any]
@@ -34,13 +43,16 @@ def _no_credentials() -> "CredentialSource":
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """How to render: image, Kubeflow API, which site's bundle, external shard names, credentials, scheduler."""
+    """How to render: image, Kubeflow API, which site's bundle, external shard names (and the source
+    networks allowed to reach them), credentials, scheduler, the namespace that scrapes metrics."""
 
     image: str | None = None
     api: str = "v1"
     site: str | None = None  # None: every site in one cluster
     shard_site: str | None = None  # the site whose cluster runs the shards (per-site rendering)
     external_names: tuple[str, ...] = ()  # one per shard: the name other sites dial
+    ingress_cidrs: tuple[str, ...] = ()  # the other sites' source networks, allowed to reach the shards
+    metrics_namespace: str = "monitoring"  # pods of this namespace may scrape every pod's metrics port
     credentials: "CredentialSource" = field(default_factory=_no_credentials)
     scheduler: str | None = None
 
@@ -127,7 +139,8 @@ def config_map(spec: JobSpec, job_text: str) -> Manifest:
 
 
 def volumes(spec: JobSpec, credentials: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(pod volumes, container mounts): the job file, /dev/shm in memory, and the Secret ``credentials``."""
+    """(pod volumes, container mounts): the job file, /dev/shm in memory, the writable `WRITABLE_DIRS`
+    (emptyDirs under a read-only root filesystem), and the Secret ``credentials`` (mode `SECRET_FILE_MODE`)."""
     vols: list[dict[str, Any]] = [
         {"name": "job", "configMap": {"name": dns_name(spec.name, "job")}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm}},
@@ -136,10 +149,43 @@ def volumes(spec: JobSpec, credentials: str | None) -> tuple[list[dict[str, Any]
         {"name": "job", "mountPath": JOB_MOUNT_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    for name, path in WRITABLE_DIRS:
+        vols.append({"name": name, "emptyDir": {}})
+        mounts.append({"name": name, "mountPath": path})
     if credentials:
-        vols.append({"name": "certs", "secret": {"secretName": credentials}})
+        vols.append({"name": "certs", "secret": {"secretName": credentials, "defaultMode": SECRET_FILE_MODE}})
         mounts.append({"name": "certs", "mountPath": CERTS_DIR, "readOnly": True})
     return vols, mounts
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level securityContext of every rendered pod: non-root `RUN_AS_USER`, RuntimeDefault seccomp."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """The securityContext of every rendered container: non-root, read-only root filesystem (the writable
+    paths are `WRITABLE_DIRS`), no capabilities, no privilege escalation, RuntimeDefault seccomp."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "privileged": False,
+            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def harden_pod(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """``pod_spec`` with the pod securityContext and no service-account token mounted; returns it.
+
+    No rendered process talks to the Kubernetes API, so a pod never holds a token for it.
+    """
+    pod_spec["automountServiceAccountToken"] = False
+    pod_spec["securityContext"] = pod_security_context()
+    return pod_spec
+
+
+def container_env() -> list[dict[str, Any]]:
+    """What every container needs under a read-only root: HOME and TMPDIR on emptyDirs, no bytecode writes."""
+    return [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"},
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
 
 
 def container(spec: JobSpec, image: str, name: str, command: list[str], mounts: list[dict[str, Any]],
@@ -149,14 +195,15 @@ def container(spec: JobSpec, image: str, name: str, command: list[str], mounts: 
 
     When the job's checkpoint store is remote (``s3://...``), the container also reads the
     optional Secret `store_secret_name` as environment (``AWS_ACCESS_KEY_ID``,
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``).
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``). Every container carries
+    `container_security_context` and `container_env`.
     """
     body: dict[str, Any] = {"name": name, "image": image, "command": command,
-                            "resources": resources(spec, **(resources_override or {})), "volumeMounts": mounts}
+                            "resources": resources(spec, **(resources_override or {})), "volumeMounts": mounts,
+                            "securityContext": container_security_context()}
     if remote_store(spec):
         body["envFrom"] = [{"secretRef": {"name": store_secret_name(spec), "optional": True}}]
-    if env:
-        body["env"] = env
+    body["env"] = [*container_env(), *(env or [])]
     if ports:
         body["ports"] = ports
     return body

@@ -1,10 +1,13 @@
-"""What each rendered pod may hold: one Secret for the shards, one per site.
+"""What each rendered pod may hold: one Secret for the shards, one per worker.
 
 Shards hold the CA certificate, the server certificate with its key and the token
-verification key. A site holds the CA certificate, one token per worker of the site
-(``worker-token-<site>-<rank>``, bound to that worker id; each pod reads its own) and, with mutual TLS,
-its own client certificate (``client-<site>.pem``); never the server key, never another
-site's credentials. The file names are those `hfleet certs init` writes, so a Secret
+verification key. A worker's Secret holds the CA certificate, that worker's token alone
+(``worker-token-<site>-<rank>``, bound to its worker id) and, with mutual TLS, its site's
+client certificate (``client-<site>.pem``); never the server key, never another worker's
+token, never another site's credentials. Kubernetes mounts a Secret whole and a pod
+template cannot choose its volume by an index, so each worker is its own Job mounting its
+own Secret (`hybridfleet.k8s.ps.worker_jobs`). The plain-host bundle of a site holds every
+token of the site (`secret_files` without a rank). The file names are those `hfleet certs init` writes, so a Secret
 mounted at ``/etc/hfleet/certs`` is a directory `--certs` reads as it is.
 
 `secret_files` is the one place that decides a role's files; `credential_secret` turns
@@ -41,9 +44,9 @@ def tokens_on(spec: JobSpec) -> bool:
     return spec.security.tokens != "off"
 
 
-def secret_name(spec: JobSpec, owner: str) -> str:
-    """``<job>-creds-ps`` for the shards, ``<job>-creds-<site>`` for a site."""
-    return dns_name(spec.name, "creds", owner)
+def secret_name(spec: JobSpec, owner: str, site_rank: int | None = None) -> str:
+    """``<job>-creds-ps`` for the shards, ``<job>-creds-<site>-<rank>`` for one worker of a site."""
+    return dns_name(spec.name, "creds", owner, *(() if site_rank is None else (str(site_rank),)))
 
 
 def client_cert_name(site: str) -> str:
@@ -56,8 +59,9 @@ def token_file(worker: str) -> str:
     return f"{TOKEN_PREFIX}{worker}"
 
 
-def secret_files(spec: JobSpec, owner: str) -> list[str]:
-    """The files of ``owner``'s Secret (``ps`` for the shards, else a site name)."""
+def secret_files(spec: JobSpec, owner: str, site_rank: int | None = None) -> list[str]:
+    """The files of ``owner``'s Secret: ``ps`` for the shards, else a site name with the ``site_rank`` of
+    one worker (only its own token), or None for every worker of the site (the plain-host bundle)."""
     from hybridfleet.security.certs import CA_CERT, CLIENT_PREFIX, SERVER_CERT, SERVER_KEY
     from hybridfleet.security.tokens import VERIFY_KEY
 
@@ -74,9 +78,10 @@ def secret_files(spec: JobSpec, owner: str) -> list[str]:
             name = client_cert_name(owner)
             files += [f"{CLIENT_PREFIX}{name}.pem", f"{CLIENT_PREFIX}{name}.key"]
     if tokens_on(spec):
-        from hybridfleet.security.credentials import site_worker_ids
+        from hybridfleet.security.credentials import site_worker_ids, worker_id
 
-        files += [token_file(w) for w in site_worker_ids(spec, owner)]
+        workers = site_worker_ids(spec, owner) if site_rank is None else [worker_id(owner, site_rank)]
+        files += [token_file(w) for w in workers]
     return files
 
 
@@ -120,13 +125,15 @@ def credential_value(spec: JobSpec, owner: str, name: str, source: CredentialSou
     return path.read_text()
 
 
-def credential_secret(spec: JobSpec, owner: str, source: CredentialSource) -> Manifest | None:
-    """``owner``'s Secret (None when the job needs no credentials), values from ``source``.
+def credential_secret(spec: JobSpec, owner: str, source: CredentialSource,
+                      site_rank: int | None = None) -> Manifest | None:
+    """``owner``'s Secret (for a site: worker ``site_rank``'s), None when the job needs no credentials;
+    values from ``source``.
 
     Raises UsageError when neither a certs directory nor explicit placeholders were given, and
     AuthError when the certs directory lacks a file.
     """
-    files = secret_files(spec, owner)
+    files = secret_files(spec, owner, site_rank)
     if not files:
         return None
     if source.certs_dir is None and not source.placeholders:
@@ -134,6 +141,6 @@ def credential_secret(spec: JobSpec, owner: str, source: CredentialSource) -> Ma
                          hint="pass --certs DIR (from `hfleet certs init`) for real Secrets, or --placeholders to "
                               "write REPLACE-with-... values to fill in later")
     data = {name: credential_value(spec, owner, name, source) for name in files}
-    body = metadata(spec, secret_name(spec, owner), "credentials")
-    body["labels"]["hybridfleet/credentials-for"] = dns_name(owner)
+    body = metadata(spec, secret_name(spec, owner, site_rank), "credentials")
+    body["labels"]["hybridfleet/credentials-for"] = dns_name(owner, *(() if site_rank is None else (str(site_rank),)))
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": body, "stringData": data}

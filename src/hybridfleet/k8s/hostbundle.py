@@ -69,10 +69,13 @@ def _write(path: Path, text: str, mode: int) -> Path:
     return path
 
 
-def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> list[Path]:
+def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path,
+                      site_rank: int | None = None) -> list[Path]:
     """Write ``options.site``'s plain-host bundle into ``out_dir``; return the files written.
 
-    Everything is checked and every credential read before the first file is written.
+    With ``site_rank`` the bundle is for that worker's machine alone: ``certs/`` holds its
+    token and no other, and ``run-worker.sh`` runs that rank only. Everything is checked and
+    every credential read before the first file is written.
     """
     spec, _ = load_job(job_path)
     if spec.mode != "ps":
@@ -84,9 +87,11 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
         raise SpecError("--plain-host: give --external-name once per shard (the names machines dial the shards at)")
     if options.credentials.certs_dir is None and (tls_on(spec) or spec.security.tokens != "off"):
         raise SpecError("--plain-host: needs --certs DIR (from `hfleet certs init`); a bundle holds real files")
-    options = check_options(spec, options)
+    options = check_options(spec, options, manifests=False)
     site = options.site
     assert site is not None
+    if site_rank is not None and not 0 <= site_rank < spec.sites[site].workers:
+        raise SpecError(f"--site-rank: must be in 0..{spec.sites[site].workers - 1} for site {site!r} (got {site_rank})")
     with_shards = site == options.shard_site
     if options.credentials.certs_dir is not None and tls_on(spec):
         from hybridfleet.k8s.credentials import check_server_names
@@ -94,7 +99,7 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
         check_server_names(options.credentials.certs_dir, list(options.external_names))
     owners = ([SHARD_ROLE] if with_shards else []) + [site]
     files = {name: credential_value(spec, owner, name, options.credentials)
-             for owner in owners for name in secret_files(spec, owner)}
+             for owner in owners for name in secret_files(spec, owner, None if owner == SHARD_ROLE else site_rank)}
     servers = server_addresses(spec, list(options.external_names))
     worker = _local_paths(worker_command(spec, site, "RANK", servers, "/etc/hfleet/certs"))
     has_tokens = any(name.startswith(TOKEN_PREFIX) for name in files)
@@ -102,7 +107,11 @@ def write_host_bundle(job_path: Path, options: RenderOptions, out_dir: Path) -> 
     if aggregates(spec, site):  # followers send their gradients to the site leader (site rank 0) over the site network
         token += (f': "${{HFLEET_SITE_HUB:?set HFLEET_SITE_HUB=<host of site rank 0>:{SITE_HUB_PORT} '
                   '(the same on every machine of the site)}"\nexport HFLEET_SITE_HUB\n')
-    scripts = {"worker": _SCRIPT_HEAD + f": \"${{1:?usage: $0 SITE_RANK (0..{spec.sites[site].workers - 1})}}\"\n"
+    ranks = f"{site_rank}" if site_rank is not None else f"0..{spec.sites[site].workers - 1}"
+    only = ("" if site_rank is None else
+            f'[ "$1" = {site_rank} ] || '
+            f'{{ echo "this bundle holds the token of site rank {site_rank} only" >&2; exit 2; }}\n')
+    scripts = {"worker": _SCRIPT_HEAD + f": \"${{1:?usage: $0 SITE_RANK ({ranks})}}\"\n" + only
                + token + "exec " + _command_line(worker, "RANK") + "\n"}
     if with_shards:
         shard = _local_paths(shard_command(spec, "INDEX", "/etc/hfleet/certs"))

@@ -5,8 +5,14 @@ cluster at ``<job>-ps-<i>.<job>-ps:50051`` (gRPC) and ``:50052`` (bulk data plan
 the job sets ``ps.transport: grpc``). With external names (``--external-name``, one per
 shard) every shard also gets a LoadBalancer Service exposing both ports under the same
 numbers, because a worker reaches a shard's bulk plane at the gRPC host and the port the
-shard announces (so not a NodePort, whose numbers differ from the pod's). Workers: one Indexed Job per site, the completion index being the
-worker's rank in its site. Each pod mounts only its own credentials (`credentials`).
+shard announces (so not a NodePort, whose numbers differ from the pod's); they keep the
+client's source address (``externalTrafficPolicy: Local``), which the shards' NetworkPolicy
+checks (`hybridfleet.k8s.netpol`).
+
+Workers: one Job per worker, each mounting a Secret that holds that worker's token alone
+(`credentials`). A Secret is mounted whole and a pod template cannot pick a volume by its
+index, so an Indexed Job would have to give every pod every token of its site, and any pod
+could then act as any worker of the site.
 
 Restarts: a shard pod is restarted by its StatefulSet (``restartPolicy: Always``) and
 resumes from its newest snapshot, kept in a remote ``checkpoint.store`` or else on the
@@ -19,12 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 from hybridfleet.k8s.common import (
-    CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, Manifest, RenderOptions, container, dns_name, labels, metadata,
-    volumes,
+    CERTS_DIR, JOB_FILE, PS_BULK_PORT, PS_PORT, Manifest, RenderOptions, container, dns_name, harden_pod, labels,
+    metadata, volumes,
 )
 from hybridfleet.k8s.credentials import (
-    SHARD_ROLE, check_server_names, credential_secret, secret_name, tls_on, tokens_on,
+    SHARD_ROLE, check_server_names, credential_secret, secret_name, tls_on, tokens_on, token_file,
 )
+from hybridfleet.security.credentials import worker_id
 from hybridfleet.spec.models import JobSpec
 
 
@@ -97,7 +104,7 @@ def _ports(spec: JobSpec) -> list[dict[str, Any]]:
 
 def _pod_spec(containers: list[dict], vols: list[dict], options: RenderOptions, group: str | None,
               **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {**extra, "containers": containers, "volumes": vols}
+    body: dict[str, Any] = harden_pod({**extra, "containers": containers, "volumes": vols})
     if options.scheduler == "volcano" and group:
         body["schedulerName"] = "volcano"
     return body
@@ -144,7 +151,9 @@ def shard_manifests(spec: JobSpec, image: str, options: RenderOptions, group: st
                     "metadata": {**metadata(spec, f"{name}-{index}-external", "ps"),
                                  # ExternalDNS publishes the name when it runs in the cluster; else point DNS by hand
                                  "annotations": {"external-dns.alpha.kubernetes.io/hostname": external}},
-                    "spec": {"type": "LoadBalancer", "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
+                    # Local: the client's address reaches the pod, for the shards' NetworkPolicy to check
+                    "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                             "selector": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
                              "ports": [dict(p, protocol="TCP") for p in service_ports]}})
     return out
 
@@ -157,40 +166,52 @@ def aggregates(spec: JobSpec, site: str) -> bool:
     return spec.sites[site].aggregate and spec.sites[site].workers > 1
 
 
+def site_labels(spec: JobSpec, site: str, site_rank: int | None = None) -> dict[str, str]:
+    """The labels of ``site``'s worker pods (of worker ``site_rank`` alone when given)."""
+    extra = {"hybridfleet/site": dns_name(site)}
+    if site_rank is not None:
+        extra["hybridfleet/site-rank"] = str(site_rank)
+    return labels(spec, "worker", **extra)
+
+
+def worker_name(spec: JobSpec, site: str, site_rank: int | None = None) -> str:
+    """``<job>-worker-<site>-<rank>``: one worker's Job and its pod's hostname (without a rank: the site's)."""
+    return dns_name(spec.name, "worker", site, *(() if site_rank is None else (str(site_rank),)))
+
+
 def site_hub_service(spec: JobSpec, site: str) -> Manifest:
-    """The headless Service that gives an aggregating site's pods stable names (``<job>-<index>.<service>``)."""
-    name = dns_name(spec.name, "worker", site)
+    """The headless Service that gives an aggregating site's pods stable names (``<worker>.<service>``)."""
+    name = worker_name(spec, site)
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, name, "worker"),
-            "spec": {"clusterIP": "None", "selector": labels(spec, "worker", **{"hybridfleet/site": dns_name(site)}),
+            "spec": {"clusterIP": "None", "selector": site_labels(spec, site),
                      "ports": [{"name": "site-hub", "port": SITE_HUB_PORT, "targetPort": SITE_HUB_PORT}]}}
 
 
-def worker_job(spec: JobSpec, image: str, site: str, servers: list[str], options: RenderOptions,
+def worker_job(spec: JobSpec, image: str, site: str, site_rank: int, servers: list[str], options: RenderOptions,
                group: str | None) -> Manifest:
-    """The Indexed Job of ``site``'s workers: completion index = the worker's rank within the site.
+    """The Job of worker ``site_rank`` of ``site``: one pod mounting the Secret of that worker alone.
 
-    An aggregating site's pods find their leader (index 0) through `site_hub_service`: the
-    Job's pods are named ``<job>-<index>`` and the Service is their subdomain.
+    Its pod's hostname is the Job's name; an aggregating site's pods share the subdomain
+    `site_hub_service`, so followers reach the leader (site rank 0) at
+    ``<job>-worker-<site>-0.<job>-worker-<site>``.
     """
-    site_spec = spec.sites[site]
     needs_secret = tls_on(spec) or tokens_on(spec)
-    vols, mounts = volumes(spec, secret_name(spec, site) if needs_secret else None)
-    env: list[dict[str, Any]] = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
-    if tokens_on(spec):  # each pod reads the token of its own worker id (site-<completion index>)
-        env.append({"name": "HFLEET_TOKEN_FILE", "value": f"{CERTS_DIR}/worker-token-{site}-$(JOB_COMPLETION_INDEX)"})
-    pod_labels = labels(spec, "worker", **{"hybridfleet/site": dns_name(site)})
-    name = dns_name(spec.name, "worker", site)
-    extra: dict[str, Any] = {"restartPolicy": "Never"}
+    vols, mounts = volumes(spec, secret_name(spec, site, site_rank) if needs_secret else None)
+    env: list[dict[str, Any]] = []
+    if tokens_on(spec):
+        env.append({"name": "HFLEET_TOKEN_FILE", "value": f"{CERTS_DIR}/{token_file(worker_id(site, site_rank))}"})
+    pod_labels = site_labels(spec, site, site_rank)
+    name = worker_name(spec, site, site_rank)
+    extra: dict[str, Any] = {"restartPolicy": "Never", "hostname": name}
     if aggregates(spec, site):
-        env.append({"name": "HFLEET_SITE_HUB", "value": f"{name}-0.{name}:{SITE_HUB_PORT}"})
-        extra["subdomain"] = name
-    worker = container(spec, image, "worker", worker_command(spec, site, "$(JOB_COMPLETION_INDEX)", servers, CERTS_DIR),
+        hub = worker_name(spec, site)
+        env.append({"name": "HFLEET_SITE_HUB", "value": f"{worker_name(spec, site, 0)}.{hub}:{SITE_HUB_PORT}"})
+        extra["subdomain"] = hub
+    worker = container(spec, image, "worker", worker_command(spec, site, str(site_rank), servers, CERTS_DIR),
                        mounts, env=env)
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "labels": pod_labels},
-            "spec": {"completionMode": "Indexed", "completions": site_spec.workers,
-                     "parallelism": site_spec.workers, "backoffLimit": spec.max_restarts,
+            "spec": {"completions": 1, "parallelism": 1, "backoffLimit": spec.max_restarts,
                      "template": {"metadata": _template_metadata(pod_labels, options, group),
                                   "spec": _pod_spec([worker], vols, options, group, **extra)}}}
 
@@ -217,8 +238,10 @@ def render_ps(spec: JobSpec, image: str, options: RenderOptions) -> list[Manifes
     if options.credentials.certs_dir is not None and tls_on(spec):
         check_server_names(options.credentials.certs_dir, dialled_hosts(spec, options))
     out: list[Manifest] = []
-    owners = ([SHARD_ROLE] if with_shards else []) + sites
-    out += [s for s in (credential_secret(spec, owner, options.credentials) for owner in owners) if s is not None]
+    wanted: list[tuple[str, int | None]] = [(SHARD_ROLE, None)] if with_shards else []
+    wanted += [(site, rank) for site in sites for rank in range(spec.sites[site].workers)]
+    out += [s for s in (credential_secret(spec, owner, options.credentials, rank) for owner, rank in wanted)
+            if s is not None]
     group = dns_name(spec.name, "gang") if options.scheduler == "volcano" else None
     if group:
         members = (spec.ps.shards if with_shards else 0) + sum(spec.sites[s].workers for s in sites)
@@ -230,5 +253,6 @@ def render_ps(spec: JobSpec, image: str, options: RenderOptions) -> list[Manifes
         servers = server_addresses(spec, None if local else list(options.external_names))
         if aggregates(spec, site):
             out.append(site_hub_service(spec, site))
-        out.append(worker_job(spec, image, site, servers, options, group))
+        out += [worker_job(spec, image, site, rank, servers, options, group)
+                for rank in range(spec.sites[site].workers)]
     return out

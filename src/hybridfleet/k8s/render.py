@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -9,10 +10,14 @@ import yaml
 from hybridfleet.errors import SpecError
 from hybridfleet.k8s.collective import render_collective
 from hybridfleet.k8s.common import APIS, SCHEDULERS, Manifest, RenderOptions, config_map, resolve_image
-from hybridfleet.k8s.ps import dialled_hosts, render_ps
+from hybridfleet.k8s.netpol import check_cidrs, network_policies
+from hybridfleet.k8s.ps import dialled_hosts, render_ps, worker_name
 from hybridfleet.k8s.scrape import add_scrape_annotations
+from hybridfleet.security.certs import KEY_FILE_MODE, write_file_atomic
 from hybridfleet.spec.load import parse_spec
 from hybridfleet.spec.models import JobSpec
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def load_job(job_path: Path) -> tuple[JobSpec, str]:
@@ -43,19 +48,32 @@ def image_for(spec: JobSpec, job_path: Path, options: RenderOptions) -> str:
                         f"({err}); pass --image TAG or set environment.image") from None
 
 
-def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
-    """``options`` completed (the shard site) and checked against the job; SpecError naming the flag otherwise."""
+def check_options(spec: JobSpec, options: RenderOptions, manifests: bool = True) -> RenderOptions:
+    """``options`` completed (the shard site) and checked against the job; SpecError naming the flag otherwise.
+
+    ``manifests`` False: for the plain-host bundle, which has no NetworkPolicies (so no ``--ingress-cidr``).
+    """
     if options.api not in APIS:
         raise SpecError(f"--api: must be one of {', '.join(APIS)} (got {options.api!r})")
     if options.scheduler is not None and options.scheduler not in SCHEDULERS:
         raise SpecError(f"--scheduler: must be one of {', '.join(SCHEDULERS)} (got {options.scheduler!r})")
+    if not _DNS_LABEL.fullmatch(options.metrics_namespace):
+        raise SpecError(f"--metrics-namespace: {options.metrics_namespace!r} is not a namespace name "
+                        "(lower-case letters, digits and '-', at most 63)")
+    check_cidrs(options.ingress_cidrs)
     if spec.mode == "collective":
-        if options.site or options.external_names:
-            raise SpecError("--site/--external-name: only parameter-server jobs (mode: ps) are rendered per site")
+        if options.site or options.external_names or options.ingress_cidrs:
+            raise SpecError("--site/--external-name/--ingress-cidr: only parameter-server jobs (mode: ps) are "
+                            "rendered per site")
         return options
     if options.api == "v2":
         raise SpecError("--api v2: only collective jobs become a TrainJob; PS jobs render as core objects")
     shard_site = options.shard_site or ("cloud" if "cloud" in spec.sites else next(iter(spec.sites)))
+    for site, site_spec in spec.sites.items():  # a pod's hostname and its Job's label are DNS labels
+        longest = worker_name(spec, site, site_spec.workers - 1)
+        if len(longest) > 63:
+            raise SpecError(f"sites.{site}: the worker Job name {longest!r} has {len(longest)} characters, over "
+                            "Kubernetes' 63; shorten the job's name or the site's")
     for flag, site in (("--site", options.site), ("--shard-site", shard_site)):
         if site is not None and site not in spec.sites:
             raise SpecError(f"{flag}: {site!r} is not a site of the job ({', '.join(spec.sites)})")
@@ -64,13 +82,24 @@ def check_options(spec: JobSpec, options: RenderOptions) -> RenderOptions:
     if options.site is not None and len(spec.sites) > 1 and not options.external_names:
         raise SpecError(f"--site {options.site}: other sites reach the shards from outside the cluster; "
                         f"give --external-name once per shard (the DNS names of their LoadBalancers)")
+    exposes_shards = bool(options.external_names) and options.site in (None, shard_site) and manifests
+    if not manifests and options.ingress_cidrs:
+        raise SpecError("--ingress-cidr: a plain-host bundle has no NetworkPolicy; admit the other sites "
+                        "in the shard hosts' firewall (TCP ports of the shards)")
+    if exposes_shards and not options.ingress_cidrs:
+        raise SpecError("--external-name: the shards' NetworkPolicy admits the other sites by source address; "
+                        "give --ingress-cidr once per network they connect from (0.0.0.0/0 admits any address, "
+                        "which then only the shards' TLS and tokens keep out)")
+    if options.ingress_cidrs and not exposes_shards:
+        raise SpecError("--ingress-cidr: only the bundle that exposes the shards (--external-name, and --site "
+                        "the shard site when given) admits other sites")
     return RenderOptions(**{**options.__dict__, "shard_site": shard_site})
 
 
 def _render(spec: JobSpec, job_text: str, job_path: Path, options: RenderOptions) -> list[Manifest]:
     image = image_for(spec, job_path, options)
     body = render_collective(spec, image, options) if spec.mode == "collective" else render_ps(spec, image, options)
-    return [config_map(spec, job_text), *add_scrape_annotations(body)]
+    return [config_map(spec, job_text), *add_scrape_annotations(body), *network_policies(spec, options)]
 
 
 def render_job_file(job_path: Path, options: RenderOptions | None = None) -> list[Manifest]:
@@ -104,7 +133,8 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def write_manifests(manifests: list[Manifest], out_dir: Path, howto: str = "") -> list[Path]:
-    """Write ``NN-kind-name.yaml`` files into ``out_dir``; placeholder Secrets get ``howto`` as a comment."""
+    """Write ``NN-kind-name.yaml`` files into ``out_dir``; Secrets are created with mode 0600 (and placeholder
+    Secrets get ``howto`` as a comment)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for index, manifest in enumerate(manifests):
@@ -114,8 +144,10 @@ def write_manifests(manifests: list[Manifest], out_dir: Path, howto: str = "") -
         values = manifest.get("stringData", {}).values() if manifest["kind"] == "Secret" else ()
         if any(str(v).startswith("REPLACE-with-") for v in values):
             header = "".join(f"# {line}\n" for line in howto.splitlines())
-        path.write_text(header + yaml.dump(manifest, Dumper=_PlainDumper, sort_keys=False))
-        if manifest["kind"] == "Secret":
-            path.chmod(0o600)
+        text = header + yaml.dump(manifest, Dumper=_PlainDumper, sort_keys=False)
+        if manifest["kind"] == "Secret":  # created 0600 (never readable by others, not even for a moment)
+            write_file_atomic(path, text.encode(), KEY_FILE_MODE)
+        else:
+            path.write_text(text)
         paths.append(path)
     return paths
