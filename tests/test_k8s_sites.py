@@ -185,6 +185,28 @@ def test_each_worker_pod_mounts_a_secret_holding_only_its_own_token(tmp_path, ce
                                "digits-hybrid-creds-hospital-1", "digits-hybrid-creds-ps"]
 
 
+def test_the_leader_of_an_aggregating_site_alone_holds_the_site_hub_certificate_and_verifying_key(tmp_path, certs):
+    # Prepare: the hospital's two workers reduce at their leader's site hub
+    job = copy.deepcopy(JOB)
+    job["sites"]["hospital"]["aggregate"] = True
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    # Execute
+    manifests = render_job_file(path, RenderOptions(credentials=CredentialSource(certs)))
+    # Assert: the leader's Secret has the hub certificate (valid for the hub name only) and the
+    # public verifying key; the follower's and the other site's have neither
+    secrets = {m["metadata"]["name"]: m["stringData"] for m in manifests if m["kind"] == "Secret"}
+    leader, follower = secrets["digits-hybrid-creds-hospital-0"], secrets["digits-hybrid-creds-hospital-1"]
+    assert {"hub-hospital.pem", "hub-hospital.key", "token-signing.pub"} <= set(leader)
+    assert not {"hub-hospital.pem", "hub-hospital.key", "token-signing.pub"} & set(follower)
+    assert not any(name.startswith("hub-") for name in secrets["digits-hybrid-creds-cloud-0"])
+    assert "server.key" not in leader
+    from hybridfleet.security.certs import HUB_SERVER_NAME, describe_certificate
+
+    (tmp_path / "hub.pem").write_text(leader["hub-hospital.pem"])
+    assert list(describe_certificate("hub", tmp_path / "hub.pem").sans) == [HUB_SERVER_NAME]
+
+
 def test_certs_without_the_service_names_are_refused_naming_them_and_nothing_is_written(tmp_path, capsys):
     # Prepare: the default PKI only has 127.0.0.1/localhost
     main(["certs", "init", str(tmp_path / "pki")])

@@ -62,6 +62,8 @@ def worker(
         env["HFLEET_INSECURE"] = "1"
     elif certs is not None:
         env.update(_client_tls_files(certs, site, spec.security.mutual_tls))
+    if certs is not None and site_rank == 0:
+        env.update(_hub_files(certs, site))
     os.execve(sys.executable, [sys.executable, spec.site_entrypoint(site), *spec.args], env)
 
 
@@ -86,6 +88,22 @@ def _client_tls_files(certs: Path, site: str, mutual_tls: bool) -> dict[str, str
             return {**files, "HFLEET_CLIENT_CERT": str(cert), "HFLEET_CLIENT_KEY": str(key)}
     raise AuthError(f"--certs {certs}: the job uses mutual TLS but holds no {CLIENT_PREFIX}{site}.pem/.key; "
                     f"make one with `hfleet certs init DIR --client {site}`")
+
+
+def _hub_files(certs: Path, site: str) -> dict[str, str]:
+    """What a site's leader needs to run its site hub, where the certs directory holds it: the hub
+    certificate (`hfleet certs hub`) and the job's token-verifying public key."""
+    from hybridfleet.ps.worker.site_security import HUB_CERT_ENV, HUB_KEY_ENV, VERIFY_KEY_ENV
+    from hybridfleet.security.certs import hub_certificate_paths
+    from hybridfleet.security.tokens import VERIFY_KEY
+
+    env = {}
+    pair = hub_certificate_paths(certs, site)
+    if pair.cert.is_file() and pair.key.is_file():
+        env.update({HUB_CERT_ENV: str(pair.cert.resolve()), HUB_KEY_ENV: str(pair.key.resolve())})
+    if (certs / VERIFY_KEY).is_file():
+        env[VERIFY_KEY_ENV] = str((certs / VERIFY_KEY).resolve())
+    return env
 
 
 def register(app: typer.Typer) -> None:

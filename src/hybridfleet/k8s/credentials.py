@@ -82,6 +82,23 @@ def secret_files(spec: JobSpec, owner: str, site_rank: int | None = None) -> lis
 
         workers = site_worker_ids(spec, owner) if site_rank is None else [worker_id(owner, site_rank)]
         files += [token_file(w) for w in workers]
+    if site_rank in (None, 0) and spec.sites[owner].aggregate and spec.sites[owner].workers > 1:
+        files += hub_files(spec, owner)  # the leader runs the site hub
+    return files
+
+
+def hub_files(spec: JobSpec, site: str) -> list[str]:
+    """The files the leader of aggregating ``site`` needs for its site hub: the hub certificate (TLS
+    on) and the job's token-verifying public key (tokens on); never the shards' key."""
+    from hybridfleet.security.certs import hub_certificate_paths
+    from hybridfleet.security.tokens import VERIFY_KEY
+
+    files = []
+    if tls_on(spec):
+        pair = hub_certificate_paths(".", site)
+        files += [pair.cert.name, pair.key.name]
+    if tokens_on(spec):
+        files.append(VERIFY_KEY)
     return files
 
 
@@ -118,11 +135,26 @@ def credential_value(spec: JobSpec, owner: str, name: str, source: CredentialSou
         issued = issue_site_credentials(spec, owner, TokenIssuer.from_dir(source.certs_dir))
         return issued.workers[name[len(TOKEN_PREFIX):]].token
     path = source.certs_dir / name
+    hub_site = _hub_site(name)
+    if hub_site is not None and not path.is_file():
+        from hybridfleet.security import load_pki
+        from hybridfleet.security.certs import issue_hub_certificate
+
+        issue_hub_certificate(load_pki(source.certs_dir), hub_site)  # like a token, issued from the CA
     if not path.is_file():
         hint = (f"make it with `hfleet certs init {source.certs_dir} --client {client_cert_name(owner)} ...`"
                 if name.startswith("client-") else f"make the directory with `hfleet certs init {source.certs_dir}`")
         raise AuthError(f"--certs {source.certs_dir}: missing {name}, needed by the {owner} Secret; {hint}")
     return path.read_text()
+
+
+def _hub_site(name: str) -> str | None:
+    """The site of a site hub certificate or key file name, else None."""
+    from hybridfleet.security.certs import HUB_PREFIX
+
+    if name.startswith(HUB_PREFIX) and name.endswith((".pem", ".key")):
+        return name[len(HUB_PREFIX):].rsplit(".", 1)[0]
+    return None
 
 
 def credential_secret(spec: JobSpec, owner: str, source: CredentialSource,

@@ -92,6 +92,8 @@ def worker_command(spec: JobSpec, site: str, site_rank: str, servers: list[str],
         command += ["--certs", certs_dir]
     else:
         command.append("--insecure-plaintext")
+        if tokens_on(spec) and site_rank == "0" and aggregates(spec, site):
+            command += ["--certs", certs_dir]  # the site hub checks followers' tokens with the verifying key
     return command
 
 
