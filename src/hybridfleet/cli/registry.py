@@ -31,6 +31,11 @@ def _echo(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
+def _one_line(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a stored value never prints as its own line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(text))
+
+
 def _pairs(items: list[str], what: str) -> dict[str, str]:
     out = {}
     for item in items:
@@ -144,7 +149,7 @@ def history(name: str, alias_name: str | None = typer.Option(None, "--alias"), r
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["at_s"]))
         canary = f" canary v{e['canary_version']} at {e['canary_weight']:g}%" if e["canary_version"] is not None else ""
         typer.echo(f"{when}Z  {e['alias']:<10} {e['action']:<9} v{e['from_version'] or '-'} -> v{e['to_version']}"
-                   f"{canary}  by {e['actor']}  {e['reason']}".rstrip())
+                   f"{canary}  by {e['actor']}  {_one_line(e['reason'])}".rstrip())
 
 
 @group.command("promote")

@@ -11,14 +11,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import Connection, and_, bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
+from hybridfleet.errors import AuthError, CheckpointError, RegistryError, RegistryNotFoundError
 from hybridfleet.registry import artifacts, auth, db
-from hybridfleet.registry.refs import ModelRef, parse_name, parse_ref
+from hybridfleet.registry.refs import MAX_VERSION, ModelRef, check_tags, check_text, parse_name, parse_ref
 from hybridfleet.registry.schema import (
     aliases,
     grants,
@@ -42,6 +42,7 @@ _TAGS_OF_VERSION = select(version_tags.c.key, version_tags.c.value).where(versio
 
 STORE_ENV = "HFLEET_REGISTRY_STORE"
 REGISTER_RETRIES = 5
+MAX_SEARCH_TAGS = 16  # each tag is one join; SQLite allows 64 tables in a join
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Registry:
         self.store_url = self._store_setting(store)
         self._store: Store | None = None
         self.actor = self.authenticate(token) if token else auth.Actor(auth.LOCAL_OWNER, {}, owner=True)
+        # Called with every checkpoint URL a registration reads (the REST server's --allow-path check).
+        self.source_check: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _store_setting(self, wanted: str | None) -> str:
@@ -129,7 +132,7 @@ class Registry:
     def _model_id(self, conn: Connection, namespace: str, name: str) -> int:
         model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == name))).scalar()
         if model_id is None:
-            raise RegistryNotFoundError(f"no model {namespace}/{name} in this registry")
+            raise RegistryNotFoundError(auth.not_found_message(namespace, name))
         return model_id
 
     def _tags(self, conn: Connection, version_ids: list[int]) -> dict[int, dict[str, str]]:
@@ -140,6 +143,8 @@ class Registry:
         return out
 
     def _version_row(self, conn: Connection, model_id: int, ref: ModelRef, version: int) -> Any:
+        if not 1 <= version <= MAX_VERSION:  # never sent to the database: a driver overflow is no answer
+            raise RegistryNotFoundError(f"model {ref.full_name} has no version {version}")
         row = conn.execute(select(versions).where(and_(versions.c.model_id == model_id, versions.c.version == version))).first()
         if row is None:
             raise RegistryNotFoundError(f"model {ref.full_name} has no version {version}")
@@ -149,7 +154,8 @@ class Registry:
     def create_model(self, name: str, description: str = "") -> dict[str, Any]:
         """Create ``[NAMESPACE/]NAME`` (writer on the namespace); RegistryError when it exists."""
         namespace, short = parse_name(name)
-        self.actor.require("writer", namespace, short, "create a model")
+        self.actor.require("writer", namespace, short, "create a model", conceal=False)
+        check_text(description, "description")
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(models).values(namespace=namespace, name=short, description=description,
@@ -169,6 +175,12 @@ class Registry:
         """
         namespace, short = parse_name(name)
         self.actor.require("writer", namespace, short, "register a version")
+        check_text(description, "description")
+        check_tags(tags or {})
+        if step is not None and not 0 <= step <= MAX_VERSION:
+            raise RegistryError(f"step {step}: steps are 0 to {MAX_VERSION}")
+        if self.source_check is not None:
+            self.source_check(checkpoint_url)
         source = open_store(checkpoint_url, **store_options)
         manifest = artifacts.source_manifest(source, step)
         merged_metrics = {**manifest.metrics, **(metrics or {})}
@@ -215,7 +227,13 @@ class Registry:
 
         if which not in ("final", "best"):
             raise RegistryError(f"which must be final or best (got {which!r})")
+        namespace, short = parse_name(name)
+        self.actor.require("writer", namespace, short, "register a version")
+        if self.source_check is not None:
+            self.source_check(model_root)  # and `register` checks the card's url, wherever it points
         card = read_model_card(model_root)
+        if not isinstance(card.get("url"), str) or not isinstance(card.get(which, {}) or {}, dict):
+            raise CheckpointError(f"{model_root}/MODEL.json: no checkpoint url in the card")
         chosen = card[which] or card["final"]
         lineage = dict(card["lineage"])
         metrics = {**lineage.get("metrics", {}), **chosen.get("metrics", {})} if chosen is card["final"] else {}
@@ -261,6 +279,7 @@ class Registry:
                  .group_by(models.c.id, models.c.namespace, models.c.name, models.c.description)
                  .order_by(models.c.namespace, models.c.name))  # fmt: skip
         if namespace:
+            parse_name(f"{namespace}/x")
             query = query.where(models.c.namespace == namespace)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
@@ -271,6 +290,11 @@ class Registry:
         """Versions carrying every ``key=value`` in ``tags`` (newest first), among models the caller may read."""
         if not tags:
             raise RegistryError("search needs at least one tag KEY=VALUE")
+        if len(tags) > MAX_SEARCH_TAGS:
+            raise RegistryError(f"search takes at most {MAX_SEARCH_TAGS} tags (got {len(tags)})")
+        check_tags(tags)
+        if namespace:
+            parse_name(f"{namespace}/x")
         query = select(versions, models.c.namespace, models.c.name).join(models, models.c.id == versions.c.model_id)
         for i, (key, value) in enumerate(sorted(tags.items())):
             t = version_tags.alias(f"t{i}")
@@ -287,6 +311,7 @@ class Registry:
         """Add or replace tags on a version (tags are labels; the artifact stays immutable); writer."""
         ref = parse_ref(ref_text)
         self.actor.require("writer", ref.namespace, ref.name, "tag a version")
+        check_tags(tags)
         info = self.get_version(ref_text)
         with self.engine.begin() as conn:
             model_id = self._model_id(conn, ref.namespace, ref.name)
@@ -343,6 +368,14 @@ class Registry:
         from hybridfleet.registry import aliases as a
 
         return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason)
+
+    def with_source_check(self, check: Callable[[str], None]) -> Registry:
+        """This registry (same engine and store), calling ``check(url)`` before any registration reads ``url``."""
+        import copy
+
+        other = copy.copy(self)
+        other.source_check = check
+        return other
 
     def for_token(self, token: str) -> Registry:
         """This registry (same engine and store) acting for ``token``'s principal.
