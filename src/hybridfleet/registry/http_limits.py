@@ -1,6 +1,7 @@
 """Limits a REST server enforces before any request reaches its handlers.
 
-`BodyLimit` is a raw ASGI middleware: a ``Content-Length`` above the cap is answered 413
+`BodyLimit` is a raw ASGI middleware: a request head (path, query, headers) over its cap is
+answered 431, a ``Content-Length`` above the cap is answered 413
 before a byte of the body is read, and a body sent without one (chunked) is counted as it
 streams and cut off at the cap, so no handler, parser or authentication step ever holds
 more than ``max_body_bytes``. The whole body must also arrive within ``body_timeout_s``
@@ -29,14 +30,6 @@ BODY_TIMEOUT_S = 30.0
 HEADER_TIMEOUT_S = 10.0
 
 
-class _TooLarge(Exception):
-    pass
-
-
-class _TooSlow(Exception):
-    pass
-
-
 async def _refuse(send: Callable, status: int, detail: str) -> None:
     body = json.dumps({"error": "limit", "detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
@@ -46,16 +39,24 @@ async def _refuse(send: Callable, status: int, detail: str) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_body_bytes`` (413) or slower than ``body_timeout_s`` (408)."""
+    """ASGI middleware: refuse a request head over ``max_header_bytes`` (431), a body over
+    ``max_body_bytes`` (413) or one slower than ``body_timeout_s`` (408), before the app sees it."""
 
-    def __init__(self, app: Any, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S):
+    def __init__(self, app: Any, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
+                 max_header_bytes: int = MAX_HEADER_BYTES):  # fmt: skip
         self.app = app
+        self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(name) + len(value) + 4 for name, value in scope.get("headers", []))
+        if head > self.max_header_bytes:
+            await _refuse(send, 431, f"request head over {self.max_header_bytes} bytes (path, query and headers)")
             return
         cap = self.max_body_bytes
         too_large = f"request body over {cap} bytes; this server accepts at most {cap}"
@@ -66,35 +67,41 @@ class BodyLimit:
                     return
         seen = 0
         deadline = time.monotonic() + self.body_timeout_s
-        started = False
+        started = refused = False
+
+        async def refuse(status: int, detail: str) -> dict:
+            # Answer now, then tell the app the client is gone: a framework that catches errors
+            # while reading the body (FastAPI turns them into a 400) never sees the excess bytes.
+            nonlocal refused
+            if not started and not refused:
+                refused = True
+                await _refuse(send, status, detail)
+            return {"type": "http.disconnect"}
 
         async def limited_receive() -> dict:
             nonlocal seen
+            if refused:
+                return {"type": "http.disconnect"}
             left = deadline - time.monotonic()
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
             except asyncio.TimeoutError:
-                raise _TooSlow from None
+                return await refuse(408, f"request body not received within {self.body_timeout_s:g} s")
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > cap:
-                    raise _TooLarge
+                    return await refuse(413, too_large)
             return message
 
-        async def tracking_send(message: dict) -> None:
+        async def guarded_send(message: dict) -> None:
             nonlocal started
+            if refused:
+                return  # the refusal was the answer
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _refuse(send, 413, too_large)
-        except _TooSlow:
-            if not started:
-                await _refuse(send, 408, f"request body not received within {self.body_timeout_s:g} s")
+        await self.app(scope, limited_receive, guarded_send)
 
 
 class DeadlineH11Protocol(H11Protocol):

@@ -30,6 +30,7 @@ from hybridfleet.errors import (
     RegistryNotFoundError,
 )
 from hybridfleet.registry.auth import parse_bearer
+from hybridfleet.registry.client import is_loopback
 from hybridfleet.registry.http_limits import (
     BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
@@ -264,18 +265,6 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
         return reg.whoami()
 
     return app
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def uvicorn_config(app: Any, host: str, port: int, certs: str | None = None, client_ca: str | None = None,
