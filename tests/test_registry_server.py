@@ -275,7 +275,7 @@ def test_cli_refuses_an_older_schema_with_exit_19_then_migrates_it(db_url, tmp_p
     code, _ = cli("registry", "ls", "--registry", db_url)
     assert code == EXIT_CODES["schema"].code and db.current_revision(engine) == "0001"
     code, out = cli("registry", "migrate", "--db", db_url)
-    assert code == 0 and "0001 -> 0002" in out
+    assert code == 0 and "0001 -> 0003" in out
     code, _ = cli("registry", "init", "--registry", db_url, "--store", str(tmp_path / "a"))
     assert code == 0 and db.current_revision(engine) == db.head_revision()
 

@@ -223,11 +223,23 @@ def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscop
 principal = typer.Typer(help="Users and service accounts.", no_args_is_help=True)
 
 
+TTL_HELP = "token lifetime: 30d, 12h, 45m, 600s or never (default: never)"
+
+
 @principal.command("add")
 def principal_add(name: str, kind: str = typer.Option("user", help="user or service"),
+                  ttl: str | None = typer.Option(None, "--ttl", help=TTL_HELP),
                   registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Create a principal and print its token (shown once)."""
-    typer.echo(_open(registry, token, ca=ca).add_principal(name, kind))
+    typer.echo(_open(registry, token, ca=ca).add_principal(name, kind, ttl=ttl))
+
+
+@principal.command("token")
+def principal_token(name: str, ttl: str | None = typer.Option(None, "--ttl", help=TTL_HELP),
+                    keep_old: bool = typer.Option(False, "--keep-old", help="the current token stays valid until its own expiry"),
+                    registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
+    """Issue a new token for NAME and print it (shown once); the old one stops working unless --keep-old."""
+    typer.echo(_open(registry, token, ca=ca).rotate_token(name, ttl, keep_old))
 
 
 @principal.command("remove")

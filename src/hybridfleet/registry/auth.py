@@ -54,6 +54,24 @@ def parse_bearer(header: str | None) -> str:
     return token
 
 
+_TTL = re.compile(r"([1-9][0-9]{0,6})([smhd])")
+_TTL_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_TTL_S = 3650 * 86400
+
+
+def parse_ttl(text: str | None) -> float | None:
+    """Seconds of a token lifetime ``30d``, ``12h``, ``45m``, ``600s`` (None or ``never``: no expiry)."""
+    if text is None or text == "never":
+        return None
+    match = _TTL.fullmatch(text)
+    if not match:
+        raise RegistryError(f"ttl {text!r}: a number and a unit, e.g. 30d, 12h, 45m, 600s (or never)")
+    seconds = int(match.group(1)) * _TTL_UNIT_S[match.group(2)]
+    if seconds > MAX_TTL_S:
+        raise RegistryError(f"ttl {text!r}: at most 3650d")
+    return float(seconds)
+
+
 def new_token() -> tuple[str, str]:
     """(token shown once to the user, sha256 kept in the database)."""
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -81,6 +99,7 @@ class Actor:
     name: str
     grants: dict[str, str]
     owner: bool = False  # local database access without a token
+    expires_s: float | None = None  # the token's expiry (UNIX seconds; None: none)
 
     def role_on(self, namespace: str, name: str | None) -> str | None:
         """The highest role this actor holds on the model (or namespace)."""

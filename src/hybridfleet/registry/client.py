@@ -193,8 +193,11 @@ class RemoteRegistry:
         path = artifacts.export_weights(manifest, state, groups, framework, fmt, out)
         return {"name": info.name, "version": info.version, "path": str(path), "framework": framework, "format": fmt}
 
-    def add_principal(self, name: str, kind: str = "user") -> str:
-        return self._call("POST", "/principals", json={"name": name, "kind": kind})["token"]
+    def add_principal(self, name: str, kind: str = "user", ttl: str | None = None) -> str:
+        return self._call("POST", "/principals", json={"name": name, "kind": kind, "ttl": ttl})["token"]
+
+    def rotate_token(self, name: str, ttl: str | None = None, keep_old: bool = False) -> str:
+        return self._call("POST", f"/principals/{name}/token", json={"ttl": ttl, "keep_old": keep_old})["token"]
 
     def remove_principal(self, name: str) -> None:
         self._call("DELETE", f"/principals/{name}")

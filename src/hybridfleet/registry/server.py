@@ -110,6 +110,11 @@ class NewPrincipal(Body):
     ttl: Text | None = Field(None, description="token lifetime, e.g. 30d, 12h (default: no expiry)")
 
 
+class TokenRotation(Body):
+    ttl: Text | None = Field(None, description="the new token's lifetime, e.g. 30d (default: no expiry)")
+    keep_old: bool = Field(False, description="the current token stays valid until its own expiry")
+
+
 class Grant(Body):
     principal: Text
     role: Text
@@ -250,6 +255,10 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
     @app.post(f"{API}/principals", status_code=201)
     def add_principal(body: NewPrincipal, reg: Registry = Depends(caller)) -> dict:
         return {"name": body.name, "token": reg.add_principal(body.name, body.kind, ttl=body.ttl)}
+
+    @app.post(f"{API}/principals/{{name}}/token")
+    def rotate_token(name: str, body: TokenRotation, reg: Registry = Depends(caller)) -> dict:
+        return {"name": name, "token": reg.rotate_token(name, body.ttl, body.keep_old)}
 
     @app.delete(f"{API}/principals/{{name}}")
     def remove_principal(name: str, reg: Registry = Depends(caller)) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from sqlalchemy import Connection, and_, bindparam, func, insert, select
+from sqlalchemy import Connection, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from hybridfleet.errors import AuthError, CheckpointError, RegistryError, RegistryNotFoundError
@@ -120,14 +120,24 @@ class Registry:
         return self._store
 
     def authenticate(self, token: str) -> auth.Actor:
-        """The principal a token belongs to, with its grants; AuthError for an unknown token."""
+        """The principal a token belongs to, with its grants; AuthError for an unknown or expired token.
+
+        A principal has its current token and, after a rotation that kept it, the previous
+        one; each is valid until its own expiry.
+        """
         digest = auth.token_digest(token)
         with self.engine.connect() as conn:
-            name = conn.execute(select(principals.c.name).where(principals.c.token_sha256 == digest)).scalar()
-            if name is None:
+            row = conn.execute(select(principals).where(or_(principals.c.token_sha256 == digest,
+                                                            principals.c.previous_token_sha256 == digest))).first()  # fmt: skip
+            if row is None:
                 raise AuthError("registry token is not valid (unknown or revoked)")
-            rows = conn.execute(select(grants.c.scope, grants.c.role).where(grants.c.principal == name)).all()
-        return auth.Actor(name, {r.scope: r.role for r in rows})
+            expires = row.expires_s if row.token_sha256 == digest else row.previous_expires_s
+            if expires is not None and time.time() >= expires:
+                when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
+                raise AuthError(f"registry token of {row.name} expired at {when}; "
+                                f"an admin issues a new one with `hfleet registry principal token {row.name} --ttl 30d`")
+            rows = conn.execute(select(grants.c.scope, grants.c.role).where(grants.c.principal == row.name)).all()
+        return auth.Actor(row.name, {r.scope: r.role for r in rows}, expires_s=expires)
 
     def _model_id(self, conn: Connection, namespace: str, name: str) -> int:
         model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == name))).scalar()
@@ -391,18 +401,41 @@ class Registry:
         return other
 
     # ------------------------------------------------------------------ principals and grants
-    def add_principal(self, name: str, kind: str = "user") -> str:
-        """Create a user or service account; returns its token (shown once). Admin on ``*``."""
+    def add_principal(self, name: str, kind: str = "user", ttl: str | None = None) -> str:
+        """Create a user or service account; returns its token (shown once), valid for ``ttl``
+        (``30d``, ``12h`` ...; None: no expiry). Admin on ``*``."""
         auth.check_principal_name(name)
         if kind not in auth.KINDS:
             raise RegistryError(f"kind must be one of {auth.KINDS} (got {kind!r})")
+        lifetime = auth.parse_ttl(ttl)
         self.actor.require("admin", "*", None, "create principals")
         token, digest = auth.new_token()
+        now = time.time()
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(principals).values(name=name, kind=kind, token_sha256=digest, created_s=time.time()))
+                conn.execute(insert(principals).values(name=name, kind=kind, token_sha256=digest, created_s=now,
+                                                       expires_s=None if lifetime is None else now + lifetime))  # fmt: skip
         except IntegrityError as err:
             raise RegistryError(f"principal {name!r} exists already") from err
+        return token
+
+    def rotate_token(self, name: str, ttl: str | None = None, keep_old: bool = False) -> str:
+        """A new token for ``name`` (shown once), valid for ``ttl``; the old one stops working at
+        once unless ``keep_old`` (then it stays valid until its own expiry; an older kept one
+        is dropped). Admin on ``*`` (a principal cannot renew itself: expiry would mean nothing)."""
+        auth.check_principal_name(name)
+        lifetime = auth.parse_ttl(ttl)
+        self.actor.require("admin", "*", None, "issue tokens")
+        token, digest = auth.new_token()
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = conn.execute(select(principals).where(principals.c.name == name)).first()
+            if row is None:
+                raise RegistryNotFoundError(f"no principal {name!r}")
+            conn.execute(update(principals).where(principals.c.name == name).values(
+                token_sha256=digest, expires_s=None if lifetime is None else now + lifetime,
+                previous_token_sha256=row.token_sha256 if keep_old else None,
+                previous_expires_s=row.expires_s if keep_old else None))  # fmt: skip
         return token
 
     def remove_principal(self, name: str) -> None:
@@ -428,5 +461,6 @@ class Registry:
         return {"principal": principal, "role": role, "scope": scope}
 
     def whoami(self) -> dict[str, Any]:
-        return {"name": self.actor.name, "grants": self.actor.grants, "owner": self.actor.owner}
+        return {"name": self.actor.name, "grants": self.actor.grants, "owner": self.actor.owner,
+                "token_expires_s": self.actor.expires_s}  # fmt: skip
 
