@@ -88,3 +88,25 @@ def test_a_database_at_the_previous_schema_migrates_and_its_tokens_stay_valid(db
     db.upgrade(engine)
     reg = Registry(db_url, store=str(tmp_path / "a"))
     assert reg.for_token(token).whoami() == {"name": "old", "grants": {}, "owner": False, "token_expires_s": None}
+
+
+def test_rotation_over_rest_needs_admin_and_bad_names_are_refused(registry):
+    from hybridfleet.registry.client import RemoteRegistry
+
+    admin_token = registry.add_principal("boss")
+    registry.grant("boss", "admin", "*")
+    ci_token = registry.add_principal("ci", "service")
+    with Server(registry) as server:
+        boss, ci = RemoteRegistry(server.url, admin_token), RemoteRegistry(server.url, ci_token)
+        before = table_counts(registry)
+        with pytest.raises(PermissionDeniedError, match="needs role 'admin' on namespace \\*"):
+            ci.rotate_token("ci", ttl="3650d")
+        with pytest.raises(RegistryError, match="principal name 'ci\\\\x00'"):
+            boss.rotate_token("ci\x00")
+        with pytest.raises(RegistryError, match="principal name"):
+            boss.remove_principal("ci\n")
+        assert table_counts(registry) == before and ci.whoami()["name"] == "ci"
+        fresh = boss.rotate_token("ci", ttl="1h")
+        with pytest.raises(AuthError, match="not valid"):
+            ci.whoami()
+        assert RemoteRegistry(server.url, fresh).whoami()["token_expires_s"] is not None

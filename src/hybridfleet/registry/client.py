@@ -23,7 +23,8 @@ from hybridfleet.errors import (
     SchemaError,
 )
 from hybridfleet.registry import artifacts
-from hybridfleet.registry.refs import parse_name
+from hybridfleet.registry.auth import check_principal_name
+from hybridfleet.registry.refs import check_alias, parse_name
 from hybridfleet.registry.service import Registry, VersionInfo
 from hybridfleet.store import open_store
 
@@ -93,7 +94,7 @@ class RemoteRegistry:
                     verify.load_cert_chain(client_cert, key)
             except (OSError, ssl.SSLError) as err:
                 raise AuthError(f"registry TLS files unusable (CA {ca}, client certificate {client_cert}): {err}") from err
-        self._http_error = httpx.HTTPError
+        self._http_error = (httpx.HTTPError, httpx.InvalidURL)
         self.url = url.rstrip("/")
         self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=timeout_s, verify=verify,
                                  headers={"Authorization": f"Bearer {token}"})  # fmt: skip
@@ -103,6 +104,8 @@ class RemoteRegistry:
         try:
             response = self.http.request(method, path, **kwargs)
         except self._http_error as err:
+            if not isinstance(err, self._http_error[0]):
+                raise RegistryError(f"registry request {method} {path!r} is not a valid URL: {err}") from err
             raise RegistryError(f"registry server {self.url} did not answer: {err}") from err
         if response.status_code < 400:
             return response.json()
@@ -166,15 +169,15 @@ class RemoteRegistry:
 
     def move_alias(self, name: str, alias: str, version: int, reason: str = "", expect_revision: int | None = None) -> dict:
         body = {"version": version, "reason": reason, "expect_revision": expect_revision}
-        return self._call("PUT", f"{self._model_path(name)}/aliases/{alias}", json=body)
+        return self._call("PUT", f"{self._model_path(name)}/aliases/{check_alias(alias)}", json=body)
 
     def protect_alias(self, name: str, alias: str, protected: bool = True) -> dict:
-        return self._call("POST", f"{self._model_path(name)}/aliases/{alias}/protect", params={"protected": protected})
+        return self._call("POST", f"{self._model_path(name)}/aliases/{check_alias(alias)}/protect", params={"protected": protected})
 
     def rollout(self, name: str, alias: str, canary: int | None = None, weight: float | None = None,
                 promote: bool = False, rollback: bool = False, reason: str = "") -> dict:  # fmt: skip
         body = {"canary": canary, "weight": weight, "promote": promote, "rollback": rollback, "reason": reason}
-        return self._call("POST", f"{self._model_path(name)}/aliases/{alias}/rollout", json=body)
+        return self._call("POST", f"{self._model_path(name)}/aliases/{check_alias(alias)}/rollout", json=body)
 
     def history(self, name: str, alias: str | None = None) -> list[dict]:
         return self._call("GET", f"{self._model_path(name)}/history", params={"alias": alias} if alias else {})
@@ -197,9 +200,11 @@ class RemoteRegistry:
         return self._call("POST", "/principals", json={"name": name, "kind": kind, "ttl": ttl})["token"]
 
     def rotate_token(self, name: str, ttl: str | None = None, keep_old: bool = False) -> str:
+        check_principal_name(name)  # a path segment: checked before it becomes a URL
         return self._call("POST", f"/principals/{name}/token", json={"ttl": ttl, "keep_old": keep_old})["token"]
 
     def remove_principal(self, name: str) -> None:
+        check_principal_name(name)
         self._call("DELETE", f"/principals/{name}")
 
     def grant(self, principal: str, role: str, scope: str) -> dict:

@@ -9,6 +9,7 @@ document is at ``/openapi.json`` (browsable at ``/docs``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Annotated, Any
@@ -204,6 +205,10 @@ def create_app(registry: Registry, allowed_roots: list[str] | None = None) -> Fa
 
     @app.post(f"{API}/models/{{namespace}}/{{name}}/versions", status_code=201)
     def register(namespace: str, name: str, body: NewVersion, reg: Registry = Depends(caller)) -> dict:
+        try:
+            json.dumps(body.lineage, allow_nan=False)
+        except ValueError as err:
+            raise RegistryError(f"lineage: JSON numbers only, finite ({err})") from err
         if body.run_model:
             return reg.register_run(f"{namespace}/{name}", body.checkpoint_url, body.which, body.description, body.tags).to_dict()
         return reg.register(f"{namespace}/{name}", body.checkpoint_url, body.step, body.description, body.tags,

@@ -186,6 +186,7 @@ class Registry:
         namespace, short = parse_name(name)
         self.actor.require("writer", namespace, short, "register a version")
         check_text(description, "description")
+        check_text(checkpoint_url, "checkpoint URL")
         check_tags(tags or {})
         if step is not None and not 0 <= step <= MAX_VERSION:
             raise RegistryError(f"step {step}: steps are 0 to {MAX_VERSION}")
@@ -440,6 +441,7 @@ class Registry:
 
     def remove_principal(self, name: str) -> None:
         """Delete a principal and its grants: its token stops working at once. Admin on ``*``."""
+        auth.check_principal_name(name)
         self.actor.require("admin", "*", None, "remove principals")
         with self.engine.begin() as conn:
             conn.execute(grants.delete().where(grants.c.principal == name))
@@ -449,6 +451,7 @@ class Registry:
     def grant(self, principal: str, role: str, scope: str) -> dict[str, str]:
         """Give ``principal`` ``role`` on ``scope`` (``*``, NAMESPACE or NAMESPACE/NAME); admin on that scope."""
         auth.check_role(role)
+        auth.check_principal_name(principal)
         namespace, _, short = scope.partition("/")
         if scope != "*":
             parse_name(scope if short else f"{scope}/x")
