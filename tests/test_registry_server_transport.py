@@ -26,6 +26,7 @@ from tests.test_registry_server import cli
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
+HTTP = httpx.Client(timeout=120)  # generous: the machine may be busy; no figure is timed here
 
 
 def _free_port() -> int:
@@ -105,7 +106,7 @@ def test_a_24_mib_body_without_a_token_is_refused_before_parsing_and_rss_stays_f
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/v1/whoami").status_code == 401:
+                if HTTP.get(f"http://127.0.0.1:{port}/api/v1/whoami").status_code == 401:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
@@ -117,7 +118,7 @@ def test_a_24_mib_body_without_a_token_is_refused_before_parsing_and_rss_stays_f
             assert '"error":"limit"' in body.replace(" ", "") and "at most 1048576" in body
         grown = server.memory_info().rss - rss_before
         assert grown < 8 * MiB, f"server RSS grew by {grown / MiB:.1f} MiB"
-        assert httpx.get(f"http://127.0.0.1:{port}/api/v1/whoami").status_code == 401  # still serving
+        assert HTTP.get(f"http://127.0.0.1:{port}/api/v1/whoami").status_code == 401  # still serving
     finally:
         proc.terminate()
         proc.wait(30)
@@ -152,12 +153,12 @@ def test_a_slowloris_client_is_cut_off_in_the_head_and_in_the_body(owner):
         answer = sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in answer
         sock.close()
-        assert httpx.get(f"{server.url}/api/v1/whoami").status_code == 401  # others are still served
+        assert HTTP.get(f"{server.url}/api/v1/whoami").status_code == 401  # others are still served
 
 
 def test_an_oversized_header_is_refused(owner):
     with Served(owner) as server:
-        response = httpx.get(f"{server.url}/api/v1/whoami", headers={"X-Big": "a" * (64 << 10)})
+        response = HTTP.get(f"{server.url}/api/v1/whoami", headers={"X-Big": "a" * (64 << 10)})
         assert response.status_code == 431 and "request head over 16384 bytes" in response.json()["detail"]
 
 
@@ -194,7 +195,7 @@ def test_tls_from_the_project_pki_verifies_the_server_with_the_ca(owner, pki, mo
         with pytest.raises(RegistryError, match="did not answer: .*CERTIFICATE_VERIFY_FAILED"):
             RemoteRegistry(server.url, token).whoami()  # the system trust store does not know the dev CA
         with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{server.port}/api/v1/whoami")  # no plaintext on a TLS port
+            HTTP.get(f"http://127.0.0.1:{server.port}/api/v1/whoami")  # no plaintext on a TLS port
         code, out = cli("registry", "whoami", "--registry", server.url, "--token", token, "--ca", str(pki.ca_cert))
         assert code == 0 and '"name": "ci"' in out
         monkeypatch.setenv("HFLEET_REGISTRY_CA", str(pki.ca_cert))

@@ -16,6 +16,7 @@ from tests.registry_helpers import table_counts
 from tests.test_registry_server import Server, cli
 
 pytest_plugins = ["tests.registry_fixtures"]
+HTTP = httpx.Client(timeout=120)  # generous: the machine may be busy; no figure is timed here
 
 
 def _expire(reg: Registry, name: str, column: str = "expires_s") -> None:
@@ -34,7 +35,7 @@ def test_an_expired_token_is_401_with_a_message_and_changes_nothing(registry):
     with pytest.raises(AuthError, match=r"registry token of ci expired at .*`hfleet registry principal token ci --ttl 30d`"):
         registry.for_token(token)
     with Server(registry) as server:
-        response = httpx.post(f"{server.url}/api/v1/principals", json={"name": "mallory"},
+        response = HTTP.post(f"{server.url}/api/v1/principals", json={"name": "mallory"},
                               headers={"Authorization": f"Bearer {token}"})  # fmt: skip
         assert response.status_code == 401 and response.json()["error"] == "auth"
         assert "expired at" in response.json()["detail"]
