@@ -15,12 +15,13 @@ REGISTRY_HELP = "registry: http(s)://server, sqlite:///PATH, postgresql://... (d
 TOKEN_HELP = "token of a user or service account (default: $HFLEET_REGISTRY_TOKEN; none: local database owner)"
 Url = typer.Option(None, "--registry", "-r", help=REGISTRY_HELP)
 Token = typer.Option(None, "--token", help=TOKEN_HELP)
+Ca = typer.Option(None, "--ca", help="CA certificate (PEM) of an https:// server, e.g. certs/ca.pem (default: $HFLEET_REGISTRY_CA)")
 
 
-def _open(registry: str | None, token: str | None, store: str | None = None):
+def _open(registry: str | None, token: str | None, store: str | None = None, ca: str | None = None):
     from hybridfleet.registry.client import open_registry
 
-    return open_registry(registry, token, store)
+    return open_registry(registry, token, store, ca)
 
 
 def _echo(data: Any) -> None:
@@ -29,6 +30,11 @@ def _echo(data: Any) -> None:
     elif isinstance(data, list):
         data = [d.to_dict() if hasattr(d, "to_dict") else d for d in data]
     typer.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _one_line(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a stored value never prints as its own line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(text))
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -81,13 +87,13 @@ def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
             metric: list[str] = typer.Option([], "--metric", help="NAME=NUMBER, repeatable; stored as claimed (a gate "
                                              "refuses claims unless --trust-claimed)"),
             description: str = typer.Option("", help="free text"),
-            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Register a checkpoint as NAME's next immutable version (blobs already in the store are not copied)."""
     from hybridfleet.store import open_store
 
     tags = _pairs(tag, "--tag")
     claims = _numbers(_pairs(metric, "--metric"))
-    reg = _open(registry, token)
+    reg = _open(registry, token, ca=ca)
     if step is None and open_store(checkpoint).exists("MODEL.json"):
         info = reg.register_run(name, checkpoint, which, description, tags, claims)
     else:
@@ -97,67 +103,67 @@ def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
 
 
 @group.command("ls")
-def ls(namespace: str | None = typer.Argument(None), registry: str | None = Url, token: str | None = Token) -> None:
+def ls(namespace: str | None = typer.Argument(None), registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:
     """Models (in NAMESPACE) with their newest version."""
-    for m in _open(registry, token).list_models(namespace):
+    for m in _open(registry, token, ca=ca).list_models(namespace):
         typer.echo(f"{m['name']:<40} v{m['latest'] if m['latest'] is not None else '-':<6} {m['description']}")
 
 
 @group.command("show")
 def show(ref: str = typer.Argument(..., help="NAME, NAME@ALIAS or NAME@VERSION"), registry: str | None = Url,
-         token: str | None = Token) -> None:  # fmt: skip
+         token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """One version as JSON: manifest sha256, metrics, lineage, tags."""
-    _echo(_open(registry, token).get_version(ref))
+    _echo(_open(registry, token, ca=ca).get_version(ref))
 
 
 @group.command("versions")
-def versions(name: str, registry: str | None = Url, token: str | None = Token) -> None:
+def versions(name: str, registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:
     """Every version of NAME as JSON, oldest first."""
-    _echo(_open(registry, token).list_versions(name))
+    _echo(_open(registry, token, ca=ca).list_versions(name))
 
 
 @group.command("search")
 def search(tag: list[str] = typer.Option(..., "--tag", help="KEY=VALUE, repeatable; all must match"),
-           namespace: str | None = typer.Option(None), registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+           namespace: str | None = typer.Option(None), registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Versions carrying every given tag, newest first."""
-    _echo(_open(registry, token).search(_pairs(tag, "--tag"), namespace))
+    _echo(_open(registry, token, ca=ca).search(_pairs(tag, "--tag"), namespace))
 
 
 @group.command("tag")
 def tag_version(ref: str, tags: list[str] = typer.Argument(..., help="KEY=VALUE ..."), registry: str | None = Url,
-                token: str | None = Token) -> None:  # fmt: skip
+                token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Add or replace tags on a version."""
-    _echo(_open(registry, token).set_tags(ref, _pairs(tags, "tag")))
+    _echo(_open(registry, token, ca=ca).set_tags(ref, _pairs(tags, "tag")))
 
 
 @group.command("alias")
 def alias(name: str, alias_name: str = typer.Argument(..., metavar="ALIAS"), version: int = typer.Argument(...),
           reason: str = typer.Option("", help="recorded in the history"),
           expect_revision: int | None = typer.Option(None, help="refuse (conflict) unless the alias is at this revision"),
-          registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+          registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Point ALIAS of NAME at VERSION (no gate; `promote` gates)."""
-    _echo(_open(registry, token).move_alias(name, alias_name, version, reason, expect_revision))
+    _echo(_open(registry, token, ca=ca).move_alias(name, alias_name, version, reason, expect_revision))
 
 
 @group.command("protect")
 def protect(name: str, alias_name: str = typer.Argument(..., metavar="ALIAS"),
             off: bool = typer.Option(False, "--off", help="remove the protection"),
-            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Protect an alias: only releasers may move it (`prod` is protected from its creation)."""
-    _echo(_open(registry, token).protect_alias(name, alias_name, not off))
+    _echo(_open(registry, token, ca=ca).protect_alias(name, alias_name, not off))
 
 
 @group.command("history")
 def history(name: str, alias_name: str | None = typer.Option(None, "--alias"), registry: str | None = Url,
-            token: str | None = Token) -> None:  # fmt: skip
+            token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Who moved which alias from which version to which, when and why (append-only)."""
     import time
 
-    for e in _open(registry, token).history(name, alias_name):
+    for e in _open(registry, token, ca=ca).history(name, alias_name):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["at_s"]))
         canary = f" canary v{e['canary_version']} at {e['canary_weight']:g}%" if e["canary_version"] is not None else ""
         typer.echo(f"{when}Z  {e['alias']:<10} {e['action']:<9} v{e['from_version'] or '-'} -> v{e['to_version']}"
-                   f"{canary}  by {e['actor']}  {e['reason']}".rstrip())
+                   f"{canary}  by {e['actor']}  {_one_line(e['reason'])}".rstrip())
 
 
 @group.command("promote")
@@ -173,13 +179,13 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
                                                      "object of metrics; recorded as measured, with the script's sha256"),
             evaluate_timeout: float = typer.Option(600.0, "--evaluate-timeout", help="seconds the script may take"),
             as_json: bool = typer.Option(False, "--json", help="print the machine-readable result"),
-            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Move ALIAS to VERSION only if the gate passes; exit 25 with the reasons otherwise.
 
     The gate reads the checkpoint's own metrics and what --evaluate measures; claimed ones only with --trust-claimed.
     """
     candidate: int | str = int(version.lstrip("v")) if version.lstrip("v").isdigit() else version
-    reg = _open(registry, token)
+    reg = _open(registry, token, ca=ca)
     measurement = None
     if evaluate:
         from hybridfleet.registry.evaluate import measure
@@ -213,17 +219,17 @@ def rollout(name: str, alias_name: str = typer.Option(..., "--alias"),
             weight: float | None = typer.Option(None, help="percent of keys on the canary"),
             promote_: bool = typer.Option(False, "--promote", help="the canary becomes the stable version"),
             rollback: bool = typer.Option(False, "--rollback", help="drop the canary"),
-            reason: str = typer.Option(""), registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            reason: str = typer.Option(""), registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Gray release on an alias: --canary V --weight W, --weight W, --promote or --rollback."""
-    _echo(_open(registry, token).rollout(name, alias_name, canary, weight, promote_, rollback, reason))
+    _echo(_open(registry, token, ca=ca).rollout(name, alias_name, canary, weight, promote_, rollback, reason))
 
 
 @group.command("resolve")
 def resolve(ref: str = typer.Argument(..., help="NAME@ALIAS (or @VERSION)"),
             key: str | None = typer.Option(None, help="request key (user id ...): sticky under gray release"),
-            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Print the version a reference resolves to (for KEY, under gray release) as JSON."""
-    _echo(_open(registry, token).resolve(ref, key))
+    _echo(_open(registry, token, ca=ca).resolve(ref, key))
 
 
 @group.command("pull")
@@ -231,9 +237,9 @@ def pull(ref: str, framework: str | None = typer.Option(None, help="torch or pad
          fmt: str = typer.Option("safetensors", "--format", help="safetensors, pt (torch) or pdparams (paddle)"),
          out: str | None = typer.Option(None, "-o", "--out", help="output directory (default: ./NAME-vN)"),
          key: str | None = typer.Option(None, help="resolve a gray-release alias for this key"),
-         registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+         registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Verify every byte of a version, then write its weights for FRAMEWORK (converted if needed)."""
-    result = _open(registry, token).pull(ref, framework, fmt, out, key)
+    result = _open(registry, token, ca=ca).pull(ref, framework, fmt, out, key)
     typer.echo(f"{result['name']} v{result['version']} -> {result['path']}")
 
 
@@ -242,28 +248,40 @@ def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscop
             name: str | None = typer.Option(None, "--as", help="[NAMESPACE/]NAME (default: hub/<name>)"),
             cache_dir: str | None = typer.Option(None, help="the hub library's cache (default: its own)"),
             offline: bool = typer.Option(False, help="use only the local hub cache; never touch the network"),
-            registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+            registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Import a hub model pinned to the resolved revision, verified complete, as a new version."""
     from hybridfleet.registry.hub import import_model
 
-    info = import_model(_open(registry, token), source, name, cache_dir, offline)
+    info = import_model(_open(registry, token, ca=ca), source, name, cache_dir, offline)
     typer.echo(f"imported {source} (revision {info.lineage['hub']['resolved_revision']}) as {info.name} v{info.version}")
 
 
 principal = typer.Typer(help="Users and service accounts.", no_args_is_help=True)
 
 
+TTL_HELP = "token lifetime: 30d, 12h, 45m, 600s or never (default: never)"
+
+
 @principal.command("add")
 def principal_add(name: str, kind: str = typer.Option("user", help="user or service"),
-                  registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+                  ttl: str | None = typer.Option(None, "--ttl", help=TTL_HELP),
+                  registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Create a principal and print its token (shown once)."""
-    typer.echo(_open(registry, token).add_principal(name, kind))
+    typer.echo(_open(registry, token, ca=ca).add_principal(name, kind, ttl=ttl))
+
+
+@principal.command("token")
+def principal_token(name: str, ttl: str | None = typer.Option(None, "--ttl", help=TTL_HELP),
+                    keep_old: bool = typer.Option(False, "--keep-old", help="the current token stays valid until its own expiry"),
+                    registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
+    """Issue a new token for NAME and print it (shown once); the old one stops working unless --keep-old."""
+    typer.echo(_open(registry, token, ca=ca).rotate_token(name, ttl, keep_old))
 
 
 @principal.command("remove")
-def principal_remove(name: str, registry: str | None = Url, token: str | None = Token) -> None:
+def principal_remove(name: str, registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:
     """Delete a principal and its grants (its token stops working)."""
-    _open(registry, token).remove_principal(name)
+    _open(registry, token, ca=ca).remove_principal(name)
     typer.echo(f"removed {name}")
 
 
@@ -274,15 +292,15 @@ group.add_typer(principal, name="principal")
 def grant(principal_name: str = typer.Argument(..., metavar="PRINCIPAL"),
           role: str = typer.Argument(..., help="reader, writer, releaser or admin"),
           scope: str = typer.Argument(..., help="*, NAMESPACE or NAMESPACE/NAME"),
-          registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+          registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
     """Give PRINCIPAL ROLE on SCOPE."""
-    _echo(_open(registry, token).grant(principal_name, role, scope))
+    _echo(_open(registry, token, ca=ca).grant(principal_name, role, scope))
 
 
 @group.command("whoami")
-def whoami(registry: str | None = Url, token: str | None = Token) -> None:
+def whoami(registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:
     """The principal the token belongs to, and its grants."""
-    _echo(_open(registry, token).whoami())
+    _echo(_open(registry, token, ca=ca).whoami())
 
 
 @group.command("serve")
@@ -290,11 +308,13 @@ def serve(db: str | None = typer.Option(None, "--db", help="database URL or SQLi
           host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080),
           store: str | None = typer.Option(None, help="artifact store (fixed when the registry is created)"),
           allow_path: list[str] = typer.Option([], "--allow-path", help="a local folder clients may register checkpoints from; repeatable"),
+          certs: str | None = typer.Option(None, "--certs", help="serve TLS with DIR/server.pem + server.key (`hfleet certs init DIR`); needed off loopback"),
+          client_ca: str | None = typer.Option(None, "--client-ca", help="mutual TLS: clients must show a certificate signed by this CA (PEM)"),
           ) -> None:  # fmt: skip
-    """Serve the registry over REST with token auth; OpenAPI at /openapi.json."""
+    """Serve the registry over REST with token auth (TLS with --certs); OpenAPI at /openapi.json."""
     from hybridfleet.registry.server import serve as run_server
 
-    run_server(db, host, port, store, allow_path)
+    run_server(db, host, port, store, allow_path, certs, client_ca)
 
 
 def register(app: typer.Typer) -> None:

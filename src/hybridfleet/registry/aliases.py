@@ -27,7 +27,7 @@ from hybridfleet.errors import (
 )
 from hybridfleet.registry import gate
 from hybridfleet.registry.evidence import Measurement
-from hybridfleet.registry.refs import ModelRef, check_alias, parse_name, parse_ref
+from hybridfleet.registry.refs import ModelRef, check_alias, check_text, parse_name, parse_ref
 from hybridfleet.registry.schema import alias_events, aliases, versions
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ def _change(reg: Registry, name: str, alias: str, action: str, reason: str, expe
     """Apply ``compute(row) -> new column values`` to an alias with compare-and-set, plus one history row."""
     namespace, short = parse_name(name)
     check_alias(alias)
+    check_text(reason, "reason")
     ref = ModelRef(namespace, short)
     try:
         with reg.engine.begin() as conn:
@@ -191,6 +192,7 @@ def history(reg: Registry, name: str, alias: str | None = None) -> list[dict[str
         model_id = reg._model_id(conn, namespace, short)
         query = select(alias_events).where(alias_events.c.model_id == model_id)
         if alias:
+            check_alias(alias)
             query = query.where(alias_events.c.alias == alias)
         rows = conn.execute(query.order_by(alias_events.c.id)).all()
     return [{"alias": r.alias, "action": r.action, "from_version": r.from_version, "to_version": r.to_version,
@@ -214,6 +216,8 @@ def promote(reg: Registry, name: str, version: int | str, alias: str, require: l
     requirement was given: then nothing was judged.
     """
     namespace, short = parse_name(name)
+    check_alias(alias)
+    check_text(reason, "reason")
     requirements = [gate.parse_requirement(text) for text in require]
     if isinstance(measurement, dict):
         measurement = Measurement.from_dict(measurement)

@@ -35,9 +35,9 @@ from hybridfleet.errors import CheckpointError, RegistryError, RegistryNotFoundE
 from hybridfleet.obs.log import get_logger
 
 log = get_logger("registry.hub")
-_SOURCE = re.compile(r"^(hf|modelscope):([A-Za-z0-9][\w.\-]*/[\w.\-]+)(@([\w.\-/]+))?$")
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_SOURCE = re.compile(r"(hf|modelscope):([A-Za-z0-9][\w.\-]*/[\w.\-]+)(@([\w.\-/]+))?")  # fullmatch
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 WEIGHT_SUFFIXES = (".safetensors", ".pdparams", ".pt", ".bin")
 
 
@@ -53,9 +53,12 @@ class HubSource:
 
 def parse_source(text: str) -> HubSource:
     """``hf:ORG/NAME[@REV]`` or ``modelscope:ORG/NAME[@REV]``."""
-    match = _SOURCE.match(text or "")
+    match = _SOURCE.fullmatch(text or "")
     if not match:
         raise RegistryError(f"hub source {text!r}: expected hf:ORG/NAME@REV or modelscope:ORG/NAME@REV")
+    parts = match.group(2).split("/") + (match.group(4) or "").split("/")
+    if any(part in (".", "..") or ".." in part for part in parts if part) or (match.group(4) or "x").strip("/") != (match.group(4) or "x"):
+        raise RegistryError(f"hub source {text!r}: ORG, NAME and REV may not contain '..' or empty path parts")
     return HubSource(match.group(1), match.group(2), match.group(4))
 
 
@@ -117,9 +120,9 @@ def verify_snapshot(source: HubSource, snapshot: Path, offline: bool) -> list[di
         sha256 = _sha256(path)
         if source.hub == "hf" and path.is_symlink():
             etag = Path(os.readlink(path)).name
-            if _HEX64.match(etag) and etag != sha256:
+            if _HEX64.fullmatch(etag) and etag != sha256:
                 raise CheckpointError(f"{source}: {rel} does not match its content address (sha256 {etag[:12]}...): corrupt")
-            if _HEX40.match(etag) and etag != _git_blob_sha1(path):
+            if _HEX40.fullmatch(etag) and etag != _git_blob_sha1(path):
                 raise CheckpointError(f"{source}: {rel} does not match its git blob id {etag[:12]}...: corrupt")
         out.append({"path": rel, "size_bytes": path.stat().st_size, "sha256": sha256})
     if source.hub == "hf":

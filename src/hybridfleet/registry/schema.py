@@ -100,6 +100,10 @@ principals = Table(
     Column("kind", String(16), nullable=False),  # user | service
     Column("token_sha256", String(64), nullable=False, unique=True),
     Column("created_s", Float, nullable=False),
+    # added by revision 0003: the token's expiry (NULL: none), and the token a rotation kept
+    Column("expires_s", Float),
+    Column("previous_token_sha256", String(64)),
+    Column("previous_expires_s", Float),
 )  # fmt: skip
 
 grants = Table(

@@ -11,14 +11,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from sqlalchemy import Connection, and_, bindparam, func, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from hybridfleet.errors import AuthError, RegistryError, RegistryNotFoundError
+from hybridfleet.errors import AuthError, CheckpointError, RegistryError, RegistryNotFoundError
 from hybridfleet.registry import artifacts, auth, db, evidence
-from hybridfleet.registry.refs import ModelRef, parse_name, parse_ref
+from hybridfleet.registry.refs import MAX_VERSION, ModelRef, check_tags, check_text, parse_name, parse_ref
 from hybridfleet.registry.schema import (
     aliases,
     grants,
@@ -42,6 +42,7 @@ _TAGS_OF_VERSION = select(version_tags.c.key, version_tags.c.value).where(versio
 
 STORE_ENV = "HFLEET_REGISTRY_STORE"
 REGISTER_RETRIES = 5
+MAX_SEARCH_TAGS = 16  # each tag is one join; SQLite allows 64 tables in a join
 
 
 @dataclass
@@ -93,6 +94,8 @@ class Registry:
         self.store_url = self._store_setting(store)
         self._store: Store | None = None
         self.actor = self.authenticate(token) if token else auth.Actor(auth.LOCAL_OWNER, {}, owner=True)
+        # Called with every checkpoint URL a registration reads (the REST server's --allow-path check).
+        self.source_check: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _store_setting(self, wanted: str | None) -> str:
@@ -119,19 +122,29 @@ class Registry:
         return self._store
 
     def authenticate(self, token: str) -> auth.Actor:
-        """The principal a token belongs to, with its grants; AuthError for an unknown token."""
+        """The principal a token belongs to, with its grants; AuthError for an unknown or expired token.
+
+        A principal has its current token and, after a rotation that kept it, the previous
+        one; each is valid until its own expiry.
+        """
         digest = auth.token_digest(token)
         with self.engine.connect() as conn:
-            name = conn.execute(select(principals.c.name).where(principals.c.token_sha256 == digest)).scalar()
-            if name is None:
+            row = conn.execute(select(principals).where(or_(principals.c.token_sha256 == digest,
+                                                            principals.c.previous_token_sha256 == digest))).first()  # fmt: skip
+            if row is None:
                 raise AuthError("registry token is not valid (unknown or revoked)")
-            rows = conn.execute(select(grants.c.scope, grants.c.role).where(grants.c.principal == name)).all()
-        return auth.Actor(name, {r.scope: r.role for r in rows})
+            expires = row.expires_s if row.token_sha256 == digest else row.previous_expires_s
+            if expires is not None and time.time() >= expires:
+                when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
+                raise AuthError(f"registry token of {row.name} expired at {when}; "
+                                f"an admin issues a new one with `hfleet registry principal token {row.name} --ttl 30d`")
+            rows = conn.execute(select(grants.c.scope, grants.c.role).where(grants.c.principal == row.name)).all()
+        return auth.Actor(row.name, {r.scope: r.role for r in rows}, expires_s=expires)
 
     def _model_id(self, conn: Connection, namespace: str, name: str) -> int:
         model_id = conn.execute(select(models.c.id).where(and_(models.c.namespace == namespace, models.c.name == name))).scalar()
         if model_id is None:
-            raise RegistryNotFoundError(f"no model {namespace}/{name} in this registry")
+            raise RegistryNotFoundError(auth.not_found_message(namespace, name))
         return model_id
 
     def _tags(self, conn: Connection, version_ids: list[int]) -> dict[int, dict[str, str]]:
@@ -142,6 +155,8 @@ class Registry:
         return out
 
     def _version_row(self, conn: Connection, model_id: int, ref: ModelRef, version: int) -> Any:
+        if not 1 <= version <= MAX_VERSION:  # never sent to the database: a driver overflow is no answer
+            raise RegistryNotFoundError(f"model {ref.full_name} has no version {version}")
         row = conn.execute(select(versions).where(and_(versions.c.model_id == model_id, versions.c.version == version))).first()
         if row is None:
             raise RegistryNotFoundError(f"model {ref.full_name} has no version {version}")
@@ -151,7 +166,8 @@ class Registry:
     def create_model(self, name: str, description: str = "") -> dict[str, Any]:
         """Create ``[NAMESPACE/]NAME`` (writer on the namespace); RegistryError when it exists."""
         namespace, short = parse_name(name)
-        self.actor.require("writer", namespace, short, "create a model")
+        self.actor.require("writer", namespace, short, "create a model", conceal=False)
+        check_text(description, "description")
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(models).values(namespace=namespace, name=short, description=description,
@@ -178,6 +194,13 @@ class Registry:
                   card_metrics: dict[str, float] | None, store_options: dict[str, Any]) -> VersionInfo:  # fmt: skip
         namespace, short = parse_name(name)
         self.actor.require("writer", namespace, short, "register a version")
+        check_text(description, "description")
+        check_text(checkpoint_url, "checkpoint URL")
+        check_tags(tags or {})
+        if step is not None and not 0 <= step <= MAX_VERSION:
+            raise RegistryError(f"step {step}: steps are 0 to {MAX_VERSION}")
+        if self.source_check is not None:
+            self.source_check(checkpoint_url)
         claims = evidence.finite_metrics(claimed, "metrics")
         source = open_store(checkpoint_url, **store_options)
         manifest = artifacts.source_manifest(source, step)
@@ -235,7 +258,13 @@ class Registry:
 
         if which not in ("final", "best"):
             raise RegistryError(f"which must be final or best (got {which!r})")
+        namespace, short = parse_name(name)
+        self.actor.require("writer", namespace, short, "register a version")
+        if self.source_check is not None:
+            self.source_check(model_root)  # and `register` checks the card's url, wherever it points
         card = read_model_card(model_root)
+        if not isinstance(card.get("url"), str) or not isinstance(card.get(which, {}) or {}, dict):
+            raise CheckpointError(f"{model_root}/MODEL.json: no checkpoint url in the card")
         chosen = card[which] or card["final"]
         lineage = dict(card["lineage"])
         claimed = metrics
@@ -281,6 +310,7 @@ class Registry:
                  .group_by(models.c.id, models.c.namespace, models.c.name, models.c.description)
                  .order_by(models.c.namespace, models.c.name))  # fmt: skip
         if namespace:
+            parse_name(f"{namespace}/x")
             query = query.where(models.c.namespace == namespace)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
@@ -291,6 +321,11 @@ class Registry:
         """Versions carrying every ``key=value`` in ``tags`` (newest first), among models the caller may read."""
         if not tags:
             raise RegistryError("search needs at least one tag KEY=VALUE")
+        if len(tags) > MAX_SEARCH_TAGS:
+            raise RegistryError(f"search takes at most {MAX_SEARCH_TAGS} tags (got {len(tags)})")
+        check_tags(tags)
+        if namespace:
+            parse_name(f"{namespace}/x")
         query = select(versions, models.c.namespace, models.c.name).join(models, models.c.id == versions.c.model_id)
         for i, (key, value) in enumerate(sorted(tags.items())):
             t = version_tags.alias(f"t{i}")
@@ -307,6 +342,7 @@ class Registry:
         """Add or replace tags on a version (tags are labels; the artifact stays immutable); writer."""
         ref = parse_ref(ref_text)
         self.actor.require("writer", ref.namespace, ref.name, "tag a version")
+        check_tags(tags)
         info = self.get_version(ref_text)
         with self.engine.begin() as conn:
             model_id = self._model_id(conn, ref.namespace, ref.name)
@@ -391,6 +427,14 @@ class Registry:
         return a.promote(self, name, version, alias, require, no_regression_vs, tolerance, reason, trust_claimed,
                          measurement)  # fmt: skip
 
+    def with_source_check(self, check: Callable[[str], None]) -> Registry:
+        """This registry (same engine and store), calling ``check(url)`` before any registration reads ``url``."""
+        import copy
+
+        other = copy.copy(self)
+        other.source_check = check
+        return other
+
     def for_token(self, token: str) -> Registry:
         """This registry (same engine and store) acting for ``token``'s principal.
 
@@ -405,22 +449,46 @@ class Registry:
         return other
 
     # ------------------------------------------------------------------ principals and grants
-    def add_principal(self, name: str, kind: str = "user") -> str:
-        """Create a user or service account; returns its token (shown once). Admin on ``*``."""
+    def add_principal(self, name: str, kind: str = "user", ttl: str | None = None) -> str:
+        """Create a user or service account; returns its token (shown once), valid for ``ttl``
+        (``30d``, ``12h`` ...; None: no expiry). Admin on ``*``."""
         auth.check_principal_name(name)
         if kind not in auth.KINDS:
             raise RegistryError(f"kind must be one of {auth.KINDS} (got {kind!r})")
+        lifetime = auth.parse_ttl(ttl)
         self.actor.require("admin", "*", None, "create principals")
         token, digest = auth.new_token()
+        now = time.time()
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(principals).values(name=name, kind=kind, token_sha256=digest, created_s=time.time()))
+                conn.execute(insert(principals).values(name=name, kind=kind, token_sha256=digest, created_s=now,
+                                                       expires_s=None if lifetime is None else now + lifetime))  # fmt: skip
         except IntegrityError as err:
             raise RegistryError(f"principal {name!r} exists already") from err
         return token
 
+    def rotate_token(self, name: str, ttl: str | None = None, keep_old: bool = False) -> str:
+        """A new token for ``name`` (shown once), valid for ``ttl``; the old one stops working at
+        once unless ``keep_old`` (then it stays valid until its own expiry; an older kept one
+        is dropped). Admin on ``*`` (a principal cannot renew itself: expiry would mean nothing)."""
+        auth.check_principal_name(name)
+        lifetime = auth.parse_ttl(ttl)
+        self.actor.require("admin", "*", None, "issue tokens")
+        token, digest = auth.new_token()
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = conn.execute(select(principals).where(principals.c.name == name)).first()
+            if row is None:
+                raise RegistryNotFoundError(f"no principal {name!r}")
+            conn.execute(update(principals).where(principals.c.name == name).values(
+                token_sha256=digest, expires_s=None if lifetime is None else now + lifetime,
+                previous_token_sha256=row.token_sha256 if keep_old else None,
+                previous_expires_s=row.expires_s if keep_old else None))  # fmt: skip
+        return token
+
     def remove_principal(self, name: str) -> None:
         """Delete a principal and its grants: its token stops working at once. Admin on ``*``."""
+        auth.check_principal_name(name)
         self.actor.require("admin", "*", None, "remove principals")
         with self.engine.begin() as conn:
             conn.execute(grants.delete().where(grants.c.principal == name))
@@ -430,6 +498,7 @@ class Registry:
     def grant(self, principal: str, role: str, scope: str) -> dict[str, str]:
         """Give ``principal`` ``role`` on ``scope`` (``*``, NAMESPACE or NAMESPACE/NAME); admin on that scope."""
         auth.check_role(role)
+        auth.check_principal_name(principal)
         namespace, _, short = scope.partition("/")
         if scope != "*":
             parse_name(scope if short else f"{scope}/x")
@@ -442,5 +511,6 @@ class Registry:
         return {"principal": principal, "role": role, "scope": scope}
 
     def whoami(self) -> dict[str, Any]:
-        return {"name": self.actor.name, "grants": self.actor.grants, "owner": self.actor.owner}
+        return {"name": self.actor.name, "grants": self.actor.grants, "owner": self.actor.owner,
+                "token_expires_s": self.actor.expires_s}  # fmt: skip
 
