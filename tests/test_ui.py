@@ -214,6 +214,7 @@ def test_models_page_lists_models_versions_and_alias_history(tmp_path):
         page.goto(url + "/")
         page.click("text=Models")
         page.click("text=digits")
+        page.wait_for_selector("#versions tr >> nth=1")  # the model page has loaded
         versions = page.locator("#versions tr").all_inner_texts()
         aliases = page.locator("#aliases").inner_text()
         current = page.locator("#current-aliases").inner_text()
@@ -247,6 +248,7 @@ def test_the_models_page_reads_the_real_registry(tmp_path):
         page.goto(url + "/")
         page.click("text=Models")
         page.click("text=digits")
+        page.wait_for_selector("#versions tr >> nth=1")  # the model page has loaded
         versions = page.locator("#versions").inner_text()
         aliases = page.locator("#aliases").inner_text()
     # Assert
