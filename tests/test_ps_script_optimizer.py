@@ -55,3 +55,25 @@ def _by_param(cluster) -> dict:
     blocks = cluster.params()
     plan = cluster.servers[0].state.plan
     return {name: np.concatenate([blocks[b.key] for b in plan.blocks if b.param == name]) for name in plan.params}
+
+
+# ----------------------------------------------------------------------------------------- paddle
+@pytest.mark.paddle
+@pytest.mark.parametrize("name", ["sgd", "momentum_nesterov", "adam", "adamw_decay_fun", "rmsprop", "adagrad"])
+def test_paddle_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, name):
+    # Prepare: the plain script's result (its grad_clip included), then the same script through two shards
+    import hybridfleet.paddle as hf
+    import script_optim_paddle as p
+
+    ref = p.model()
+    opt, sched = p.make(name, ref)
+    p.train(ref, opt, sched, h.batches(0, h.TOTAL))
+    cluster = shards("paddle", shards=2)
+    m = p.model()
+    opt, sched = p.make(name, m)
+    # Execute
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    p.train(m, opt, sched, h.batches(0, h.TOTAL), ps=ps)
+    ps.close()
+    # Assert
+    h.assert_close(p.values(m), p.values(ref))

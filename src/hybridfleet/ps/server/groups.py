@@ -182,6 +182,10 @@ class _PaddleRunner:
                 hyper = dict(g["hyper"])
                 if "weight_decay" in hyper and desc["class"] != "AdamW":
                     hyper["weight_decay"] = self._regularizer(hyper["weight_decay"])
+                if hyper.pop("regularization_method", None) == "l2_decay":
+                    # Momentum folds L2 into its kernel and rebuilds these two from the group's weight_decay
+                    hyper["weight_decay"] = float(hyper["regularization_coeff"])
+                hyper.pop("regularization_coeff", None)
                 parameters.append({**hyper, "params": ts})
         old = self.opt
         self.opt = cls(learning_rate=float(desc["lr"]), parameters=parameters, grad_clip=None, **ctor)

@@ -134,8 +134,9 @@ class ParameterServerHandle(ABC):
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
         else:
             desc = self.reader.describe()
-            stepped = {n for g in desc["groups"] for n in g["params"]}
-            raw = self.reader.clip({n: p.grad for n, p in params.items() if n in stepped and p.grad is not None})
+            # in the optimizer's order: a global-norm clip sums in that order, as optimizer.step() does
+            stepped = [n for g in desc["groups"] for n in g["params"]]
+            raw = self.reader.clip({n: params[n].grad for n in stepped if params[n].grad is not None})
             from hybridfleet.ps.worker.optim_spec import encode
 
             grads = {n: self._to_numpy(g) for n, g in raw.items()}

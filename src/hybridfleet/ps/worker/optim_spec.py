@@ -123,11 +123,6 @@ class PaddleOptimizerReader:
         self.names_of = names_of
         self.params = params  # canonical name -> the script's paddle Parameter
         self.name = _checked_class(optimizer, "paddle")
-        clip = getattr(optimizer, "_grad_clip", None)
-        if clip is not None and type(clip).__name__ not in ("ClipGradByGlobalNorm", "ClipGradByNorm",
-                                                            "ClipGradByValue"):
-            raise UnsupportedOptimizer(f"grad_clip {type(clip).__name__}: the worker applies ClipGradByGlobalNorm, "
-                                       "ClipGradByNorm or ClipGradByValue")
         if getattr(optimizer, "_use_multi_tensor", False):
             raise UnsupportedOptimizer(f"paddle.optimizer.{self.name}(use_multi_tensor=True): the shards step their "
                                        "slices one by one; drop use_multi_tensor")
@@ -139,27 +134,41 @@ class PaddleOptimizerReader:
             return [(g["params"], {k: v for k, v in g.items() if k != "params"}) for g in entries]
         return [(list(entries), {})]
 
+    def _clips(self) -> list:
+        """Each group's grad_clip: paddle clips group by group (a global norm is a group's norm)
+        when the optimizer has parameter groups, all parameters at once otherwise."""
+        opt = self.optimizer
+        clips = [settings.get("grad_clip", opt._grad_clip) if settings else opt._grad_clip
+                 for _, settings in self._groups()]
+        for clip in clips:
+            if clip is not None and type(clip).__name__ not in ("ClipGradByGlobalNorm", "ClipGradByNorm",
+                                                                "ClipGradByValue"):
+                raise UnsupportedOptimizer(f"grad_clip {type(clip).__name__}: the worker applies "
+                                           "ClipGradByGlobalNorm, ClipGradByNorm or ClipGradByValue")
+        return clips
+
     def describe(self) -> dict:
         """The optimizer as it stands now: ``lr`` is ``get_lr()``, the schedule's current value."""
         opt = self.optimizer
         ctor = {k: _plain(v, f"optimizer {k!r}") for k, v in sorted(opt._default_dict.items())
                 if k in _PADDLE_CTOR_KEYS}
         if self.name == "AdamW":
-            ctor["weight_decay"] = _plain(opt._coeff, "optimizer weight_decay")
+            ctor["weight_decay"] = _plain(opt._weight_decay, "optimizer weight_decay")
+        elif self.name == "Momentum":  # Momentum folds an L2 weight_decay into its own kernel
+            l2 = opt._regularization_method == "l2_decay"
+            ctor["weight_decay"] = ["l2", float(opt._regularization_coeff)] if l2 else None
         else:
             ctor["weight_decay"] = _regularizer(getattr(opt, "regularization", None), "optimizer weight_decay")
         for flag in ("_amsgrad", "_multi_precision"):
             if hasattr(opt, flag):
                 ctor[flag.lstrip("_")] = bool(getattr(opt, flag))
+        self._clips()
         groups, attrs = [], {}
         for i, (params, settings) in enumerate(self._groups()):
             hyper = {}
             for k, v in sorted(settings.items()):
                 if k == "grad_clip":
-                    if v is not None and v is not opt._grad_clip:
-                        raise UnsupportedOptimizer(f"optimizer group {i}: a grad_clip of its own is not supported; "
-                                                   "set grad_clip on the optimizer")
-                    continue
+                    continue  # applied on the worker (see clip)
                 hyper[k] = (_regularizer(v, f"optimizer group {i} weight_decay")
                             if k == "weight_decay" and self.name != "AdamW" else _plain(v, f"optimizer group {i} {k!r}"))
             names = []
@@ -185,13 +194,16 @@ class PaddleOptimizerReader:
         return out
 
     def clip(self, grads: dict[str, Any]) -> dict[str, Any]:
-        """Apply the optimizer's ``grad_clip`` to the gradients about to be pushed (name -> paddle tensor)."""
-        clip = getattr(self.optimizer, "_grad_clip", None)
-        if clip is None or not grads:
-            return grads
-        names = list(grads)
-        clipped = clip([(self.params[n], grads[n]) for n in names])
-        return {n: g for n, (_, g) in zip(names, clipped)}
+        """Apply the optimizer's ``grad_clip`` to the gradients about to be pushed (name -> paddle tensor),
+        group by group and in the optimizer's order, as ``optimizer.step()`` does."""
+        out = dict(grads)
+        for (params, _), clip in zip(self._groups(), self._clips()):
+            names = [self.names_of[id(p)] for p in params if self.names_of.get(id(p)) in grads]
+            if clip is None or not names:
+                continue
+            clipped = clip([(self.params[n], grads[n]) for n in names])
+            out.update({n: g for n, (_, g) in zip(names, clipped)})
+        return out
 
 
 def reader_for(optimizer: Any, framework: str, params: dict[str, Any]):
