@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import paddle
 from paddle import nn
 
@@ -18,7 +20,10 @@ class Trio(nn.Layer):
                                  nn.Linear(4 * 2 * 2, CLASSES))
         self.emb = nn.Embedding(VOCAB, DIM)
         self.pos = self.create_parameter([SEQ, DIM], default_initializer=nn.initializer.Constant(0.0))
-        self.block = nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, attn_dropout=0.0, act_dropout=0.0)
+        # no biases: the key bias has a zero gradient in exact arithmetic (softmax is shift invariant),
+        # so float noise of one summation order or another would be all that trains it
+        self.block = nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, attn_dropout=0.0, act_dropout=0.0,
+                                                bias_attr=False)
 
     def loss(self, images, tokens, labels):
         f = nn.functional
@@ -79,12 +84,16 @@ def values(m: nn.Layer) -> dict:
     return {n: p.numpy().copy() for n, p in m.named_parameters()}
 
 
-def train(m, opt, sched, data, ps=None, on_step=None):
-    """The plain script's loop; with ``ps``, ``ps.step()`` replaces ``optimizer.step()``."""
+def train(m, opt, sched, data, ps=None, on_step=None, lock=None):
+    """The plain script's loop; with ``ps``, ``ps.step()`` replaces ``optimizer.step()``.
+
+    ``lock``: held around the forward and backward pass, for workers that are threads of one
+    process (paddle's eager autograd keeps per-process state)."""
     for i, (images, tokens, labels) in enumerate(data):
         if on_step is not None:
             on_step(i, m, opt)
-        m.loss(images, tokens, labels).backward()
+        with lock or contextlib.nullcontext():
+            m.loss(images, tokens, labels).backward()
         ps.step() if ps is not None else opt.step()
         opt.clear_grad()
         sched.step()

@@ -7,6 +7,8 @@ hybridfleet at all.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import script_optim_helpers as h
@@ -77,3 +79,144 @@ def test_paddle_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, nam
     ps.close()
     # Assert
     h.assert_close(p.values(m), p.values(ref))
+
+
+# ------------------------------------------------------------------------------- N workers (DDP)
+def _concat(parts):
+    import numpy as np
+
+    return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
+@pytest.mark.torch
+def test_torch_two_workers_bsp_match_one_process_on_the_concatenated_batches(shards):
+    # Prepare: one process on both workers' batches together (equal batch sizes: the mean of means)
+    import hybridfleet.torch as hf
+    import script_optim_torch as t
+
+    steps = 20
+    ref = t.model()
+    opt, sched = t.make("adamw_amsgrad", ref)
+    t.train(ref, opt, sched, map(_concat, zip(h.batches(1, steps), h.batches(2, steps))))
+    cluster = shards("torch", workers=2, shards=2)
+
+    def worker(rank):
+        m = t.model()
+        opt, sched = t.make("adamw_amsgrad", m)
+        ps = hf.connect(m, opt, config=cluster.config(rank))
+        t.train(m, opt, sched, h.batches(1 + rank, steps), ps=ps)
+        ps.close()
+        return t.values(m)
+
+    # Execute
+    got = h.run_workers(worker, 2)
+    # Assert
+    h.assert_close(got[0], t.values(ref))
+    h.assert_close(got[1], t.values(ref))
+
+
+@pytest.mark.paddle
+def test_paddle_two_workers_bsp_match_one_process_on_the_concatenated_batches(shards):
+    import hybridfleet.paddle as hf
+    import script_optim_paddle as p
+
+    steps = 20
+    ref = p.model()
+    opt, sched = p.make("momentum_nesterov", ref)
+    p.train(ref, opt, sched, map(_concat, zip(h.batches(1, steps), h.batches(2, steps))))
+    cluster = shards("paddle", workers=2, shards=2)
+    lock = threading.Lock()
+
+    def worker(rank):
+        with lock:
+            m = p.model()
+            opt, sched = p.make("momentum_nesterov", m)
+        ps = hf.connect(m, opt, config=cluster.config(rank))
+        p.train(m, opt, sched, h.batches(1 + rank, steps), ps=ps, lock=lock)
+        ps.close()
+        return p.values(m)
+
+    got = h.run_workers(worker, 2)
+    h.assert_close(got[0], p.values(ref))
+    h.assert_close(got[1], p.values(ref))
+
+
+# ---------------------------------------------------------------------------- freezing, unfreezing
+UNFREEZE_AT = 10
+
+
+@pytest.mark.torch
+def test_torch_frozen_stay_bit_identical_and_unfreezing_at_step_k_matches_the_plain_script(shards):
+    # Prepare: cnn.0 frozen throughout; mlp frozen until step k, then unfrozen with its own group
+    import numpy as np
+
+    import hybridfleet.torch as hf
+    import script_optim_torch as t
+
+    def build():
+        m = t.model()
+        for p in [*m.mlp.parameters(), *m.cnn[0].parameters()]:
+            p.requires_grad_(False)
+        return m, *t.make("adam", m)
+
+    def unfreezer(sched):
+        def unfreeze(i, m, opt):
+            if i == UNFREEZE_AT:  # the new group follows the schedule too
+                m.mlp.requires_grad_(True)
+                opt.add_param_group({"params": list(m.mlp.parameters()), "lr": 0.01, "weight_decay": 0.0,
+                                     "initial_lr": 0.01})
+                sched.base_lrs.append(0.01)
+                sched.lr_lambdas.append(h.warmup_cosine)
+        return unfreeze
+
+    ref, opt, sched = build()
+    frozen = {n: v for n, v in t.values(ref).items() if n.startswith("cnn.0.")}
+    t.train(ref, opt, sched, h.batches(3, 30), on_step=unfreezer(sched))
+    cluster = shards("torch", shards=2)
+    m, opt, sched = build()
+    unfreeze = unfreezer(sched)
+    # Execute
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    t.train(m, opt, sched, h.batches(3, 30), ps=ps, on_step=unfreeze)
+    ps.close()
+    # Assert: the plain script's result; frozen tensors bit for bit, on the worker and on the shards
+    got = t.values(m)
+    h.assert_close(got, t.values(ref))
+    on_shards = _by_param(cluster)
+    for n, v in frozen.items():
+        assert np.array_equal(got[n], v) and np.array_equal(on_shards[n].reshape(v.shape), v), n
+    assert not np.array_equal(got["mlp.0.weight"], t.values(t.model())["mlp.0.weight"])  # it did train
+
+
+@pytest.mark.paddle
+def test_paddle_frozen_stay_bit_identical_and_unfreezing_at_step_k_matches_the_plain_script(shards):
+    import numpy as np
+
+    import hybridfleet.paddle as hf
+    import script_optim_paddle as p
+
+    def build():
+        m = p.model()
+        for q in [*m.mlp.parameters(), *m.cnn[0].parameters()]:
+            q.stop_gradient = True
+        return m, *p.make("adamw_decay_fun", m)
+
+    def unfreeze(i, m, opt):
+        if i == UNFREEZE_AT:
+            for q in m.mlp.parameters():
+                q.stop_gradient = False
+
+    ref, opt, sched = build()
+    frozen = {n: v for n, v in p.values(ref).items() if n.startswith("cnn.0.")}
+    p.train(ref, opt, sched, h.batches(3, 30), on_step=unfreeze)
+    cluster = shards("paddle", shards=2)
+    m, opt, sched = build()
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    p.train(m, opt, sched, h.batches(3, 30), ps=ps, on_step=unfreeze)
+    ps.close()
+    got = p.values(m)
+    h.assert_close(got, p.values(ref))
+    on_shards = _by_param(cluster)
+    for n, v in frozen.items():
+        assert np.array_equal(got[n], v) and np.array_equal(on_shards[n].reshape(v.shape), v), n
+    assert not np.array_equal(got["mlp.0.weight"], p.values(p.model())["mlp.0.weight"])
