@@ -220,3 +220,149 @@ def test_paddle_frozen_stay_bit_identical_and_unfreezing_at_step_k_matches_the_p
     for n, v in frozen.items():
         assert np.array_equal(got[n], v) and np.array_equal(on_shards[n].reshape(v.shape), v), n
     assert not np.array_equal(got["mlp.0.weight"], p.values(p.model())["mlp.0.weight"])
+
+
+# ------------------------------------------------------------------------------------- refusals
+def _raw_clients(cluster, n: int = 2):
+    """Joined clients of workers a-0 .. a-(n-1) on a model of two tensors, initialised by a-0."""
+    import numpy as np
+
+    from hybridfleet.ps.worker.client import PSClient
+    from hybridfleet.ps.wire.sharding import ParamSpec
+
+    clients = []
+    for rank in range(n):
+        cfg = cluster.config(rank)
+        c = PSClient(cfg.servers, cfg.security, cfg.worker_id, "a", rank, retry_timeout_s=2.0)
+        c.join([ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))], cluster.spec.ps.block_size_bytes,
+               "none", "torch")
+        clients.append(c)
+    init = {"fc.weight": np.arange(12, dtype="<f4") / 10, "fc.bias": np.ones(4, "<f4")}
+    clients[0].push({k: v.tobytes() for k, v in init.items()}, codec="none", kind="INIT")
+    for c in clients:
+        c.pull(full=True)
+    return clients
+
+
+def _torch_description(lr: float) -> str:
+    import torch
+
+    from hybridfleet.ps.worker.optim_spec import encode, reader_for
+
+    params = {"fc.weight": torch.nn.Parameter(torch.zeros(4, 3)), "fc.bias": torch.nn.Parameter(torch.zeros(4))}
+    opt = torch.optim.AdamW([{"params": [params["fc.weight"]]}, {"params": [params["fc.bias"]], "weight_decay": 0}],
+                            lr=lr)
+    return encode(reader_for(opt, "torch", params).describe())
+
+
+def _gradient():
+    import numpy as np
+
+    from hybridfleet.codec import get_codec
+
+    codec = get_codec("none")
+    return {"fc.weight": codec.encode(np.full(12, 0.5, "<f4")), "fc.bias": codec.encode(np.full(4, 0.5, "<f4"))}
+
+
+@pytest.mark.torch
+def test_a_push_whose_hyperparameters_differ_from_the_rounds_is_refused_naming_them_and_nothing_changes(shards):
+    # Prepare: a-0 pushed round 0 with lr 0.1
+    import grpc
+
+    cluster = shards("torch", workers=2)
+    a0, a1 = _raw_clients(cluster)
+    a0.push(_gradient(), codec="none", base_versions=[0], optimizer_json=_torch_description(0.1))
+    before = cluster.params()
+    # Execute: a-1 pushes the same round with lr 0.2
+    with pytest.raises(grpc.RpcError) as err:
+        a1.push(_gradient(), codec="none", base_versions=[0], optimizer_json=_torch_description(0.2))
+    # Assert: the message names the setting and both values; nothing changed
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "groups[0].hyper.lr: 0.2 != 0.1" in err.value.details()
+    assert "groups[1].hyper.lr: 0.2 != 0.1" in err.value.details() and "a-0" in err.value.details()
+    status = cluster.status()[0]
+    assert status["version"] == 0 and status["members"]["a-1"]["clock"] == 0
+    assert all((cluster.params()[k] == v).all() for k, v in before.items())
+    # and the round still closes once a-1 pushes with the agreed settings
+    a1.clock -= 1  # the refused push did not count
+    a1.push(_gradient(), codec="none", base_versions=[0], optimizer_json=_torch_description(0.1))
+    assert cluster.status()[0]["version"] == 1
+    for c in (a0, a1):
+        c.close()
+
+
+@pytest.mark.torch
+def test_a_push_naming_an_optimizer_class_the_shards_do_not_run_is_refused_and_nothing_changes(shards):
+    import json
+
+    import grpc
+
+    cluster = shards("torch", workers=1)
+    (a0,) = _raw_clients(cluster, 1)
+    desc = json.loads(_torch_description(0.1))
+    desc["class"] = "LBFGS"
+    before = cluster.params()
+    with pytest.raises(grpc.RpcError) as err:
+        a0.push(_gradient(), codec="none", base_versions=[0], optimizer_json=json.dumps(desc))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "optimizer class 'LBFGS' is not one the shards run" in err.value.details()
+    status = cluster.status()[0]
+    assert status["version"] == 0 and status["members"]["a-0"]["clock"] == 0
+    assert all((cluster.params()[k] == v).all() for k, v in before.items())
+    a0.close()
+
+
+@pytest.mark.torch
+def test_connect_refuses_a_torch_optimizer_the_shards_cannot_run_before_joining(shards):
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.ps.worker.optim_spec import UnsupportedOptimizer
+
+    cluster = shards("torch")
+    m = torch.nn.Linear(3, 2)
+    with pytest.raises(UnsupportedOptimizer, match=r"optimizer torch\.optim\.lbfgs\.LBFGS: the shards run "
+                                                   r"torch\.optim\.SGD, .*set ps\.optimizer in the job file"):
+        hf.connect(m, torch.optim.LBFGS(m.parameters()), config=cluster.config(0))
+    status = cluster.status()[0]
+    assert status["members"] == {} and not status["initialized"]
+
+
+@pytest.mark.paddle
+def test_connect_refuses_a_paddle_optimizer_the_shards_cannot_run_before_joining(shards):
+    import paddle
+
+    import hybridfleet.paddle as hf
+    from hybridfleet.ps.worker.optim_spec import UnsupportedOptimizer
+
+    cluster = shards("paddle")
+    m = paddle.nn.Linear(3, 2)
+    with pytest.raises(UnsupportedOptimizer, match=r"optimizer paddle\.optimizer\.lamb\.Lamb: the shards run "
+                                                   r"paddle\.optimizer\.SGD, .*set ps\.optimizer"):
+        hf.connect(m, paddle.optimizer.Lamb(parameters=m.parameters()), config=cluster.config(0))
+    status = cluster.status()[0]
+    assert status["members"] == {} and not status["initialized"]
+
+
+@pytest.mark.torch
+def test_an_explicit_ps_optimizer_overrides_the_scripts_and_says_so(shards, capsys):
+    # Prepare: the job file sets ps.optimizer (sgd, lr 0.5); the script builds Adam
+    import numpy as np
+    import torch
+
+    import hybridfleet.torch as hf
+
+    cluster = shards("torch", optimizer={"name": "sgd", "lr": 0.5})
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    w0 = m.weight.detach().numpy().copy()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    # Execute
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    m(torch.ones(1, 3)).sum().backward()
+    ps.step()
+    ps.close()
+    # Assert: plain SGD with the job's lr was applied (d sum / d weight = 1 everywhere), and logged
+    np.testing.assert_allclose(m.weight.detach().numpy(), w0 - 0.5, rtol=0, atol=1e-6)
+    assert ps.reader is None
+    assert "script_optimizer_overridden" in capsys.readouterr().err
