@@ -366,3 +366,17 @@ def test_an_explicit_ps_optimizer_overrides_the_scripts_and_says_so(shards, caps
     np.testing.assert_allclose(m.weight.detach().numpy(), w0 - 0.5, rtol=0, atol=1e-6)
     assert ps.reader is None
     assert "script_optimizer_overridden" in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_connect_refuses_the_scripts_adam_with_a_sparse_codec_before_joining(shards):
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.errors import SpecError
+
+    cluster = shards("torch", compression={"codec": "topk", "ratio": 0.1})
+    m = torch.nn.Linear(3, 2)
+    with pytest.raises(SpecError, match=r"the shards would apply the script's AdamW with codec 'topk'.*sync: local"):
+        hf.connect(m, torch.optim.AdamW(m.parameters()), config=cluster.config(0))
+    assert cluster.status()[0]["members"] == {}

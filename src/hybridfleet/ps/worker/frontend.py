@@ -91,9 +91,18 @@ class ParameterServerHandle(ABC):
             log.info("script_optimizer_overridden", optimizer=job.ps.optimizer.name,
                      reason="a job mixing frameworks applies ps.optimizer on the shards")
             return None
-        from hybridfleet.ps.worker.optim_spec import reader_for
+        from hybridfleet.ps.worker.optim_spec import ADAPTIVE_CLASSES, reader_for
+        from hybridfleet.spec.rules import ADAPTIVE_UNSAFE_CODECS
 
-        return reader_for(optimizer, self.framework, params)
+        reader = reader_for(optimizer, self.framework, params)
+        codec = job.ps.compression.codec
+        if reader.name in ADAPTIVE_CLASSES and codec in ADAPTIVE_UNSAFE_CODECS:
+            # the same measurement as the job-file rule (hybridfleet.spec.rules): the compressed downlink
+            # of an optimizer that moves every coordinate every step lags behind the shards' values
+            raise SpecError(f"ps.compression.codec: the shards would apply the script's {reader.name} with codec "
+                            f"{codec!r}, which trains a poor model without failing; use sync: local (the script's "
+                            f"{reader.name} as the inner optimizer), or codec int8/fp16, or SGD in the script")
+        return reader
 
     # framework specifics --------------------------------------------------
     @abstractmethod
