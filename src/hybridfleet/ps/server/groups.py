@@ -104,6 +104,20 @@ class ScriptOptimizer:
         groups = [[k for name in g["params"] for k in by_param.get(name, [])] for g in desc["groups"]]
         self._runner.step(params, grads, desc, groups, self.block_param)
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The optimizer's state per key, ``"<key>/<slot>"`` -> array (for the shard's snapshots)."""
+        return self._runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """State from a snapshot; it is put in place on the next step, when the optimizer is built."""
+        pending: dict[str, dict[str, np.ndarray]] = {}
+        for name, value in state.items():
+            key, _, slot = name.rpartition("/")
+            if key not in self.block_param or not slot:
+                raise ValueError(f"script optimizer state entry {name!r}: not '<key>/<slot>' of this shard's keys")
+            pending.setdefault(key, {})[slot] = np.array(value, copy=True)
+        self._runner.pending = pending
+
 
 def _torch_hyper(hyper: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()}
@@ -117,6 +131,15 @@ class _TorchRunner:
         self.tensors: dict[str, Any] = {}
         self.opt = None
         self.cls = None
+        self.pending: dict[str, dict[str, np.ndarray]] = {}  # state from a snapshot, per key
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = {}
+        for key, t in sorted(self.tensors.items()):
+            for slot, value in (self.opt.state.get(t, {}) if self.opt is not None else {}).items():
+                if isinstance(value, self.torch.Tensor):
+                    out[f"{key}/{slot}"] = value.detach().numpy().copy()
+        return out
 
     def step(self, params, grads, desc, groups, block_param) -> None:
         torch = self.torch
@@ -131,6 +154,9 @@ class _TorchRunner:
             t.grad = None if g is None else torch.from_numpy(g if g.flags.writeable else g.copy())
         self.opt.param_groups = [{**_torch_hyper(g["hyper"]), "params": [self.tensors[k] for k in keys]}
                                  for g, keys in zip(desc["groups"], groups)]
+        for key, slots in self.pending.items():
+            self.opt.state[self.tensors[key]] = {slot: torch.from_numpy(v) for slot, v in slots.items()}
+        self.pending = {}
         with torch.no_grad():
             self.opt.step()
         for t in self.tensors.values():
@@ -145,6 +171,26 @@ class _PaddleRunner:
         self.tensors: dict[str, Any] = {}
         self.opt = None
         self.structure: str | None = None
+        self.pending: dict[str, dict[str, np.ndarray]] = {}  # state from a snapshot, per key
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        if self.opt is None:
+            return {}
+        by_name = {p.name: key for key, p in self.tensors.items()}
+        return {f"{by_name[name]}/{slot}": t.numpy().copy()
+                for slot, per_param in sorted(self.opt._accumulators.items())
+                for name, t in sorted(per_param.items()) if name in by_name}
+
+    def _restore_pending(self) -> None:
+        from paddle.base import framework
+
+        params = [self.tensors[k] for k in sorted(self.pending)]
+        self.opt._create_accumulators(framework.default_main_program().global_block(), params)
+        for key, slots in self.pending.items():
+            name = self.tensors[key].name
+            for slot, value in slots.items():
+                self.opt._accumulators[slot][name].set_value(value)
+        self.pending = {}
 
     def _param(self, key: str, arr: np.ndarray):
         p = self.tensors.get(key)
@@ -209,6 +255,8 @@ class _PaddleRunner:
         if structure != self.structure:
             self._build(desc, groups, block_param)
             self.structure = structure
+        if self.pending:
+            self._restore_pending()
         self.opt.set_lr(float(desc["lr"]))
         stepped = [k for k in params if k in grads]
         for key, p in self.tensors.items():

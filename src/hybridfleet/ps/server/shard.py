@@ -447,13 +447,16 @@ class ShardState:
                                          f"round {self.version}: {'; '.join(found[:8])}; nothing changed "
                                          "(every worker must build the same optimizer and schedule)")
 
+    def new_script_optimizer(self) -> ScriptOptimizer:
+        """A fresh runner of the script's optimizer over this shard's keys (plan fixed)."""
+        return ScriptOptimizer(self.flavour, {b.key: b.param for b in self.plan.blocks_for_shard(self.shard)})
+
     def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
         or with the job's ``ps.optimizer``."""
         if desc is not None:
             if self.script_optimizer is None:
-                self.script_optimizer = ScriptOptimizer(self.flavour, {b.key: b.param for b in
-                                                                       self.plan.blocks_for_shard(self.shard)})
+                self.script_optimizer = self.new_script_optimizer()
             self.script_optimizer.step(self.params, grads, desc)
         else:
             for key, grad in grads.items():
