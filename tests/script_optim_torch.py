@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -66,12 +68,14 @@ def values(m: nn.Module) -> dict:
     return {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
 
 
-def train(m, opt, sched, data, ps=None, on_step=None):
-    """The plain script's loop; with ``ps``, ``ps.step()`` replaces ``optimizer.step()``."""
+def train(m, opt, sched, data, ps=None, on_step=None, lock=None):
+    """The plain script's loop; with ``ps``, ``ps.step()`` replaces ``optimizer.step()``
+    (``lock``: held around the forward and backward pass)."""
     for i, (images, tokens, labels) in enumerate(data):
         if on_step is not None:
             on_step(i, m, opt)
         opt.zero_grad(set_to_none=True)
-        m.loss(images, tokens, labels).backward()
+        with lock or contextlib.nullcontext():
+            m.loss(images, tokens, labels).backward()
         ps.step() if ps is not None else opt.step()
         sched.step()

@@ -29,27 +29,37 @@ def shards(tmp_path):
         s.stop()
 
 
-# ------------------------------------------------------------------------------------------ torch
-@pytest.mark.torch
-@pytest.mark.parametrize("name", ["sgd_nesterov", "sgd_dampening", "adam", "adamw_amsgrad", "rmsprop", "adagrad"])
-def test_torch_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, name):
-    # Prepare: the plain script's result, then the same script through two shards
-    import hybridfleet.torch as hf
-    import script_optim_torch as t
+TORCH_OPTIMIZERS = ["sgd_nesterov", "sgd_dampening", "adam", "adamw_amsgrad", "rmsprop", "adagrad"]
+PADDLE_OPTIMIZERS = ["sgd", "momentum_nesterov", "adam", "adamw_decay_fun", "rmsprop", "adagrad"]
+CASES = ([pytest.param("torch", n, marks=pytest.mark.torch, id=f"torch-{n}") for n in TORCH_OPTIMIZERS]
+         + [pytest.param("paddle", n, marks=pytest.mark.paddle, id=f"paddle-{n}") for n in PADDLE_OPTIMIZERS])
 
-    ref = t.model()
-    opt, sched = t.make(name, ref)
-    t.train(ref, opt, sched, h.batches(0, h.TOTAL))
-    cluster = shards("torch", shards=2)
-    m = t.model()
-    opt, sched = t.make(name, m)
+
+def _framework(name: str):
+    """(the script's helpers, the hybridfleet adapter) of one framework."""
+    import importlib
+
+    return importlib.import_module(f"script_optim_{name}"), importlib.import_module(f"hybridfleet.{name}")
+
+
+@pytest.mark.parametrize("framework, name", CASES)
+def test_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, framework, name):
+    # Prepare: the plain script's result (paddle's grad_clip included), then the same script through two shards
+    f, hf = _framework(framework)
+    ref = f.model()
+    opt, sched = f.make(name, ref)
+    f.train(ref, opt, sched, h.batches(0, h.TOTAL))
+    cluster = shards(framework, shards=2)
+    m = f.model()
+    opt, sched = f.make(name, m)
     # Execute
     ps = hf.connect(m, opt, config=cluster.config(0))
-    t.train(m, opt, sched, h.batches(0, h.TOTAL), ps=ps)
+    f.train(m, opt, sched, h.batches(0, h.TOTAL), ps=ps)
     ps.close()
     # Assert: the model, and the shards' own copy, match the plain script
-    h.assert_close(t.values(m), t.values(ref))
-    h.assert_close({k: v.reshape(t.values(m)[k].shape) for k, v in _by_param(cluster).items()}, t.values(ref))
+    want = f.values(ref)
+    h.assert_close(f.values(m), want)
+    h.assert_close({k: v.reshape(want[k].shape) for k, v in _by_param(cluster).items()}, want)
 
 
 def _by_param(cluster) -> dict:
@@ -60,28 +70,6 @@ def _by_param(cluster) -> dict:
     return {name: np.concatenate([blocks[b.key] for b in plan.blocks if b.param == name]) for name in plan.params}
 
 
-# ----------------------------------------------------------------------------------------- paddle
-@pytest.mark.paddle
-@pytest.mark.parametrize("name", ["sgd", "momentum_nesterov", "adam", "adamw_decay_fun", "rmsprop", "adagrad"])
-def test_paddle_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, name):
-    # Prepare: the plain script's result (its grad_clip included), then the same script through two shards
-    import hybridfleet.paddle as hf
-    import script_optim_paddle as p
-
-    ref = p.model()
-    opt, sched = p.make(name, ref)
-    p.train(ref, opt, sched, h.batches(0, h.TOTAL))
-    cluster = shards("paddle", shards=2)
-    m = p.model()
-    opt, sched = p.make(name, m)
-    # Execute
-    ps = hf.connect(m, opt, config=cluster.config(0))
-    p.train(m, opt, sched, h.batches(0, h.TOTAL), ps=ps)
-    ps.close()
-    # Assert
-    h.assert_close(p.values(m), p.values(ref))
-
-
 # ------------------------------------------------------------------------------- N workers (DDP)
 def _concat(parts):
     import numpy as np
@@ -89,57 +77,32 @@ def _concat(parts):
     return tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
 
-@pytest.mark.torch
-def test_torch_two_workers_bsp_match_one_process_on_the_concatenated_batches(shards):
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
+def test_two_workers_bsp_match_one_process_on_the_concatenated_batches(shards, framework, name):
     # Prepare: one process on both workers' batches together (equal batch sizes: the mean of means)
-    import hybridfleet.torch as hf
-    import script_optim_torch as t
-
+    f, hf = _framework(framework)
     steps = 20
-    ref = t.model()
-    opt, sched = t.make("adamw_amsgrad", ref)
-    t.train(ref, opt, sched, map(_concat, zip(h.batches(1, steps), h.batches(2, steps))))
-    cluster = shards("torch", workers=2, shards=2)
+    ref = f.model()
+    opt, sched = f.make(name, ref)
+    f.train(ref, opt, sched, map(_concat, zip(h.batches(1, steps), h.batches(2, steps))))
+    cluster = shards(framework, workers=2, shards=2)
+    lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
 
     def worker(rank):
-        m = t.model()
-        opt, sched = t.make("adamw_amsgrad", m)
+        with lock:
+            m = f.model()
+            opt, sched = f.make(name, m)
         ps = hf.connect(m, opt, config=cluster.config(rank))
-        t.train(m, opt, sched, h.batches(1 + rank, steps), ps=ps)
+        f.train(m, opt, sched, h.batches(1 + rank, steps), ps=ps, lock=lock)
         ps.close()
-        return t.values(m)
+        return f.values(m)
 
     # Execute
     got = h.run_workers(worker, 2)
     # Assert
-    h.assert_close(got[0], t.values(ref))
-    h.assert_close(got[1], t.values(ref))
-
-
-@pytest.mark.paddle
-def test_paddle_two_workers_bsp_match_one_process_on_the_concatenated_batches(shards):
-    import hybridfleet.paddle as hf
-    import script_optim_paddle as p
-
-    steps = 20
-    ref = p.model()
-    opt, sched = p.make("momentum_nesterov", ref)
-    p.train(ref, opt, sched, map(_concat, zip(h.batches(1, steps), h.batches(2, steps))))
-    cluster = shards("paddle", workers=2, shards=2)
-    lock = threading.Lock()
-
-    def worker(rank):
-        with lock:
-            m = p.model()
-            opt, sched = p.make("momentum_nesterov", m)
-        ps = hf.connect(m, opt, config=cluster.config(rank))
-        p.train(m, opt, sched, h.batches(1 + rank, steps), ps=ps, lock=lock)
-        ps.close()
-        return p.values(m)
-
-    got = h.run_workers(worker, 2)
-    h.assert_close(got[0], p.values(ref))
-    h.assert_close(got[1], p.values(ref))
+    h.assert_close(got[0], f.values(ref))
+    h.assert_close(got[1], f.values(ref))
 
 
 # ---------------------------------------------------------------------------- freezing, unfreezing
