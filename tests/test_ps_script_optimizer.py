@@ -255,8 +255,26 @@ def test_a_push_whose_hyperparameters_differ_from_the_rounds_is_refused_naming_t
         c.close()
 
 
+def _set(path, value):
+    def change(desc):
+        target = desc
+        for p in path[:-1]:
+            target = target[p]
+        target[path[-1]] = value
+    return change
+
+
 @pytest.mark.torch
-def test_a_push_naming_an_optimizer_class_the_shards_do_not_run_is_refused_and_nothing_changes(shards):
+@pytest.mark.parametrize("change, message", [
+    (_set(["class"], "LBFGS"), "optimizer class 'LBFGS' is not one the shards run"),
+    (_set(["groups", 0, "hyper", "lr"], "fast"), "optimizer group 0 'lr': must be a number >= 0 (got 'fast')"),
+    (_set(["groups", 0, "hyper", "lr"], -1.0), "optimizer group 0 'lr': must be a number >= 0 (got -1.0)"),
+    (_set(["groups", 1, "hyper", "betas"], [0.9, 1.5]), "optimizer group 1: Invalid beta parameter at index 1"),
+    (_set(["groups", 0, "hyper", "foreach"], {"x": 1}), "optimizer group 0 'foreach': {'x': 1} is not a plain"),
+    (_set(["groups", 0, "params"], ["fc.weight", "fc.other"]), "names parameters the job does not have: fc.other"),
+    (_set(["framework"], "paddle"), "optimizer description is for 'paddle'; this job trains with torch"),
+], ids=["class", "lr-type", "lr-negative", "betas", "nested", "unknown-param", "framework"])
+def test_a_push_with_an_optimizer_the_shards_cannot_run_is_refused_and_nothing_changes(shards, change, message):
     import json
 
     import grpc
@@ -264,12 +282,12 @@ def test_a_push_naming_an_optimizer_class_the_shards_do_not_run_is_refused_and_n
     cluster = shards("torch", workers=1)
     (a0,) = _raw_clients(cluster, 1)
     desc = json.loads(_torch_description(0.1))
-    desc["class"] = "LBFGS"
+    change(desc)
     before = cluster.params()
     with pytest.raises(grpc.RpcError) as err:
         a0.push(_gradient(), codec="none", base_versions=[0], optimizer_json=json.dumps(desc))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "optimizer class 'LBFGS' is not one the shards run" in err.value.details()
+    assert message in err.value.details()
     status = cluster.status()[0]
     assert status["version"] == 0 and status["members"]["a-0"]["clock"] == 0
     assert all((cluster.params()[k] == v).all() for k, v in before.items())

@@ -18,6 +18,7 @@ docs/wan-training.md ("The script's optimizer on the shards").
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,55 @@ def parse_description(text: str, flavour: str, known_params: set[str]) -> dict |
         seen.update(g["params"])
     if not isinstance(desc["ctor"], dict) or not isinstance(desc["param_attrs"], dict):
         raise Reject("INVALID_ARGUMENT", "optimizer ctor and param_attrs must be objects")
+    if flavour == "paddle" and not _is_number(desc["lr"]):
+        raise Reject("INVALID_ARGUMENT", f"optimizer lr: must be a number >= 0 (got {desc['lr']!r})")
+    for where, settings in [("ctor", desc["ctor"]), *((f"group {i}", g["hyper"]) for i, g in enumerate(groups)),
+                            *((f"parameter {n}", a) for n, a in desc["param_attrs"].items())]:
+        _check_settings(where, settings)
+    if flavour == "torch":
+        _trial_torch(desc["class"], groups)
     return desc
+
+
+_RATES = {"lr", "learning_rate", "lr_mult", "lr_ratio", "weight_decay", "eps", "epsilon", "momentum",
+          "dampening", "rho", "alpha", "lr_decay", "initial_lr", "beta1", "beta2"}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_settings(where: str, settings: Any) -> None:
+    """Hyperparameters are plain values: numbers, flags, None, short lists of numbers; rates are >= 0."""
+    if not isinstance(settings, dict):
+        raise Reject("INVALID_ARGUMENT", f"optimizer {where}: settings must be an object")
+    for key, value in settings.items():
+        if key in _RATES and not (_is_number(value) or (key == "weight_decay" and _is_regularizer(value))):
+            raise Reject("INVALID_ARGUMENT", f"optimizer {where} {key!r}: must be a number >= 0 (got {value!r})")
+        plain = value is None or isinstance(value, (bool, str)) or _is_number(value) or _is_regularizer(value)
+        numbers = isinstance(value, list) and len(value) <= 8 and all(_is_number(v) for v in value)
+        if not (plain or numbers or (isinstance(value, float) and math.isfinite(value))):
+            raise Reject("INVALID_ARGUMENT", f"optimizer {where} {key!r}: {value!r} is not a plain setting")
+
+
+def _is_regularizer(value: Any) -> bool:
+    return (value is None or (isinstance(value, list) and len(value) == 2 and value[0] in ("l1", "l2")
+                              and _is_number(value[1])))
+
+
+def _trial_torch(name: str, groups: list) -> None:
+    """torch's own checks of each group's settings (ranges of lr, betas, eps ...), on a scratch tensor."""
+    import inspect
+
+    import torch
+
+    cls = getattr(torch.optim, name)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    for i, g in enumerate(groups):
+        try:
+            cls([torch.zeros(1)], **{k: v for k, v in _torch_hyper(g["hyper"]).items() if k in accepted})
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise Reject("INVALID_ARGUMENT", f"optimizer group {i}: {err}") from None
 
 
 def differences(a: dict, b: dict) -> list[str]:
