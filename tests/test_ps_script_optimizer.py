@@ -62,6 +62,23 @@ def test_one_worker_bsp_matches_the_plain_script_for_50_steps(shards, framework,
     h.assert_close({k: v.reshape(want[k].shape) for k, v in _by_param(cluster).items()}, want)
 
 
+@pytest.mark.parametrize("sync", ["ssp", "asp"])
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "adamw_decay_fun", marks=pytest.mark.paddle)])
+def test_one_worker_in_ssp_and_asp_also_matches_the_plain_script(shards, framework, name, sync):
+    f, hf = _framework(framework)
+    ref = f.model()
+    opt, sched = f.make(name, ref)
+    f.train(ref, opt, sched, h.batches(4, 20))
+    cluster = shards(framework, sync=sync)
+    m = f.model()
+    opt, sched = f.make(name, m)
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    f.train(m, opt, sched, h.batches(4, 20), ps=ps)
+    ps.close()
+    h.assert_close(f.values(m), f.values(ref))
+
+
 def _by_param(cluster) -> dict:
     import numpy as np
 
