@@ -417,3 +417,25 @@ def test_the_script_optimizers_state_survives_a_snapshot_round_trip_bit_for_bit(
         assert np.array_equal(params[k], copy[k]), k
     with pytest.raises(ValueError, match="not '<key>/<slot>' of this shard's keys"):
         second.load_state_dict({"other/exp_avg": np.zeros(6, np.float32)})
+
+
+@pytest.mark.torch
+def test_a_shard_whose_keys_all_lack_a_gradient_still_closes_the_round_and_steps_nothing(shards):
+    # Prepare: two shards, one tensor each; only shard 0's tensor has a gradient
+    import numpy as np
+
+    cluster = shards("torch", shards=2)
+    (a0,) = _raw_clients(cluster, 1)
+    on_shard = {b.shard: b.key for b in a0.plan.blocks}
+    assert len(on_shard) == 2
+    before = cluster.params()
+    # Execute
+    a0.push({on_shard[0]: _gradient()[on_shard[0]]}, codec="none", base_versions=[0, 0],
+            optimizer_json=_torch_description(0.1))
+    a0.pull(wait_for_versions=[1, 1], timeout_s=10)
+    # Assert: both rounds closed; only the tensor with a gradient moved
+    after = cluster.params()
+    assert [s["version"] for s in cluster.status()] == [1, 1]
+    assert not np.array_equal(after[on_shard[0]], before[on_shard[0]])
+    assert np.array_equal(after[on_shard[1]], before[on_shard[1]])
+    a0.close()
