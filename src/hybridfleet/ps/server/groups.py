@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hybridfleet.ps.wire.reject import Reject
-from hybridfleet.ps.worker.optim_spec import CLASSES
+from hybridfleet.ps.wire.optimizers import CLASSES
 
 MAX_DESCRIPTION_BYTES = 4 << 20
 _TOP_KEYS = {"framework", "class", "lr", "ctor", "groups", "param_attrs"}

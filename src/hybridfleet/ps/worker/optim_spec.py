@@ -27,11 +27,10 @@ import json
 import math
 from typing import Any
 
-TORCH_CLASSES = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta")
-PADDLE_CLASSES = ("SGD", "Momentum", "Adam", "AdamW", "RMSProp", "Adagrad", "Adamax", "Adadelta")
-CLASSES = {"torch": TORCH_CLASSES, "paddle": PADDLE_CLASSES}
-# optimizers that move every coordinate every step (refused with sparse codecs, see spec.rules)
-ADAPTIVE_CLASSES = ("Adam", "AdamW", "RMSprop", "RMSProp", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta")
+from hybridfleet.ps.wire.optimizers import ADAPTIVE_CLASSES, CLASSES, PADDLE_CLASSES, TORCH_CLASSES
+
+__all__ = ["ADAPTIVE_CLASSES", "CLASSES", "PADDLE_CLASSES", "TORCH_CLASSES", "UnsupportedOptimizer", "encode",
+           "reader_for"]
 
 
 class UnsupportedOptimizer(ValueError):
