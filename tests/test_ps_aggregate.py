@@ -38,6 +38,25 @@ def test_every_rule_treats_a_leaders_sum_as_the_mean_of_its_workers(make):
 
 
 @pytest.mark.parametrize("make", RULES)
+def test_every_rule_counts_a_key_a_contributor_left_out_as_zeros(make):
+    # a key without a gradient is left out of a push; the round treats it as zeros, as DDP does
+    full, partial, zeros = make(), make(), make()
+    a = {"w": np.array([1.0, -2.0], np.float32), "b": np.array([3.0], np.float32)}
+    b = {"w": np.array([0.5, 4.0], np.float32)}
+    full.add("x", a)
+    full.add("y", {**b, "b": np.zeros(1, np.float32)})
+    partial.add("x", a)
+    partial.add("y", b)
+    want = full.result()
+    got = partial.result()
+    assert set(got) == {"w", "b"}
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    zeros.add("x", {})
+    assert zeros.result() == {}
+
+
+@pytest.mark.parametrize("make", RULES)
 def test_every_rule_refuses_a_second_contribution_and_keeps_the_first(make):
     rnd = make()
     rnd.add("a", {"w": np.ones(3, dtype=np.float32)})

@@ -20,7 +20,7 @@ paddle.set_device("cpu")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", default="128", help="hidden layer widths, e.g. 2048,512 for a 1.2M-parameter model")
-parser.add_argument("--lr", type=float, default=0.003, help="inner Adam learning rate (ps.sync: local)")
+parser.add_argument("--lr", type=float, default=0.003, help="Adam learning rate (unless the job sets ps.optimizer)")
 args = parser.parse_args()
 widths = [64, *(int(w) for w in args.hidden.split(",")), 10]
 
@@ -31,7 +31,7 @@ for d_in, d_out in zip(widths, widths[1:]):
     layers += [paddle.nn.Linear(d_in, d_out), paddle.nn.ReLU()]
 model = paddle.nn.Sequential(*layers[:-1])
 
-# the shards apply ps.optimizer; with ps.sync: local this Adam takes the inner steps
+# the shards apply this Adam (a ps.optimizer in the job file overrides it); with ps.sync: local it takes the inner steps
 optimizer = paddle.optimizer.Adam(learning_rate=args.lr, parameters=model.parameters())
 ps = hf.connect(model, optimizer)
 

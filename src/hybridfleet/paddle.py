@@ -15,7 +15,8 @@ class PaddleParameterServer(ParameterServerHandle):
     framework = "paddle"
 
     def _named_parameters(self) -> dict[str, Any]:
-        return {n: p for n, p in self.model.named_parameters() if not p.stop_gradient}
+        # frozen ones too: they stay part of the job (unchanged while they have no gradient)
+        return dict(self.model.named_parameters())
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().cpu().astype("float32").numpy()
@@ -33,6 +34,7 @@ class PaddleParameterServer(ParameterServerHandle):
 def connect(model: "paddle.nn.Layer", optimizer: Any = None, config: WorkerConfig | None = None) -> PaddleParameterServer:
     """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``.
 
-    ``optimizer`` is the inner optimizer of ``ps.sync: local`` (required there); the shards' optimizer
-    applies the updates in the other modes."""
+    ``optimizer``: the script's optimizer; the shards apply it (class, groups, hyperparameters, each
+    step's learning rates, grad_clip on this worker) unless the job sets ``ps.optimizer``; in
+    ``ps.sync: local`` it is the inner optimizer (required there)."""
     return PaddleParameterServer(model, config, optimizer)

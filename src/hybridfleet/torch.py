@@ -15,7 +15,8 @@ class TorchParameterServer(ParameterServerHandle):
     framework = "torch"
 
     def _named_parameters(self) -> dict[str, Any]:
-        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        # frozen ones too: they stay part of the job (unchanged while they have no gradient)
+        return dict(self.model.named_parameters())
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float32).numpy()
@@ -27,6 +28,12 @@ class TorchParameterServer(ParameterServerHandle):
                 p = params[name]
                 p.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(p.device, p.dtype))
 
+    def step(self) -> None:
+        super().step()
+        if self.optimizer is not None:
+            # the shards stepped the script's optimizer: a scheduler stepped next must not warn that it was not
+            self.optimizer._opt_called = True
+
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
@@ -34,6 +41,7 @@ class TorchParameterServer(ParameterServerHandle):
 def connect(model: "torch.nn.Module", optimizer: Any = None, config: WorkerConfig | None = None) -> TorchParameterServer:
     """Join the job this process was started for (``HFLEET_*`` variables) and load its parameters into ``model``.
 
-    ``optimizer`` is the inner optimizer of ``ps.sync: local`` (required there); the shards' optimizer
-    applies the updates in the other modes."""
+    ``optimizer``: the script's optimizer; the shards apply it (class, groups, hyperparameters, each
+    step's learning rates) unless the job sets ``ps.optimizer``; in ``ps.sync: local`` it is the inner
+    optimizer (required there)."""
     return TorchParameterServer(model, config, optimizer)

@@ -34,16 +34,21 @@ class _Stacked(RoundAggregator):
     def _add(self, update: dict[str, np.ndarray], weight: int) -> None:
         self.updates.append(({k: v / weight if weight > 1 else v for k, v in update.items()}, weight))
 
+    def _keys(self) -> list[str]:
+        """Every key some contribution carries (a key without a gradient is left out of a push)."""
+        return sorted({k for u, _ in self.updates for k in u})
+
     def _stack(self, key: str) -> np.ndarray:
-        return np.stack([u[key] for u, _ in self.updates])
+        """The contributions to ``key``; one that lacks it had no gradient there and counts as zeros."""
+        size = next(u[key].size for u, _ in self.updates if key in u)
+        return np.stack([u[key] if key in u else np.zeros(size, np.float32) for u, _ in self.updates])
 
 
 class MedianRound(_Stacked):
     """Coordinate-wise median of the contributions."""
 
     def result(self) -> dict[str, np.ndarray]:
-        keys = self.updates[0][0].keys()
-        return {k: np.median(self._stack(k), axis=0).astype(np.float32) for k in keys}
+        return {k: np.median(self._stack(k), axis=0).astype(np.float32) for k in self._keys()}
 
 
 class TrimmedMeanRound(_Stacked):
@@ -61,7 +66,7 @@ class TrimmedMeanRound(_Stacked):
         n = len(self.updates)
         cut = self.trimmed(n)
         out = {}
-        for k in self.updates[0][0]:
+        for k in self._keys():
             values = np.sort(self._stack(k), axis=0)
             out[k] = values[cut:n - cut].mean(axis=0).astype(np.float32)
         return out

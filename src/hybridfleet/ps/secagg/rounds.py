@@ -165,12 +165,13 @@ class SecureRounds:
         if not m.set_roster(r.epoch, r.threshold, {e.worker_id: bytes(e.public_key) for e in r.entries}):
             self._setup(shard)
 
-    def push(self, grads: dict[str, np.ndarray], base_versions: list[int], contributors: int):
+    def push(self, grads: dict[str, np.ndarray], base_versions: list[int], contributors: int,
+             optimizer_json: str = ""):
         """Mask and push this step's update (key -> float32 block) to every shard; raises like `PSClient.push`."""
         payload_parts = self.client._each_shard(lambda i: self._mask_one(i, base_versions[i], grads, contributors))
         payloads = {k: v for part in payload_parts for k, v in part.items()}
         return self.client.push(payloads, codec=self.settings.codec_name, base_versions=base_versions,
-                                contributors=contributors)
+                                contributors=contributors, optimizer_json=optimizer_json)
 
     def unmask(self, base_versions: list[int]) -> None:
         """Answer each shard's unmask request for the round just pushed."""

@@ -199,7 +199,8 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         site = _claims_site(member.site if member is not None else "", claims)
         kind = ps_pb2.PushHeader.Kind.Name(header.kind)
         version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
-                                           header.codec, payloads, header.contributors or 1)
+                                           header.codec, payloads, header.contributors or 1,
+                                           header.optimizer_json)
         return ps_pb2.PushResponse(version=version, applied=applied)
 
     def Heartbeat(self, request, context):

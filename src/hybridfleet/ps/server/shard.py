@@ -18,6 +18,7 @@ import numpy as np
 from hybridfleet.obs.log import get_logger
 from hybridfleet.codec.frame import read_header
 from hybridfleet.ps.aggregate import RoundAggregator, make_round
+from hybridfleet.ps.server.groups import ScriptOptimizer, differences, parse_description
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
@@ -70,7 +71,10 @@ class ShardState:
         self.expected_workers = expected_workers
         self.sites = dict(sites) if sites is not None else None
         self.initialiser = initialiser
-        self.optimizer = make_optimizer(spec.optimizer, flavour)
+        self.flavour = flavour
+        self.optimizer = make_optimizer(spec.optimizer, flavour)  # the job's ps.optimizer (numpy)
+        self.script_optimizer: ScriptOptimizer | None = None     # the script's, made on its first step
+        self.round_optimizer: dict[int, tuple[str, dict | None]] = {}  # round -> (first pusher, its optimizer)
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
         self.key_version: dict[str, int] = {}
@@ -255,8 +259,12 @@ class ShardState:
 
     # -------------------------------------------------------------------- push
     def push(self, worker_id: str, site: str, kind: str, step: int, base_version: int, codec: str,
-             payloads: dict[str, bytes], contributors: int = 1) -> tuple[int, bool]:
+             payloads: dict[str, bytes], contributors: int = 1, optimizer_json: str = "") -> tuple[int, bool]:
         """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected.
+
+        ``optimizer_json``: the script's optimizer for this step (`hybridfleet.ps.server.groups`);
+        empty, the job's ``ps.optimizer`` applies. Keys absent from the push had no gradient and
+        are not stepped; every push of a round must carry the same optimizer settings.
 
         Decoding (the costly part of validation) runs before the shard's lock is taken, so
         pushes from several workers decode in parallel; its verdict is given in the same order
@@ -267,6 +275,12 @@ class ShardState:
                 decoded = self._decode_masked(payloads) if self.secagg is not None else self._decode_all(payloads)
             except Reject as rej:
                 decoded = rej
+        desc: dict | Reject | None = None
+        if kind != "INIT" and self.plan is not None:
+            try:
+                desc = parse_description(optimizer_json, self.flavour, set(self.plan.params))
+            except Reject as rej:
+                desc = rej
         with self.cond:
             member = self._member(worker_id)
             if member.site != site:
@@ -307,6 +321,10 @@ class ShardState:
                                                "wait for the round to close, then pull")
             if isinstance(decoded, Reject):
                 raise decoded
+            if isinstance(desc, Reject):
+                raise desc
+            if self.in_rounds:
+                self._check_round_optimizer(worker_id, desc)
             if self.secagg is not None:
                 self.secagg.admit_push(worker_id, self.version)
             grads = decoded if decoded is not None else self._decode_all(payloads)
@@ -317,9 +335,10 @@ class ShardState:
             if self.in_rounds:
                 rnd = self.rounds.get(self.version) or self.rounds.setdefault(self.version, self._new_round())
                 rnd.add(worker_id, grads, weight)
+                self.round_optimizer.setdefault(self.version, (worker_id, desc))
                 applied = self._maybe_finish_rounds()
             else:
-                self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()})
+                self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()}, desc)
                 applied = True
             self.cond.notify_all()
             return self.version, applied
@@ -344,12 +363,14 @@ class ShardState:
         return self.version, fresh > 0
 
     def _expected_keys(self, payloads: dict[str, bytes]) -> None:
+        """Every key belongs to this shard; a masked push carries all of them (the masks cover every key),
+        a plain one only the keys that had a gradient."""
         keys = set(self.keys)
         unknown = sorted(set(payloads) - keys)
         if unknown:
             raise Reject("INVALID_ARGUMENT", f"unknown key(s) for shard {self.shard}: {', '.join(unknown[:5])}")
         missing = sorted(keys - set(payloads))
-        if missing:
+        if missing and self.secagg is not None:
             raise Reject("INVALID_ARGUMENT", f"push lacks key(s) of shard {self.shard}: {', '.join(missing[:5])}")
 
     def _decode_raw(self, key: str, payload: bytes) -> np.ndarray:
@@ -418,12 +439,40 @@ class ShardState:
         else:
             update = rnd.result()
         del self.rounds[self.version]
-        self._apply(update)
+        _, desc = self.round_optimizer.pop(self.version, (None, None))
+        self._apply(update, desc)
         return True
 
-    def _apply(self, grads: dict[str, np.ndarray]) -> None:
-        for key, grad in grads.items():
-            self.optimizer.step(key, self.params[key], grad)
+    def _check_round_optimizer(self, worker_id: str, desc: dict | None) -> None:
+        """A round's pushers agree on the optimizer and every hyperparameter; Reject names the differences."""
+        first = self.round_optimizer.get(self.version)
+        if first is None or first[1] == desc:
+            return
+        other, agreed = first
+        if agreed is None or desc is None:
+            diff = ["the job's ps.optimizer" if d is None else f"the script's {d['class']}" for d in (desc, agreed)]
+            found = [f"{diff[0]} != {diff[1]}"]
+        else:
+            found = differences(desc, agreed)
+        self.rejected_pushes += 1
+        raise Reject("INVALID_ARGUMENT", f"worker {worker_id}'s optimizer settings differ from those of {other} in "
+                                         f"round {self.version}: {'; '.join(found[:8])}; nothing changed "
+                                         "(every worker must build the same optimizer and schedule)")
+
+    def new_script_optimizer(self) -> ScriptOptimizer:
+        """A fresh runner of the script's optimizer over this shard's keys (plan fixed)."""
+        return ScriptOptimizer(self.flavour, {b.key: b.param for b in self.plan.blocks_for_shard(self.shard)})
+
+    def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
+        """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
+        or with the job's ``ps.optimizer``."""
+        if desc is not None:
+            if self.script_optimizer is None:
+                self.script_optimizer = self.new_script_optimizer()
+            self.script_optimizer.step(self.params, grads, desc)
+        else:
+            for key, grad in grads.items():
+                self.optimizer.step(key, self.params[key], grad)
         self.version += 1
         for key in grads:
             self.key_version[key] = self.version

@@ -34,6 +34,8 @@ def capture(state: ShardState) -> tuple[int, dict[str, np.ndarray], dict]:
         tensors = {f"param/{k}": v.copy() for k, v in state.params.items()}
         tensors.update({f"broadcast/{k}": v.copy() for k, v in state.broadcast.items()})
         tensors.update({f"opt/{k}": np.array(v, copy=True) for k, v in state.optimizer.state_dict().items()})
+        if state.script_optimizer is not None:  # the script's optimizer (hybridfleet.ps.server.groups)
+            tensors.update({f"script/{k}": v for k, v in state.script_optimizer.state_dict().items()})
         meta = {
             "shard": state.shard, "version": state.version, "sync": state.sync, "codec": state.codec_name,
             "plan": state.plan.to_json() if state.plan else None, "key_version": dict(state.key_version),
@@ -57,6 +59,13 @@ def restore(state: ShardState, tensors: dict[str, np.ndarray], meta: dict) -> No
         state.broadcast = {k[len("broadcast/"):]: v.astype(np.float32, copy=True)
                            for k, v in tensors.items() if k.startswith("broadcast/")}
         state.optimizer.load_state_dict({k[len("opt/"):]: v for k, v in tensors.items() if k.startswith("opt/")})
+        script = {k[len("script/"):]: v for k, v in tensors.items() if k.startswith("script/")}
+        if script:
+            state.script_optimizer = state.new_script_optimizer()
+            try:
+                state.script_optimizer.load_state_dict(script)
+            except ValueError as err:
+                raise CheckpointError(f"snapshot's script optimizer state: {err}") from None
         state.version = int(meta["version"])
         state.key_version = {k: int(v) for k, v in meta["key_version"].items()}
         state.initialized = set(meta["initialized"])

@@ -6,11 +6,20 @@ A training script adds three lines::
     ps = hf.connect(model)                # joins the job, loads the job's current parameters
     ...; loss.backward(); ps.step()       # replaces optimizer.step(): push gradients, pull parameters
 
+In ``ps.sync: bsp | ssp | asp`` the shards apply the script's optimizer given as
+``hf.connect(model, optimizer)``: its class, parameter groups, every hyperparameter and,
+read at every step, each group's current learning rate (so any scheduler works); see
+`hybridfleet.ps.worker.optim_spec` and `hybridfleet.ps.server.groups`. A parameter
+without a gradient this step is not pushed and not stepped; a parameter frozen at
+connect is still part of the job, so unfreezing it later trains it from the job's value.
+An explicit ``ps.optimizer`` in the job file overrides the script's optimizer (logged as
+``script_optimizer_overridden``); so does a job mixing frameworks. Without an optimizer
+here the shards apply ``ps.optimizer``.
+
 With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
 ``ps = hf.connect(model, optimizer)``; ``ps.step()`` then steps it and, every
 ``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
-(see `hybridfleet.ps.worker.local`). In the other modes the shards apply
-``ps.optimizer`` and an optimizer given here is not stepped.
+(see `hybridfleet.ps.worker.local`).
 
 Subclasses only say how to list parameters, read gradients and assign values.
 """
@@ -53,14 +62,12 @@ class ParameterServerHandle(ABC):
                             f"trains with {self.framework}; run the {job.framework} script, or set "
                             f"sites.{site}.framework: {self.framework} with its own entrypoint")
         params = self._named_parameters()
+        self.reader = self._optimizer_reader(optimizer, params)  # refuses an optimizer we cannot run, before joining
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
         self.session = PSSession(self.layout.shapes(shapes) if self.layout else shapes, self.config, self.framework)
         self._load(self.session.start(self._canonical({k: self._to_numpy(p) for k, p in params.items()})))
-        if self.config.job.ps.sync != "local" and optimizer is not None:
-            log.info("optimizer_not_stepped", sync=self.config.job.ps.sync,
-                     reason="the shards apply ps.optimizer; the script's optimizer is the inner one of sync: local")
         if self.config.job.ps.sync == "local":
             from hybridfleet.ps.worker.local import InnerState, LocalRounds
 
@@ -73,6 +80,33 @@ class ParameterServerHandle(ABC):
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
             self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
+
+    def _optimizer_reader(self, optimizer: Any, params: dict[str, Any]):
+        """The reader of the script's optimizer when the shards apply it (None: ps.optimizer applies)."""
+        job = self.config.job
+        if optimizer is None or job.ps.sync == "local":
+            return None
+        if "optimizer" in job.ps.model_fields_set:
+            log.info("script_optimizer_overridden", optimizer=job.ps.optimizer.name,
+                     reason="the job file sets ps.optimizer: the shards apply it, not the script's "
+                            f"{type(optimizer).__name__}")
+            return None
+        if any(site.framework and site.framework != job.framework for site in job.sites.values()):
+            log.info("script_optimizer_overridden", optimizer=job.ps.optimizer.name,
+                     reason="a job mixing frameworks applies ps.optimizer on the shards")
+            return None
+        from hybridfleet.ps.worker.optim_spec import ADAPTIVE_CLASSES, reader_for
+        from hybridfleet.spec.rules import ADAPTIVE_UNSAFE_CODECS
+
+        reader = reader_for(optimizer, self.framework, params)
+        codec = job.ps.compression.codec
+        if reader.name in ADAPTIVE_CLASSES and codec in ADAPTIVE_UNSAFE_CODECS:
+            # the same measurement as the job-file rule (hybridfleet.spec.rules): the compressed downlink
+            # of an optimizer that moves every coordinate every step lags behind the shards' values
+            raise SpecError(f"ps.compression.codec: the shards would apply the script's {reader.name} with codec "
+                            f"{codec!r}, which trains a poor model without failing; use sync: local (the script's "
+                            f"{reader.name} as the inner optimizer), or codec int8/fp16, or SGD in the script")
+        return reader
 
     # framework specifics --------------------------------------------------
     @abstractmethod
@@ -93,7 +127,7 @@ class ParameterServerHandle(ABC):
 
     # the API ----------------------------------------------------------------
     def step(self) -> None:
-        """Push this step's gradients (zeros for parameters without one) and load the new parameters;
+        """Push this step's gradients (of the parameters that have one) and load the new parameters;
         in local mode, step the inner optimizer and sync at the end of each outer round."""
         if self.rounds is not None:
             self.optimizer.step()
@@ -104,11 +138,22 @@ class ParameterServerHandle(ABC):
                 if self._model_ckpt is not None:  # the job's model exists between rounds, not between inner steps
                     self._model_ckpt.after_step(self.step_count, self.model)
             return
-        grads = {}
-        for name, p in self._named_parameters().items():
-            g = self._grad(p)
-            grads[name] = np.zeros(tuple(p.shape), dtype=np.float32) if g is None else g
-        self._load(self.session.step(self._canonical(grads)))
+        params = self._named_parameters()
+        if self.reader is None:
+            grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
+            self._load(self.session.step(self._canonical(grads)))
+        elif self.session.local:  # no servers: the script's optimizer steps the model here
+            self.optimizer.step()
+            self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
+        else:
+            desc = self.reader.describe()
+            # in the optimizer's order: a global-norm clip sums in that order, as optimizer.step() does
+            stepped = [n for g in desc["groups"] for n in g["params"]]
+            raw = self.reader.clip({n: params[n].grad for n in stepped if params[n].grad is not None})
+            from hybridfleet.ps.worker.optim_spec import encode
+
+            grads = {n: self._to_numpy(g) for n, g in raw.items()}
+            self._load(self.session.step(self._canonical(grads), encode(desc)))
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
 

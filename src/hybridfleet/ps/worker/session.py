@@ -241,17 +241,29 @@ class PSSession:
         return {k: v.reshape(self.shapes[k]) for k, v in self._flat.items()}
 
     # ------------------------------------------------------------------ step
-    def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Send this step's gradients and return the parameters to train on next."""
+    def step(self, grads: dict[str, np.ndarray], optimizer_json: str = "") -> dict[str, np.ndarray]:
+        """Send this step's gradients and return the parameters to train on next.
+
+        ``grads`` holds the parameters that have a gradient this step; the others are not
+        stepped. ``optimizer_json``: the script's optimizer as the shards should apply it
+        (`hybridfleet.ps.worker.optim_spec`); empty, the job's ``ps.optimizer`` applies."""
         self.timer.begin()
-        params = self._step(grads)
+        params = self._step(grads, optimizer_json)
         if self._raw_gradient_bytes is None:
             self._raw_gradient_bytes = 0 if self.local or self.link is not None else self._numel() * DTYPE.itemsize
         self.timer.end(self._raw_gradient_bytes)
         return params
 
-    def _step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self._check_names(grads)
+    def local_step(self, params: dict[str, np.ndarray]) -> None:
+        """Without servers, the script's optimizer stepped the model itself: record its new values."""
+        self._check_names(params)
+        self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
+        self.step_count += 1
+
+    def _step(self, grads: dict[str, np.ndarray], optimizer_json: str = "") -> dict[str, np.ndarray]:
+        unknown = sorted(set(grads) - set(self.shapes))
+        if unknown:
+            raise ValueError(f"gradients of parameters the job does not have: {unknown[:3]}")
         for k, g in grads.items():
             if not np.isfinite(g).all():
                 raise ValueError(f"gradient of {k!r} has non-finite values (NaN or Inf) at step {self.step_count + 1}; "
@@ -261,6 +273,9 @@ class PSSession:
                 self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
             self.step_count += 1
             return self.parameters()
+        if self.link is not None or self.hub is not None or self.secure is not None:
+            # the site's reduce and the masks cover every key: a parameter without a gradient sends zeros
+            grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
         if self.link is not None:  # site follower: the leader reduces and talks to the shards
             from hybridfleet.ps.worker.site import flatten
 
@@ -287,13 +302,14 @@ class PSSession:
             try:
                 if self.secure is not None:  # masked: the shard sees only the round's sum
                     try:
-                        self.secure.push(payloads, base, contributors)
+                        self.secure.push(payloads, base, contributors, optimizer_json)
                     except grpc.RpcError as err:
                         if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                             raise  # already pushed (a retried push): the round still needs our answer
                     self.secure.unmask(base)
                 else:
-                    self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
+                    self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
+                                     optimizer_json=optimizer_json)
             except grpc.RpcError as err:
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
