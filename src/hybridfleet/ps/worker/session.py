@@ -123,6 +123,7 @@ class PSSession:
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
         self._egress: dict | None = None  # the egress scan's result, in the egress test mode
         self.secure = None  # hybridfleet.ps.secagg.rounds.SecureRounds when ps.secure_aggregation is on
+        self.feedback = None  # hybridfleet.codec.feedback.ErrorFeedback with compression.error_feedback
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -290,12 +291,19 @@ class PSSession:
                     self.secure.unmask(base)
                 else:
                     self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors)
+                self._settle_feedback(applied=True)
             except grpc.RpcError as err:
+                # already pushed this round (a retry of this very push): ours is in the round; anything else
+                # (a stale round, an error): not applied, so the residual stays as it was before encoding
+                self._settle_feedback(applied=err.code() == grpc.StatusCode.ALREADY_EXISTS)
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
                 wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            except BaseException:
+                self._settle_feedback(applied=False)
+                raise
             self.timer.mark("transfer")
             self.step_count = self.client.clock
             wait = None
@@ -309,7 +317,10 @@ class PSSession:
                     raise ProtocolError(err.details()) from None
                 raise
         except ShardRestarted as restarted:
-            # this step's gradient is dropped; train on from the restored shard's values
+            # this step's gradient is dropped; train on from the restored shard's values. A residual
+            # committed with a push the restored shard no longer holds is not rolled back (the shard
+            # lost the values it was applied to as well); one still staged is discarded.
+            self._settle_feedback(applied=False)
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
@@ -337,7 +348,8 @@ class PSSession:
         return out
 
     def _make_encoder(self):
-        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker."""
+        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker,
+        staged until the push is settled (see `_settle_feedback`)."""
         from hybridfleet.codec import codec_for
 
         c = self.ps.compression
@@ -345,8 +357,16 @@ class PSSession:
         if c.error_feedback and self.codec_name != "none":
             from hybridfleet.codec.feedback import ErrorFeedback
 
-            return ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps).encode
+            self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
+            return lambda key, block: self.feedback.encode(key, block, stage=True)
         return lambda key, block: codec.encode(block)
+
+    def _settle_feedback(self, applied: bool) -> None:
+        """Commit the residuals of this push's encoding when the push was applied, else restore
+        them to what they were before it (nothing the codec dropped is lost with a refused push)."""
+        for holder in (self.feedback, self.secure):
+            if holder is not None:
+                holder.commit() if applied else holder.discard()
 
     def _pull_target(self, key: str, delta_version: int, nbytes: int) -> memoryview | None:
         """Where a pulled block's values can be received in place: its slice of the parameters."""
