@@ -17,6 +17,22 @@ class TorchParameterServer(ParameterServerHandle):
     def _named_parameters(self) -> dict[str, Any]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
+    def _buffer_values(self) -> dict[str, np.ndarray]:
+        trained = {n for n, _ in self.model.named_parameters()}
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if name not in trained:
+                t = t.detach().cpu()
+                out[name] = (t.float() if t.is_floating_point() else t).numpy().copy()
+        return out
+
+    def _assign_buffers(self, values: dict[str, np.ndarray]) -> None:
+        state = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, arr in values.items():
+                t = state[name]
+                t.copy_(torch.from_numpy(np.array(arr, order="C")).to(t.device, t.dtype))  # 0-d stays 0-d
+
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float32).numpy()
 

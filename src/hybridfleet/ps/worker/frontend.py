@@ -12,6 +12,9 @@ With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
 (see `hybridfleet.ps.worker.local`). In the other modes the shards apply
 ``ps.optimizer`` and an optimizer given here is not stepped.
 
+Buffers (BatchNorm statistics, counters) follow ``ps.buffers`` (`hybridfleet.ps.worker.buffers`):
+averaged over the round's workers by default, so the job's model is one model.
+
 Subclasses only say how to list parameters, read gradients and assign values.
 """
 
@@ -24,6 +27,8 @@ import numpy as np
 
 from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.buffers import BufferSync
+from hybridfleet.ps.worker.buffers import split as split_buffers
 from hybridfleet.ps.worker.canonical import CanonicalLayout
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
@@ -52,8 +57,15 @@ class ParameterServerHandle(ABC):
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
-        self.session = PSSession(self.layout.shapes(shapes) if self.layout else shapes, self.config, self.framework)
-        self._load(self.session.start(self._canonical({k: self._to_numpy(p) for k, p in params.items()})))
+        shapes = self.layout.shapes(shapes) if self.layout else shapes
+        self.buffers, initial = self._buffer_sync()
+        if self.buffers is not None:
+            shapes.update(self.buffers.wire_shapes())
+        self.session = PSSession(shapes, self.config, self.framework)
+        self._samples = 0  # counted by _count_samples in training-mode forward passes since the last step
+        self.model.register_forward_pre_hook(self._count_samples)
+        self._load(self.session.start({**self._canonical({k: self._to_numpy(p) for k, p in params.items()}),
+                                       **initial}))
         if self.config.job.ps.sync != "local" and optimizer is not None:
             log.info("optimizer_not_stepped", sync=self.config.job.ps.sync,
                      reason="the shards apply ps.optimizer; the script's optimizer is the inner one of sync: local")
@@ -70,9 +82,32 @@ class ParameterServerHandle(ABC):
 
             self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
 
+    def _buffer_sync(self) -> tuple[BufferSync | None, dict[str, np.ndarray]]:
+        """The model's buffers under ``ps.buffers`` (None when they stay on the worker) and their plan tensors."""
+        cfg = self.config
+        values = self._buffer_values()
+        if not values or not cfg.servers or cfg.job.ps.buffers == "local":
+            return None, {}
+        BufferSync.check_job(cfg.job, cfg.site, bool(values), self.layout is not None)
+        sync = BufferSync(cfg.job.ps.buffers, values, cfg.rank)
+        return sync, sync.initial(values)
+
+    def _count_samples(self, module: Any, inputs: tuple) -> None:
+        """Forward pre-hook: the samples of each training-mode forward pass (the first input's batch size)."""
+        first = inputs[0] if isinstance(inputs, tuple) and inputs else None
+        if getattr(module, "training", False) and first is not None and len(getattr(first, "shape", ())):
+            self._samples += int(first.shape[0])
+
     # framework specifics --------------------------------------------------
     @abstractmethod
     def _named_parameters(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _buffer_values(self) -> dict[str, np.ndarray]:
+        """The model's buffers (state that gradients do not train), in their own dtype."""
+
+    @abstractmethod
+    def _assign_buffers(self, values: dict[str, np.ndarray]) -> None: ...
 
     @abstractmethod
     def _to_numpy(self, tensor: Any) -> np.ndarray: ...
@@ -88,13 +123,18 @@ class ParameterServerHandle(ABC):
     def zero_grad(self) -> None: ...
 
     # the API ----------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, samples: int | None = None) -> None:
         """Push this step's gradients (zeros for parameters without one) and load the new parameters;
-        in local mode, step the inner optimizer and sync at the end of each outer round."""
+        in local mode, step the inner optimizer and sync at the end of each outer round.
+
+        ``samples``: how many samples this step's buffer statistics saw (the weight of this
+        worker's BatchNorm statistics under ``ps.buffers: average``); default: the batch sizes
+        of the training-mode forward passes since the last step."""
         if self.rounds is not None:
             self.optimizer.step()
             new = self.rounds.after_inner_step(
-                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}))
+                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}),
+                (lambda: self._buffer_update(samples)) if self.buffers is not None else None)
             if new is not None:
                 self._load(new)
                 if self._model_ckpt is not None:  # the job's model exists between rounds, not between inner steps
@@ -104,16 +144,27 @@ class ParameterServerHandle(ABC):
         for name, p in self._named_parameters().items():
             g = self._grad(p)
             grads[name] = np.zeros(tuple(p.shape), dtype=np.float32) if g is None else g
-        self._load(self.session.step(self._canonical(grads)))
+        grads = self._canonical(grads)
+        if self.buffers is not None:
+            grads.update(self._buffer_update(samples))
+        self._load(self.session.step(grads))
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _buffer_update(self, samples: int | None) -> dict[str, np.ndarray]:
+        update = self.buffers.update(self._buffer_values(), self._samples if samples is None else samples)
+        self._samples = 0
+        return update
 
     def _canonical(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.layout.to_canonical(arrays) if self.layout else arrays
 
     def _load(self, canonical: dict[str, np.ndarray]) -> None:
-        """Assign the job's parameters (canonical names and layouts) to the model."""
-        self._assign(self.layout.to_native(canonical) if self.layout else canonical)
+        """Assign the job's parameters (canonical names and layouts) and buffers to the model."""
+        params, buffers = split_buffers(canonical)
+        self._assign(self.layout.to_native(params) if self.layout else params)
+        if buffers:
+            self._assign_buffers(self.buffers.load(buffers))
 
     @property
     def job(self):

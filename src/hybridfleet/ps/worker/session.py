@@ -26,6 +26,7 @@ from hybridfleet.obs.metrics import StepTimer
 from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
+from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
@@ -336,8 +337,9 @@ class PSSession:
             self._encoder = self._make_encoder()
         out = {}
         for name, g in grads.items():
+            dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
             for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
-                out[key] = self._encoder(key, part)
+                out[key] = buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
         return out
 
     def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -391,7 +393,8 @@ class PSSession:
                 continue  # received straight into its slice (see _pull_target)
             dest = self._flat[b.param]
             if entry.delta_version:
-                delta = self._downlink_codec().decode(entry.payload()).reshape(-1)
+                codec = buffers.dense_codec() if buffers.is_buffer(b.param) else self._downlink_codec()
+                delta = codec.decode(entry.payload()).reshape(-1)
                 if delta.size != b.stop - b.start:
                     raise ProtocolError(f"pulled a delta of {delta.size} elements for {b.key!r}, "
                                         f"expected {b.stop - b.start}")
