@@ -314,6 +314,15 @@ def _privacy_by_site(spec: JobSpec, workers: dict[str, dict]) -> dict[str, dict]
     return out
 
 
+def _saved_model_accuracy(workers: dict[str, dict]) -> tuple[float | None, str | None]:
+    """The joint metric: the test accuracy global rank 0 measured on the model it saved with the same
+    final report (`ParameterServerHandle.report` saves exactly the model it was called on)."""
+    for name, rec in sorted(workers.items()):
+        if rec.get("rank") == 0 and "test_accuracy" in rec:
+            return float(rec["test_accuracy"]), f"the saved model ({name}'s final report)"
+    return None, None
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -339,6 +348,9 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
             for key in ("bytes_scanned", "rows_scanned", "rows_found"):
                 mine[key] += int(rec["egress"].get(key, 0))
     accs = [r["test_accuracy"] for r in workers.values() if "test_accuracy" in r]
+    joint, joint_source = _saved_model_accuracy(workers)
+    if joint is None and accs:
+        joint, joint_source = min(accs), "the worst worker's evaluation (the saving worker reported none)"
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
     finished = [n for n, c in worker_codes.items() if c == 0 and n in workers]
@@ -351,7 +363,8 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     return {
         "job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "shards": spec.ps.shards,
         "workers": spec.num_workers, "status": status,
-        "test_accuracy": round(min(accs), 5) if accs else None,  # the worst worker's view of the model
+        "test_accuracy": round(joint, 5) if joint is not None else None,  # the saved model's
+        "test_accuracy_source": joint_source,
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
