@@ -20,11 +20,14 @@ Subclasses only say how to list parameters, read gradients and assign values.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
+from hybridfleet.ckpt.run_model import MODEL_DIR_ENV
+from hybridfleet.ckpt.site_buffers import save_site_buffers
 from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.buffers import BufferSync
@@ -77,6 +80,7 @@ class ParameterServerHandle(ABC):
         # The job's model is saved by global rank 0 from the parameters it pulled, which in
         # BSP are bit-identical on every worker (see summary.json's params_sha256).
         self._model_ckpt = None
+        self._site_buffers_saved = False
         if self.config.rank == 0 and not self.session.local:
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
@@ -199,6 +203,8 @@ class ParameterServerHandle(ABC):
         is checkpointed, and ``final=True`` saves the final model with these metrics.
         """
         self.session.report(step=self.step_count, **metrics)
+        if metrics.get("final"):
+            self._save_site_buffers()
         if self._model_ckpt is not None:
             if metrics.get("final"):
                 self._model_ckpt.final(self.step_count, self.model, metrics)
@@ -215,7 +221,21 @@ class ParameterServerHandle(ABC):
         model first when no ``report(final=True)`` did."""
         if self._model_ckpt is not None and not self._model_ckpt.final_saved:
             self._model_ckpt.final(self.step_count, self.model)
+        self._save_site_buffers()
         self.session.close()
+
+    def _save_site_buffers(self) -> None:
+        """Under ``ps.buffers: local`` the site's first worker saves its site's buffers next to the
+        job's model (see `hybridfleet.ckpt.site_buffers`), once."""
+        cfg = self.config
+        if self._site_buffers_saved or cfg.job.ps.buffers != "local" or cfg.site_rank != 0 or self.session.local:
+            return
+        root = os.environ.get(MODEL_DIR_ENV)
+        values = self._buffer_values()
+        if root and values:
+            path = save_site_buffers(root, cfg.site, self.step_count, values)
+            log.info("site_buffers_saved", site=cfg.site, path=path, buffers=len(values), step=self.step_count)
+        self._site_buffers_saved = True
 
     def __enter__(self) -> "ParameterServerHandle":
         return self
