@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 import yaml
 
+from hybridfleet.codec.advice import spec_advice
 from hybridfleet.errors import SpecError
 from hybridfleet.spec import load_spec
 
@@ -21,6 +22,9 @@ def check(job: str = typer.Argument(..., help="path of the YAML job file")) -> N
         raise SpecError(f"{job}: entrypoint: {spec.entrypoint!r} is not a file (relative paths start at {Path.cwd()})",
                         hint="fix entrypoint in the job file, or run the command from the folder it is relative to")
     typer.echo(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), nl=False)
+    advice = spec_advice(spec.ps.compression) if spec.mode == "ps" else None
+    if advice:
+        typer.echo(f"note: {advice}", err=True)
 
 
 def register(app: typer.Typer) -> None:

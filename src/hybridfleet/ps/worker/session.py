@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from hybridfleet.codec.advice import sparse_advice
 from hybridfleet.errors import ProtocolError, install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
@@ -171,6 +172,9 @@ class PSSession:
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
+        advice = sparse_advice(self.ps.compression, {s.name: s.numel for s in specs if not buffers.is_buffer(s.name)})
+        if advice and cfg.rank == 0:
+            log.warning("codec_keeps_too_few", detail=advice)
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
         if self.ps.secure_aggregation is not None:
