@@ -7,7 +7,8 @@ The job is examples/digits-cnn.yaml (a BatchNorm CNN of 1,386 parameters; two si
 worker each, one shard, BSP, TLS and tokens on). The
 variants differ only in ``ps.compression`` and the server's optimizer: dense (the
 anchor), top-k 1% (about 18 coordinates a step, 1 per bias), top-k 10%, top-k 1% with DGC
-momentum 0.9 on the workers, all with server-side plain SGD (lr 0.3); and dense, top-k 1%
+momentum 0.9 on the workers, all with server-side plain SGD (lr 0.3); DGC again with lr
+0.03 (momentum multiplies the step by about 10); and dense, top-k 1%
 and 10% with server-side SGD momentum 0.9 (lr 0.03). Accuracy is the summary's joint test accuracy (the saved model's). The last line
 is JSON; ``spec check``'s and connect's advice (`hybridfleet.codec.advice`) cites it.
 """
@@ -31,6 +32,8 @@ VARIANTS = {  # name: (compression, server-side optimizer)
     "topk_1pct": ({"codec": "topk", "ratio": 0.01, "error_feedback": True}, PLAIN_SGD),
     "topk_10pct": ({"codec": "topk", "ratio": 0.1, "error_feedback": True}, PLAIN_SGD),
     "topk_1pct_dgc": ({"codec": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9}, PLAIN_SGD),
+    "topk_1pct_dgc_lr0.03": ({"codec": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
+                             {"name": "sgd", "lr": 0.03}),
     "dense_server_momentum": ({"codec": "none"}, MOMENTUM_SGD),
     "topk_1pct_server_momentum": ({"codec": "topk", "ratio": 0.01, "error_feedback": True}, MOMENTUM_SGD),
     "topk_10pct_server_momentum": ({"codec": "topk", "ratio": 0.1, "error_feedback": True}, MOMENTUM_SGD),
