@@ -12,6 +12,7 @@ from hybridfleet.ps.worker.session import WorkerConfig
 from hybridfleet.ps.server.serve import server_security, start_shard
 from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
 from hybridfleet.spec import parse_spec
+from tests.ps_helpers import Cluster
 from tests.buffer_models import batch, buffer_names, copy_model, loss, make_model, sgd, state
 
 FRAMEWORKS = [pytest.param("torch", marks=pytest.mark.torch), pytest.param("paddle", marks=pytest.mark.paddle)]
@@ -41,6 +42,7 @@ class Job:
         self.servers = [start_shard(self.spec, i, "127.0.0.1", 0, server_security(self.spec, self.certs), workers)
                         for i in range(self.spec.ps.shards)]
         self.issuer = TokenIssuer.from_dir(self.certs)
+        self.cluster = Cluster(self.spec, self.certs, self.issuer, self.servers)
 
     def config(self, site: str, rank: int) -> WorkerConfig:
         token = self.issuer.issue(self.spec.name, site, "worker", 600, worker=f"{site}-0")
@@ -49,14 +51,10 @@ class Job:
                             security=sec)
 
     def shard_state(self) -> dict[str, np.ndarray]:
-        out = {}
-        for s in self.servers:
-            out.update(s.state.snapshot_arrays())
-        return out
+        return self.cluster.params()
 
     def stop(self) -> None:
-        for s in self.servers:
-            s.stop(0)
+        self.cluster.stop()
 
 
 def _run_workers(job: Job, framework: str, plan: dict[str, dict], steps: int):
@@ -225,5 +223,23 @@ def test_a_buffer_of_another_shape_is_refused_at_join_and_at_push_and_nothing_ch
         for k in set(model_before) - set(buffer_names(framework)) - {"scale"}:
             np.testing.assert_array_equal(now[k], model_before[k], err_msg=k)
         ps.close()
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_averaging_statistics_under_a_robust_rule_is_refused_at_connect_before_joining(tmp_path, framework):
+    from hybridfleet.errors import SpecError
+
+    # Prepare: a job whose shards take the median of a round's updates
+    job = Job(tmp_path, framework, {"a": {"workers": 1}}, aggregate="median")
+    try:
+        # Execute
+        with pytest.raises(SpecError, match="ps.buffers: average with this model's buffers .*median.*"
+                                            "set ps.buffers: local"):
+            _connect(framework)(make_model(framework), config=job.config("a", 0))
+        # Assert: nothing joined, nothing initialised
+        status = job.servers[0].state.status()
+        assert status["live_workers"] == [] and not status["initialized"]
     finally:
         job.stop()

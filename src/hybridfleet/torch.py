@@ -18,10 +18,9 @@ class TorchParameterServer(ParameterServerHandle):
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def _buffer_values(self) -> dict[str, np.ndarray]:
-        trained = {n for n, _ in self.model.named_parameters()}
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
-            if name not in trained:
+            if not isinstance(t, torch.nn.Parameter):  # a parameter, trained or frozen, tied or not, is no buffer
                 t = t.detach().cpu()
                 out[name] = (t.float() if t.is_floating_point() else t).numpy().copy()
         return out
