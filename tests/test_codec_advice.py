@@ -7,7 +7,7 @@ import yaml
 
 from hybridfleet.cli.app import main
 from hybridfleet.codec.advice import MIN_KEPT_PER_STEP, kept_per_step, sparse_advice
-from hybridfleet.spec.models import CompressionSpec
+from hybridfleet.spec.models import CompressionSpec, OptimizerSpec
 from tests.conftest import REPO
 
 # the 14k-parameter CNN of the reported run: conv 8x1x3x3, conv 16x8x3x3, BatchNorm, a 10-way head
@@ -27,8 +27,11 @@ def test_small_model_at_one_percent_is_warned_naming_a_ratio_that_keeps_enough_a
     assert f"keeps {kept_per_step(0.01, SMALL_CNN)} of this model's {sum(SMALL_CNN.values())} coordinates" in advice
     ratio = float(advice.split("ps.compression.ratio: ")[1].split()[0])
     assert kept_per_step(ratio, SMALL_CNN) >= MIN_KEPT_PER_STEP and ratio <= 0.1
-    assert "compression.momentum: 0.9" in advice
+    assert "compression.momentum: 0.9" in advice and "slower" in advice
     assert sparse_advice(CompressionSpec(codec="topk", ratio=ratio), SMALL_CNN) is None
+    with_momentum = sparse_advice(CompressionSpec(codec="topk", ratio=0.01), SMALL_CNN,
+                                  OptimizerSpec(name="sgd", lr=0.03, momentum=0.9))
+    assert "with server-side momentum such a model trains below either site alone" in with_momentum
 
 
 def test_large_model_dense_codecs_and_dgc_are_not_misadvised():

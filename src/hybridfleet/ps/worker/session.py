@@ -172,7 +172,8 @@ class PSSession:
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
-        advice = sparse_advice(self.ps.compression, {s.name: s.numel for s in specs if not buffers.is_buffer(s.name)})
+        advice = sparse_advice(self.ps.compression, {s.name: s.numel for s in specs if not buffers.is_buffer(s.name)},
+                               self.ps.optimizer)
         if advice and cfg.rank == 0:
             log.warning("codec_keeps_too_few", detail=advice)
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
