@@ -243,3 +243,33 @@ def test_averaging_statistics_under_a_robust_rule_is_refused_at_connect_before_j
         assert status["live_workers"] == [] and not status["initialized"]
     finally:
         job.stop()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_local_sgd_rounds_carry_the_statistics_of_the_inner_steps(tmp_path, framework):
+    # Prepare: sync local, 3 inner steps a round; the plain script takes the same 3 inner steps
+    job = Job(tmp_path, framework, {"a": {"workers": 1}}, sync="local", local_steps=3)
+    plain, model = make_model(framework), make_model(framework)
+    plain_opt = sgd(framework, plain, LR)
+    try:
+        ps = _connect(framework)(model, sgd(framework, model, LR), config=job.config("a", 0))
+        # Execute: one outer round
+        for step in range(3):
+            x, y = batch(step, 16, shift=1.0)
+            for m, opt in ((plain, plain_opt), (model, ps.optimizer)):
+                opt.clear_grad() if framework == "paddle" else opt.zero_grad()
+                loss(framework, m, x, y).backward()
+                if m is plain:
+                    opt.step()
+                else:
+                    ps.step()
+        shard = job.shard_state()
+        ps.close()
+    finally:
+        job.stop()
+    # Assert: the round's statistics (one worker: its own) are the job's, on the shard and in the model
+    expected, got = state(framework, plain), state(framework, model)
+    for name in buffer_names(framework):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(shard[f"buffer:{name}"][:-1], np.asarray(expected[name], np.float32).reshape(-1),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
