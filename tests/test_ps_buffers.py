@@ -273,3 +273,27 @@ def test_local_sgd_rounds_carry_the_statistics_of_the_inner_steps(tmp_path, fram
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(shard[f"buffer:{name}"][:-1], np.asarray(expected[name], np.float32).reshape(-1),
                                    rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_statistics_travel_dense_under_a_sparse_codec_both_ways(tmp_path, framework):
+    # Prepare: top-k 10% with error feedback, so the downlink sends codec-encoded deltas too
+    job = Job(tmp_path, framework, {"a": {"workers": 1}, "b": {"workers": 1}},
+              compression={"codec": "topk", "ratio": 0.1, "error_feedback": True})
+    plan = {"a": {"n": 8, "shift": 0.0}, "b": {"n": 24, "shift": 2.0}}
+    try:
+        # Execute
+        handles, models, local = _run_workers(job, framework, plan, steps=3)
+        shard = job.shard_state()
+        for h in handles.values():
+            h.close()
+    finally:
+        job.stop()
+    # Assert: every coordinate of every statistic is the weighted mean, on the shard and on both workers
+    for name in buffer_names(framework):
+        expected = (8 * local["a"][name].astype(np.float64) + 24 * local["b"][name]) / 32
+        expected = np.rint(expected) if name.endswith("num_batches_tracked") else expected
+        np.testing.assert_allclose(shard[f"buffer:{name}"][:-1], np.reshape(expected, -1), rtol=1e-5, atol=1e-6)
+        for site in plan:
+            np.testing.assert_allclose(state(framework, models[site])[name], expected, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{site} {name}")

@@ -18,6 +18,8 @@ not a variance.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from hybridfleet.codec import get_codec
@@ -41,8 +43,9 @@ def buffer_name(wire: str) -> str:
     return wire[len(PREFIX):]
 
 
+@functools.cache
 def dense_codec():
-    """The codec every buffer travels with (uplink and compressed downlink)."""
+    """The codec every buffer travels with (uplink and compressed downlink); stateless, shared."""
     return get_codec("none")
 
 
