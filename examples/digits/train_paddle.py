@@ -40,7 +40,11 @@ train = ps.job.train
 x, y = load_site(ps.job.sites[ps.site].data, ps.site_rank, ps.workers_at_site)
 x, y = paddle.to_tensor(x), paddle.to_tensor(y)
 x_test, y_test = (paddle.to_tensor(a) for a in load_test())
-rng = np.random.default_rng(train.seed + 1000 * ps.rank + ps.step_count)
+# every worker starts from the same weights (seeded above), but draws its own batches, dropout
+# masks and augmentation: seed by rank after connect (and by step, so a restarted worker draws anew)
+seed = train.seed + 1000 * ps.rank + ps.step_count
+paddle.seed(seed)
+rng = np.random.default_rng(seed)
 
 
 def accuracy() -> float:

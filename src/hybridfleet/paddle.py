@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import paddle
+from paddle.nn.layer.norm import _BatchNormBase
 
 from hybridfleet.ps.worker.frontend import ParameterServerHandle
 from hybridfleet.ps.worker.session import WorkerConfig
@@ -17,6 +18,29 @@ class PaddleParameterServer(ParameterServerHandle):
     def _named_parameters(self) -> dict[str, Any]:
         # frozen ones too: they stay part of the job (unchanged while they have no gradient)
         return dict(self.model.named_parameters())
+
+    def _buffers(self) -> dict[str, Any]:
+        # BatchNorm's running statistics are non-trainable parameters in paddle; other buffers are buffers
+        state = self.model.state_dict()
+        out = {n: b for n, b in self.model.named_buffers() if n in state}
+        for prefix, layer in self.model.named_sublayers(include_self=True):
+            if isinstance(layer, _BatchNormBase):
+                for attr in ("_mean", "_variance"):
+                    out[f"{prefix}.{attr}" if prefix else attr] = getattr(layer, attr)
+        return out
+
+    def _buffer_values(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, t in self._buffers().items():
+            arr = t.numpy()
+            out[name] = arr.astype(np.float32) if arr.dtype.kind == "f" else arr.copy()
+        return out
+
+    def _assign_buffers(self, values: dict[str, np.ndarray]) -> None:
+        tensors = self._buffers()
+        for name, arr in values.items():
+            t = tensors[name]
+            t.set_value(np.array(arr, dtype=t.numpy().dtype, order="C"))
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().cpu().astype("float32").numpy()

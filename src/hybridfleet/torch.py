@@ -18,6 +18,21 @@ class TorchParameterServer(ParameterServerHandle):
         # frozen ones too: they stay part of the job (unchanged while they have no gradient)
         return dict(self.model.named_parameters())
 
+    def _buffer_values(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.nn.Parameter):  # a parameter, trained or frozen, tied or not, is no buffer
+                t = t.detach().cpu()
+                out[name] = (t.float() if t.is_floating_point() else t).numpy().copy()
+        return out
+
+    def _assign_buffers(self, values: dict[str, np.ndarray]) -> None:
+        state = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, arr in values.items():
+                t = state[name]
+                t.copy_(torch.from_numpy(np.array(arr, order="C")).to(t.device, t.dtype))  # 0-d stays 0-d
+
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float32).numpy()
 

@@ -27,6 +27,7 @@ from hybridfleet.ckpt.checkpoint import save_checkpoint
 from hybridfleet.ckpt.manifest import MANIFEST_NAME, step_dir
 from hybridfleet.ckpt.reader import list_steps, read_checkpoint, read_manifest
 from hybridfleet.ckpt.retention import gc
+from hybridfleet.ckpt.site_buffers import site_buffers_index
 from hybridfleet.errors import CheckpointError, SpecError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.store import Store, open_store
@@ -224,6 +225,7 @@ def write_model_card(model_root: str | Store, lineage: dict[str, Any], keep_best
             "step": best_step, "manifest_sha256": manifest_sha256(store, best_step),
             "metric": rule.metric, "mode": rule.mode, "value": best_value},  # type: ignore[union-attr]
         "lineage": {**lineage, "framework": framework, "framework_version": framework_version},
+        "site_buffers": site_buffers_index(store),  # ps.buffers: local: each site's statistics
     }  # fmt: skip
     store.put_bytes(CARD_NAME, json.dumps(card, indent=2, sort_keys=True).encode())
     return card

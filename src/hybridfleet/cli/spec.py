@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 import yaml
 
+from hybridfleet.codec.advice import spec_advice
 from hybridfleet.errors import SpecError
 from hybridfleet.spec import load_spec
 from hybridfleet.spec.preflight import check_here
@@ -28,6 +29,9 @@ def check(job: str = typer.Argument(..., help="path of the YAML job file"),
     except SpecError as err:
         raise SpecError(f"{job}: {err}", hint=err.hint) from None
     typer.echo(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), nl=False)
+    advice = spec_advice(spec.ps.compression) if spec.mode == "ps" else None
+    if advice:
+        typer.echo(f"note: {advice}", err=True)
 
 
 def register(app: typer.Typer) -> None:

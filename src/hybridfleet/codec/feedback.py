@@ -20,6 +20,11 @@ and v. Momentum is then applied here, so the server should run plain SGD.
 exponentially from dense to the codec's ratio over the first pushes of each
 key: ratio ** (step / warmup_steps) at step 0, 1, ... warmup_steps - 1.
 
+A push that the server may refuse encodes with ``stage=True``: the new state is held
+apart until `commit` (the push was applied) or `discard` (it was refused or lost, e.g. a
+stale round or a restarted shard), so a refused push leaves every residual exactly as it
+was before encoding and the next push still carries it.
+
 Not thread-safe for one key; different keys may be encoded from different threads.
 """
 
@@ -52,6 +57,7 @@ class ErrorFeedback:
         self._residuals: dict[str, np.ndarray] = {}
         self._velocities: dict[str, np.ndarray] = {}
         self._steps: dict[str, int] = {}
+        self._staged: dict[str, tuple[np.ndarray, np.ndarray | None, int]] = {}
 
     def ratio_at(self, step: int) -> float | None:
         """The kept fraction used at a key's `step` (None for codecs without a ratio)."""
@@ -60,8 +66,9 @@ class ErrorFeedback:
             return ratio
         return ratio ** (step / self.warmup_steps)
 
-    def encode(self, key: str, grad: np.ndarray) -> bytes:
-        """The payload for `grad` corrected by the residual of `key`; updates that residual.
+    def encode(self, key: str, grad: np.ndarray, *, stage: bool = False) -> bytes:
+        """The payload for `grad` corrected by the residual of `key`; updates that residual
+        (with ``stage=True`` only once `commit` is called; `discard` drops the update).
 
         The payload has grad's shape and dtype. On any error (bad key, dtype,
         shape, NaN) the state of every key is unchanged.
@@ -92,11 +99,37 @@ class ErrorFeedback:
         else:
             corrected -= codec.decode(payload).astype(work_dtype)
 
-        self._residuals[key] = corrected
+        if stage:
+            self._staged[key] = (corrected, velocity, step + 1)
+        else:
+            self._store(key, corrected, velocity, step + 1)
+        return payload
+
+    def _store(self, key: str, residual: np.ndarray, velocity: np.ndarray | None, step: int) -> None:
+        self._residuals[key] = residual
         if velocity is not None:
             self._velocities[key] = velocity
-        self._steps[key] = step + 1
-        return payload
+        self._steps[key] = step
+
+    def commit(self) -> list[str]:
+        """Keep the state staged by ``encode(..., stage=True)`` (its push was applied); returns the keys."""
+        keys = list(self._staged)
+        for key, (residual, velocity, step) in self._staged.items():
+            self._store(key, residual, velocity, step)
+        self._staged.clear()
+        return keys
+
+    def discard(self) -> list[str]:
+        """Drop the staged state (its push was not applied): every key keeps the residual it had
+        before that encoding; returns the keys."""
+        keys = list(self._staged)
+        self._staged.clear()
+        return keys
+
+    @property
+    def staged(self) -> bool:
+        """Whether an encoding waits for `commit` or `discard`."""
+        return bool(self._staged)
 
     def residual(self, key: str) -> np.ndarray | None:
         """A copy of the residual kept for `key` (None before its first push)."""
@@ -109,7 +142,7 @@ class ErrorFeedback:
 
     def reset(self, key: str | None = None) -> None:
         """Forget the state of `key` (or of every key)."""
-        for table in (self._residuals, self._velocities, self._steps):
+        for table in (self._residuals, self._velocities, self._steps, self._staged):
             if key is None:
                 table.clear()
             else:

@@ -408,6 +408,15 @@ def first_error_line(run_dir: Path, site: str, codes: dict[str, int]) -> str | N
     return None
 
 
+def _saved_model_accuracy(workers: dict[str, dict]) -> tuple[float | None, str | None]:
+    """The joint metric: the test accuracy global rank 0 measured on the model it saved with the same
+    final report (`ParameterServerHandle.report` saves exactly the model it was called on)."""
+    for name, rec in sorted(workers.items()):
+        if rec.get("rank") == 0 and "test_accuracy" in rec:
+            return float(rec["test_accuracy"]), f"the saved model ({name}'s final report)"
+    return None, None
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -436,6 +445,9 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
     # a worker reports the rows of its own share; the job trained on the sum over its workers
     rows_by_site = {s: sum(int(r["train_rows"]) for r in workers.values() if r.get("site") == s and "train_rows" in r)
                     for s in spec.sites}
+    joint, joint_source = _saved_model_accuracy(workers)
+    if joint is None and accs:
+        joint, joint_source = min(accs), "the worst worker's evaluation (the saving worker reported none)"
     restarts = sum(1 for e in sup.events if e.get("event") == "restart")
     worker_codes = {n: c for n, c in codes.items() if n.startswith("worker-")}
     finished = [n for n, c in worker_codes.items() if c == 0 and n in workers]
@@ -444,7 +456,8 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "shards": spec.ps.shards,
         "workers": spec.num_workers, "status": status,
         "untrained_sites": {site: first_error_line(layout.run_dir, site, codes) for site in untrained},
-        "test_accuracy": round(min(accs), 5) if accs else None,  # the worst worker's view of the model
+        "test_accuracy": round(joint, 5) if joint is not None else None,  # the saved model's
+        "test_accuracy_source": joint_source,
         "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
         **({"train_rows": sum(rows_by_site.values()), "train_rows_by_site": rows_by_site}

@@ -113,6 +113,10 @@ class PSSpec(_Strict):
                                                             "default 50)")
     staleness_bound: int = Field(2, ge=0, description="SSP: how many steps a worker may run ahead of the slowest")
     optimizer: OptimizerSpec = OptimizerSpec()
+    buffers: Literal["average", "local", "broadcast"] = Field(
+        "average", description="model buffers (BatchNorm running statistics, counters): average: the round's "
+                               "sample-weighted mean (FedAvg over the state dict); local: each site keeps its own "
+                               "(FedBN); broadcast: rank 0's (DDP's broadcast_buffers)")
     compression: CompressionSpec = CompressionSpec()
     aggregate: AggregateSpec = Field(AggregateSpec(), description="mean | median | trimmed_mean | norm_clip")
     privacy: PrivacySpec | None = Field(None, description="differential privacy of every push")

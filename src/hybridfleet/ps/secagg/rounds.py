@@ -41,6 +41,7 @@ class SecureRounds:
         self.norm_clip = ps.aggregate.clip_norm if ps.aggregate.rule == "norm_clip" else None
         self.error_feedback = ps.compression.error_feedback
         self.residual: dict[str, np.ndarray] = {}
+        self._staged: dict[str, np.ndarray] = {}  # this push's residuals until it is settled
         self.bytes_key_material = 0  # public keys, shares and unmask answers sent
         self._sent: dict[int, tuple[int, int, np.ndarray]] = {}  # shard -> (round, epoch, masked vector) last sent
 
@@ -102,7 +103,7 @@ class SecureRounds:
                 kept = acc[idx]
                 if self.error_feedback:
                     acc[idx] = 0
-                    self.residual[b.key] = acc
+                    self._staged[b.key] = acc
                 g = kept
             parts.append(np.asarray(g, dtype=np.float32))
         vector = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
@@ -111,6 +112,15 @@ class SecureRounds:
             if norm > self.norm_clip:
                 vector *= np.float32(self.norm_clip / norm)
         return vector
+
+    def commit(self) -> None:
+        """Keep the random-k residuals of the push just applied."""
+        self.residual.update(self._staged)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        """Forget the random-k residuals of a push that was not applied: each key keeps the one it had."""
+        self._staged.clear()
 
     def _mask_one(self, shard: int, rnd: int, grads: dict[str, np.ndarray], contributors: int) -> dict[str, bytes]:
         blocks = self.client.plan.blocks_for_shard(shard)

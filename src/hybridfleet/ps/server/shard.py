@@ -20,6 +20,7 @@ from hybridfleet.codec.frame import read_header
 from hybridfleet.ps.aggregate import RoundAggregator, make_round
 from hybridfleet.ps.server.groups import ScriptOptimizer, differences, parse_description
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
+from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
@@ -153,9 +154,14 @@ class ShardState:
                     self.key_version[b.key] = 0
                 log.info("plan_fixed", shard=self.shard, keys=len(self.keys), digest=plan.digest())
             elif plan.digest() != self.plan.digest():
+                differ = sorted(n for n in set(plan.params) | set(self.plan.params)
+                                if plan.params.get(n) != self.plan.params.get(n))
+                shown = "; ".join(f"{n}: {_shape_of(plan, n)} here, {_shape_of(self.plan, n)} in the job"
+                                  for n in differ[:3])
                 raise Reject("FAILED_PRECONDITION",
                              f"worker {worker_id}: its model's parameters or shard count differ from the job's "
-                             f"(plan digest {plan.digest()[:12]} != {self.plan.digest()[:12]})")
+                             f"(plan digest {plan.digest()[:12]} != {self.plan.digest()[:12]})"
+                             + (f": {shown}" if shown else ""))
             now = self._now()
             if self._first_join is None:
                 self._first_join = now
@@ -202,6 +208,11 @@ class ShardState:
         if total > spec.max_model_bytes:
             raise Reject("RESOURCE_EXHAUSTED", f"join declares a model of {total} bytes; this job allows at most "
                                                f"{spec.max_model_bytes} (ps.max_model_bytes)")
+        unfit = buffers.check_buffer_blocks(params, block_size_bytes)
+        if unfit is None and self.secagg is not None and any(buffers.is_buffer(p.name) for p in params):
+            unfit = "buffers to average, which secure aggregation would not mask; set ps.buffers: local"
+        if unfit:
+            raise Reject("INVALID_ARGUMENT", f"join declares {unfit}")
 
     def check_push_keys(self, kind: str, keys: list[tuple[str, int]]) -> None:
         """Before any payload byte is read: every declared key belongs to this shard and its byte
@@ -398,13 +409,14 @@ class ShardState:
 
     def _decode_all(self, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
         self._expected_keys(payloads)
-        codec = self.codec()
+        job_codec, dense = self.codec(), buffers.dense_codec()
         out = {}
         for key, payload in payloads.items():
             expected = self.params[key].size
+            codec = dense if buffers.is_buffer(key) else job_codec
             try:
                 # the frame's header is checked against the key before anything is allocated
-                header, _ = read_header(payload, self.codec_name)
+                header, _ = read_header(payload, codec.name)
                 if header.dtype != DTYPE or header.shape != (expected,):
                     raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "
                                                      f"{header.shape}, expected {expected} elements of float32 "
@@ -418,6 +430,9 @@ class ShardState:
                 raise Reject("INVALID_ARGUMENT",
                              f"key {key!r}: shape {tuple(arr.shape)} ({arr.size} elements), expected {expected} elements")
             out[key] = arr.reshape(-1)  # decode() has checked the values are finite
+            refused = buffers.check_update(key, out[key]) if buffers.is_buffer(key) else None
+            if refused:
+                raise Reject("INVALID_ARGUMENT", refused)
         return out
 
     def _maybe_finish_rounds(self) -> bool:
@@ -465,13 +480,19 @@ class ShardState:
 
     def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
-        or with the job's ``ps.optimizer``."""
+        or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics."""
+        params = {}
+        for key, grad in grads.items():
+            if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)
+                buffers.apply_update(self.params[key], grad)
+            else:
+                params[key] = grad
         if desc is not None:
             if self.script_optimizer is None:
                 self.script_optimizer = self.new_script_optimizer()
-            self.script_optimizer.step(self.params, grads, desc)
+            self.script_optimizer.step(self.params, params, desc)
         else:
-            for key, grad in grads.items():
+            for key, grad in params.items():
                 self.optimizer.step(key, self.params[key], grad)
         self.version += 1
         for key in grads:
@@ -483,9 +504,10 @@ class ShardState:
             self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 
     def _encode_deltas(self, keys: list[str]) -> None:
-        codec = self.codec()
+        job_codec, dense = self.codec(), buffers.dense_codec()
         deltas = {}
         for key in keys:
+            codec = dense if buffers.is_buffer(key) else job_codec
             payload = codec.encode(self.params[key] - self.broadcast[key])
             self.broadcast[key] += codec.decode(payload)
             deltas[key] = _pieces(payload)
@@ -576,6 +598,11 @@ class ShardState:
         """A copy of the parameters (for tests and snapshots)."""
         with self.cond:
             return {k: v.copy() for k, v in self.params.items()}
+
+
+def _shape_of(plan: ShardingPlan, name: str) -> str:
+    spec = plan.params.get(name)
+    return "absent" if spec is None else str(spec.shape)
 
 
 def _pieces(data: np.ndarray | bytes) -> list[bytes]:

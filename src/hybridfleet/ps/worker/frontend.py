@@ -21,18 +21,26 @@ With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
 ``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
 (see `hybridfleet.ps.worker.local`).
 
+Buffers (BatchNorm statistics, counters) follow ``ps.buffers`` (`hybridfleet.ps.worker.buffers`):
+averaged over the round's workers by default, so the job's model is one model.
+
 Subclasses only say how to list parameters, read gradients and assign values.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
+from hybridfleet.ckpt.run_model import MODEL_DIR_ENV
+from hybridfleet.ckpt.site_buffers import save_site_buffers
 from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.buffers import BufferSync
+from hybridfleet.ps.worker.buffers import split as split_buffers
 from hybridfleet.ps.worker.canonical import CanonicalLayout
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
@@ -66,8 +74,15 @@ class ParameterServerHandle(ABC):
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
-        self.session = PSSession(self.layout.shapes(shapes) if self.layout else shapes, self.config, self.framework)
-        self._load(self.session.start(self._canonical({k: self._to_numpy(p) for k, p in params.items()})))
+        shapes = self.layout.shapes(shapes) if self.layout else shapes
+        self.buffers, initial = self._buffer_sync()
+        if self.buffers is not None:
+            shapes.update(self.buffers.wire_shapes())
+        self.session = PSSession(shapes, self.config, self.framework)
+        self._samples = 0  # counted by _count_samples in training-mode forward passes since the last step
+        self.model.register_forward_pre_hook(self._count_samples)
+        self._load(self.session.start({**self._canonical({k: self._to_numpy(p) for k, p in params.items()}),
+                                       **initial}))
         if self.config.job.ps.sync == "local":
             from hybridfleet.ps.worker.local import InnerState, LocalRounds
 
@@ -76,6 +91,7 @@ class ParameterServerHandle(ABC):
         # The job's model is saved by global rank 0 from the parameters it pulled, which in
         # BSP are bit-identical on every worker (see summary.json's params_sha256).
         self._model_ckpt = None
+        self._site_buffers_saved = False
         if self.config.rank == 0 and not self.session.local:
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
@@ -108,9 +124,38 @@ class ParameterServerHandle(ABC):
                             f"{reader.name} as the inner optimizer), or codec int8/fp16, or SGD in the script")
         return reader
 
+    def _buffer_sync(self) -> tuple[BufferSync | None, dict[str, np.ndarray]]:
+        """The model's buffers under ``ps.buffers`` (None when they stay on the worker) and their plan tensors."""
+        cfg = self.config
+        values = self._buffer_values()
+        if not values or not cfg.servers or cfg.job.ps.buffers == "local":
+            return None, {}
+        BufferSync.check_job(cfg.job, cfg.site, bool(values), self.layout is not None)
+        sync = BufferSync(cfg.job.ps.buffers, values, cfg.rank)
+        return sync, sync.initial(values)
+
+    def _with_buffers(self, grads: dict[str, np.ndarray], samples: int | None) -> dict[str, np.ndarray]:
+        """``grads`` plus this step's buffer updates under ``ps.buffers`` (average, broadcast)."""
+        if self.buffers is not None:
+            grads.update(self._buffer_update(samples))
+        return grads
+
+    def _count_samples(self, module: Any, inputs: tuple) -> None:
+        """Forward pre-hook: the samples of each training-mode forward pass (the first input's batch size)."""
+        first = inputs[0] if isinstance(inputs, tuple) and inputs else None
+        if getattr(module, "training", False) and first is not None and len(getattr(first, "shape", ())):
+            self._samples += int(first.shape[0])
+
     # framework specifics --------------------------------------------------
     @abstractmethod
     def _named_parameters(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _buffer_values(self) -> dict[str, np.ndarray]:
+        """The model's buffers (state that gradients do not train), in their own dtype."""
+
+    @abstractmethod
+    def _assign_buffers(self, values: dict[str, np.ndarray]) -> None: ...
 
     @abstractmethod
     def _to_numpy(self, tensor: Any) -> np.ndarray: ...
@@ -126,13 +171,18 @@ class ParameterServerHandle(ABC):
     def zero_grad(self) -> None: ...
 
     # the API ----------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, samples: int | None = None) -> None:
         """Push this step's gradients (of the parameters that have one) and load the new parameters;
-        in local mode, step the inner optimizer and sync at the end of each outer round."""
+        in local mode, step the inner optimizer and sync at the end of each outer round.
+
+        ``samples``: how many samples this step's buffer statistics saw (the weight of this
+        worker's BatchNorm statistics under ``ps.buffers: average``); default: the batch sizes
+        of the training-mode forward passes since the last step."""
         if self.rounds is not None:
             self.optimizer.step()
             new = self.rounds.after_inner_step(
-                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}))
+                lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}),
+                (lambda: self._buffer_update(samples)) if self.buffers is not None else None)
             if new is not None:
                 self._load(new)
                 if self._model_ckpt is not None:  # the job's model exists between rounds, not between inner steps
@@ -141,7 +191,7 @@ class ParameterServerHandle(ABC):
         params = self._named_parameters()
         if self.reader is None:
             grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
-            self._load(self.session.step(self._canonical(grads)))
+            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples)))
         elif self.session.local:  # no servers: the script's optimizer steps the model here
             self.optimizer.step()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
@@ -153,16 +203,24 @@ class ParameterServerHandle(ABC):
             from hybridfleet.ps.worker.optim_spec import encode
 
             grads = {n: self._to_numpy(g) for n, g in raw.items()}
-            self._load(self.session.step(self._canonical(grads), encode(desc)))
+            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _buffer_update(self, samples: int | None) -> dict[str, np.ndarray]:
+        update = self.buffers.update(self._buffer_values(), self._samples if samples is None else samples)
+        self._samples = 0
+        return update
 
     def _canonical(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.layout.to_canonical(arrays) if self.layout else arrays
 
     def _load(self, canonical: dict[str, np.ndarray]) -> None:
-        """Assign the job's parameters (canonical names and layouts) to the model."""
-        self._assign(self.layout.to_native(canonical) if self.layout else canonical)
+        """Assign the job's parameters (canonical names and layouts) and buffers to the model."""
+        params, buffers = split_buffers(canonical)
+        self._assign(self.layout.to_native(params) if self.layout else params)
+        if buffers:
+            self._assign_buffers(self.buffers.load(buffers))
 
     @property
     def job(self):
@@ -197,6 +255,8 @@ class ParameterServerHandle(ABC):
         is checkpointed, and ``final=True`` saves the final model with these metrics.
         """
         self.session.report(step=self.step_count, **metrics)
+        if metrics.get("final"):
+            self._save_site_buffers()
         if self._model_ckpt is not None:
             if metrics.get("final"):
                 self._model_ckpt.final(self.step_count, self.model, metrics)
@@ -213,7 +273,21 @@ class ParameterServerHandle(ABC):
         model first when no ``report(final=True)`` did."""
         if self._model_ckpt is not None and not self._model_ckpt.final_saved:
             self._model_ckpt.final(self.step_count, self.model)
+        self._save_site_buffers()
         self.session.close()
+
+    def _save_site_buffers(self) -> None:
+        """Under ``ps.buffers: local`` the site's first worker saves its site's buffers next to the
+        job's model (see `hybridfleet.ckpt.site_buffers`), once."""
+        cfg = self.config
+        if self._site_buffers_saved or cfg.job.ps.buffers != "local" or cfg.site_rank != 0 or self.session.local:
+            return
+        root = os.environ.get(MODEL_DIR_ENV)
+        values = self._buffer_values()
+        if root and values:
+            path = save_site_buffers(root, cfg.site, self.step_count, values)
+            log.info("site_buffers_saved", site=cfg.site, path=path, buffers=len(values), step=self.step_count)
+        self._site_buffers_saved = True
 
     def __enter__(self) -> "ParameterServerHandle":
         return self

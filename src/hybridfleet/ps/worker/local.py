@@ -89,15 +89,18 @@ class LocalRounds:
             log.info("inner_state_restored" if restored is not None else "inner_state_missing",
                      worker=session.config.worker_id, saved_round=restored, open_round=session.step_count)
 
-    def after_inner_step(self, read_params: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
-        """Call after each inner optimizer step; at the end of an outer round, returns the new global parameters."""
+    def after_inner_step(self, read_params: Callable[[], dict[str, np.ndarray]],
+                         read_extra: Callable[[], dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray] | None:
+        """Call after each inner optimizer step; at the end of an outer round, returns the new global parameters.
+        ``read_extra`` gives tensors pushed as they are (the model's buffer updates, see `ps.worker.buffers`)."""
         self.inner_steps += 1
         if self.inner_steps % self.local_steps:
             return None
         current = read_params()
+        extra = read_extra() if read_extra is not None else {}
         pseudo = {k: np.subtract(self.anchor[k], np.asarray(current[k], dtype=DTYPE).reshape(self.anchor[k].shape),
-                                 dtype=DTYPE) for k in self.anchor}
-        new = self.session.step(pseudo)
+                                 dtype=DTYPE) for k in self.anchor if k not in extra}
+        new = self.session.step({**pseudo, **extra})
         self.anchor = {k: v.copy() for k, v in new.items()}
         self.outer_rounds += 1
         if self.inner_state is not None:

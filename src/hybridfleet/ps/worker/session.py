@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from hybridfleet.codec.advice import sparse_advice
 from hybridfleet.errors import ProtocolError, install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
 from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
+from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
@@ -125,6 +127,7 @@ class PSSession:
         self.dp = None if self.local or self.ps.privacy is None else self._privacy()
         self._egress: dict | None = None  # the egress scan's result, in the egress test mode
         self.secure = None  # hybridfleet.ps.secagg.rounds.SecureRounds when ps.secure_aggregation is on
+        self.feedback = None  # hybridfleet.codec.feedback.ErrorFeedback with compression.error_feedback
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -171,6 +174,10 @@ class PSSession:
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
+        advice = sparse_advice(self.ps.compression, {s.name: s.numel for s in specs if not buffers.is_buffer(s.name)},
+                               self.ps.optimizer)
+        if advice and cfg.rank == 0:
+            log.warning("codec_keeps_too_few", detail=advice)
         info = self.client.join(specs, self.ps.block_size_bytes, self.codec_name, self.framework)
         self.plan = self.client.plan
         if self.ps.secure_aggregation is not None:
@@ -310,12 +317,19 @@ class PSSession:
                 else:
                     self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
                                      optimizer_json=optimizer_json)
+                self._settle_feedback(applied=True)
             except grpc.RpcError as err:
+                # already pushed this round (a retry of this very push): ours is in the round; anything else
+                # (a stale round, an error): not applied, so the residual stays as it was before encoding
+                self._settle_feedback(applied=err.code() == grpc.StatusCode.ALREADY_EXISTS)
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
                 wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            except BaseException:
+                self._settle_feedback(applied=False)
+                raise
             self.timer.mark("transfer")
             self.step_count = self.client.clock
             wait = None
@@ -329,7 +343,10 @@ class PSSession:
                     raise ProtocolError(err.details()) from None
                 raise
         except ShardRestarted as restarted:
-            # this step's gradient is dropped; train on from the restored shard's values
+            # this step's gradient is dropped; train on from the restored shard's values. A residual
+            # committed with a push the restored shard no longer holds is not rolled back (the shard
+            # lost the values it was applied to as well); one still staged is discarded.
+            self._settle_feedback(applied=False)
             log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
@@ -345,8 +362,9 @@ class PSSession:
             self._encoder = self._make_encoder()
         out = {}
         for name, g in grads.items():
+            dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
             for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
-                out[key] = self._encoder(key, part)
+                out[key] = buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
         return out
 
     def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -357,7 +375,8 @@ class PSSession:
         return out
 
     def _make_encoder(self):
-        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker."""
+        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker,
+        staged until the push is settled (see `_settle_feedback`)."""
         from hybridfleet.codec import codec_for
 
         c = self.ps.compression
@@ -365,8 +384,16 @@ class PSSession:
         if c.error_feedback and self.codec_name != "none":
             from hybridfleet.codec.feedback import ErrorFeedback
 
-            return ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps).encode
+            self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
+            return lambda key, block: self.feedback.encode(key, block, stage=True)
         return lambda key, block: codec.encode(block)
+
+    def _settle_feedback(self, applied: bool) -> None:
+        """Commit the residuals of this push's encoding when the push was applied, else restore
+        them to what they were before it (nothing the codec dropped is lost with a refused push)."""
+        for holder in (self.feedback, self.secure):
+            if holder is not None:
+                holder.commit() if applied else holder.discard()
 
     def _pull_target(self, key: str, delta_version: int, nbytes: int) -> memoryview | None:
         """Where a pulled block's values can be received in place: its slice of the parameters."""
@@ -391,7 +418,8 @@ class PSSession:
                 continue  # received straight into its slice (see _pull_target)
             dest = self._flat[b.param]
             if entry.delta_version:
-                delta = self._downlink_codec().decode(entry.payload()).reshape(-1)
+                codec = buffers.dense_codec() if buffers.is_buffer(b.param) else self._downlink_codec()
+                delta = codec.decode(entry.payload()).reshape(-1)
                 if delta.size != b.stop - b.start:
                     raise ProtocolError(f"pulled a delta of {delta.size} elements for {b.key!r}, "
                                         f"expected {b.stop - b.start}")
