@@ -16,8 +16,10 @@ class PaddleParameterServer(ParameterServerHandle):
     framework = "paddle"
 
     def _named_parameters(self) -> dict[str, Any]:
-        # frozen ones too: they stay part of the job (unchanged while they have no gradient)
-        return dict(self.model.named_parameters())
+        # frozen ones too: they stay part of the job (unchanged while they have no gradient); BatchNorm's
+        # running statistics are parameters to paddle but buffers to the job (they follow ps.buffers)
+        statistics = set(self._buffers())
+        return {n: p for n, p in self.model.named_parameters() if n not in statistics}
 
     def _buffers(self) -> dict[str, Any]:
         # BatchNorm's running statistics are non-trainable parameters in paddle; other buffers are buffers
