@@ -28,7 +28,7 @@ from hybridfleet.ckpt.manifest import FileEntry, Manifest
 from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
 from hybridfleet.errors import CheckpointError, RegistryError, StoreError
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
-from hybridfleet.store import Store, blob_path, open_store, put_blob
+from hybridfleet.store import Store, blob_path, copy_blob, open_store
 
 FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt", "pdparams": "model.pdparams"}
 
@@ -68,8 +68,10 @@ def source_manifest(source: Store, step: int | None) -> Manifest:
 def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_path: str) -> Registered:
     """Copy ``manifest``'s files into ``target`` as blobs (only those absent), then write its manifest.
 
-    Each copied file is checked against its size and CRC-32 on the way; nothing is
-    written under ``manifest_path`` until every blob is in place.
+    Each copied file streams from ``source`` to ``target`` once (no separate hashing pass;
+    S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
+    (sha256 without one) on the way; a file that fails is never published as a blob, and
+    nothing is written under ``manifest_path`` until every blob is in place.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
@@ -79,8 +81,10 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
         blob = blob_path(entry.sha256)
         present = target.exists(blob) and target.size(blob) == entry.size_bytes
         if not present:
-            data = read_verified(source, entry)
-            copied += put_blob(target, [data], entry.sha256)
+            try:
+                copied += copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
+            except StoreError as err:
+                raise CheckpointError(f"{entry.name}: {err}") from err
         entries.append(FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
                                  sha256=entry.sha256, crc32=entry.crc32))  # fmt: skip
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
