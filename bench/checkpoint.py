@@ -92,17 +92,17 @@ def touch_pages(tensors) -> None:
             float(flat.sum())
 
 
-def make_state(size_bytes: int):
+def make_state(size_bytes: int, tensor_bytes: int = TENSOR_MB << 20):
     import torch
 
     rng = np.random.default_rng(0)
-    per = min(size_bytes, TENSOR_MB << 20) // 4
+    per = min(size_bytes, tensor_bytes) // 4
     count = max(1, size_bytes // (per * 4))
     arrays = {f"layer{i:03d}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(count)}
     return arrays, {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
-def bench(size_bytes: int, work: Path, repeats: int) -> dict[str, float]:
+def bench(size_bytes: int, work: Path, repeats: int, tensor_bytes: int = TENSOR_MB << 20) -> dict[str, float]:
     import paddle
     import torch
     from safetensors.torch import load_file, save_file
@@ -110,7 +110,7 @@ def bench(size_bytes: int, work: Path, repeats: int) -> dict[str, float]:
     from hybridfleet.ckpt import AsyncCheckpointer, load_tensors_checkpoint, open_tensors, save_tensors_checkpoint
     from hybridfleet.frameworks import get_adapter
 
-    arrays, torch_state = make_state(size_bytes)
+    arrays, torch_state = make_state(size_bytes, tensor_bytes)
     total = sum(a.nbytes for a in arrays.values())
     paddle_state = {k: paddle.to_tensor(v) for k, v in arrays.items()}
     torch_adapter = get_adapter("torch")
@@ -184,7 +184,11 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=None, help="state size in MiB (default 1024)")
     parser.add_argument("--dir", default=None, help="work directory on the disk to measure (default: a temp dir under .)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--tensor-mb", type=int, default=TENSOR_MB, help=f"size of each tensor in MiB (default {TENSOR_MB})")
     args = parser.parse_args()
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/checkpoint.py", {"torch": "PyTorch", "paddle": "PaddlePaddle", "safetensors": "safetensors"})
     size_mb = args.size_mb or (64 if args.quick else 1024)
     repeats = args.repeats or (1 if args.quick else 2)
     os.environ.setdefault("HFLEET_LOG_LEVEL", "warning")
@@ -193,7 +197,7 @@ def main() -> None:
     configure(level="warning")
     work = Path(tempfile.mkdtemp(prefix="hfleet-bench-ckpt-", dir=args.dir or "."))
     try:
-        r = bench(size_mb << 20, work, repeats)
+        r = bench(size_mb << 20, work, repeats, args.tensor_mb << 20)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = r["state_bytes"] / 1e9
