@@ -223,7 +223,7 @@ def test_launch_bench_quick_ends_with_both_ratios():
 @pytest.mark.parametrize(("script", "module", "what"), [
     ("data.py", "datasets", "Hugging Face datasets"),
     ("registry.py", "mlflow", "MLflow (mlflow-skinny)"),
-    ("checkpoint.py", "safetensors", "safetensors"),
+    ("checkpoint.py", "torch", "PyTorch"),
 ])
 def test_bench_without_its_anchor_names_it_and_the_install_command(tmp_path, script, module, what):
     # Prepare: a package of the anchor's name that refuses to import, ahead of the real one

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from hybridfleet.errors import CheckpointError, RegistryError, StoreError
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
 from hybridfleet.store import Store, blob_path, copy_blob, open_store
 
+COPY_WORKERS = 4  # files copied at once (each S3 one with its own parts in flight), as `s3fs.put` does
 FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt", "pdparams": "model.pdparams"}
 
 
@@ -69,24 +71,28 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     """Copy ``manifest``'s files into ``target`` as blobs (only those absent), then write its manifest.
 
     Each copied file streams from ``source`` to ``target`` once (no separate hashing pass;
-    S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
+    ``COPY_WORKERS`` files at a time, S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
     (sha256 without one) on the way; a file that fails is never published as a blob, and
     nothing is written under ``manifest_path`` until every blob is in place.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
-    copied = 0
-    entries = []
-    for entry in manifest.files:
+    def copy_one(entry: FileEntry) -> tuple[FileEntry, int]:
         blob = blob_path(entry.sha256)
-        present = target.exists(blob) and target.size(blob) == entry.size_bytes
-        if not present:
+        copied = 0
+        if not (target.exists(blob) and target.size(blob) == entry.size_bytes):
             try:
-                copied += copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
+                copied = copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
             except StoreError as err:
                 raise CheckpointError(f"{entry.name}: {err}") from err
-        entries.append(FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
-                                 sha256=entry.sha256, crc32=entry.crc32))  # fmt: skip
+        return FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
+                         sha256=entry.sha256, crc32=entry.crc32), copied  # fmt: skip
+
+    with ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="hfleet-register") as pool:
+        futures = [pool.submit(copy_one, entry) for entry in manifest.files]
+    done = [f.result() for f in futures]  # the first failure in manifest order is raised
+    entries = [entry for entry, _ in done]
+    copied = sum(n for _, n in done)
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
                    files=entries, metrics=dict(manifest.metrics))  # fmt: skip
     data = out.to_json()

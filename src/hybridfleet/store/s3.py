@@ -16,8 +16,8 @@ from hybridfleet.store.fsspec_store import FsspecStore
 # Streamed writes go up as a multipart upload with this many parts in flight (what boto3's
 # TransferConfig and s5cmd do): one connection per part keeps the server's disks and the
 # network busy where a single sequential stream waits on each round trip. Memory held:
-# (UPLOAD_CONCURRENCY + 1) * PART_BYTES.
-PART_BYTES = 32 << 20
+# (UPLOAD_CONCURRENCY + 1) * PART_BYTES per stream.
+PART_BYTES = 16 << 20
 UPLOAD_CONCURRENCY = 8
 
 
