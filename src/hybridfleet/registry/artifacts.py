@@ -28,6 +28,7 @@ from hybridfleet.ckpt import safetensors_io
 from hybridfleet.ckpt.manifest import FileEntry, Manifest
 from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
 from hybridfleet.errors import CheckpointError, RegistryError, StoreError
+from hybridfleet.frameworks import import_framework
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
 from hybridfleet.store import Store, blob_path, copy_blob, open_store
 
@@ -100,6 +101,20 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
 
 
+def same_tensors(store: Store, manifest_path: str, manifest: Manifest) -> bool:
+    """True when the version manifest at ``manifest_path`` names exactly the tensor files of ``manifest``
+    (same names, roles and sha256; state.json aside). False when it cannot be read."""
+    try:
+        other = Manifest.from_json(store.get_bytes(manifest_path), f"{store.url}/{manifest_path}")
+    except (StoreError, CheckpointError):
+        return False
+
+    def tensors(m: Manifest) -> set[tuple[str, str, str]]:
+        return {(f.role, f.name, f.sha256) for f in m.files if f.role != "state"}
+
+    return tensors(other) == tensors(manifest)
+
+
 def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """(manifest, state, role -> tensors) of a registered version, every byte verified by sha256.
 
@@ -154,7 +169,7 @@ def export_weights(manifest: Manifest, state: dict[str, Any], groups: dict[str, 
         torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)
         target.put_bytes(FORMATS[fmt], buf.getvalue())
     else:
-        import paddle
+        paddle = import_framework("paddle")
 
         buf = io.BytesIO()
         paddle.save({k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)
