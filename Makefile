@@ -7,7 +7,7 @@ JOB ?= examples/digits-hybrid.yaml
 # extras installed for `make test`; e.g. EXTRAS=paddle,dev for a paddle-only interpreter
 EXTRAS ?= torch,paddle,dev
 
-.PHONY: demo test venv proto clean
+.PHONY: demo test venv proto clean bench-streaming-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,15 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# MosaicML Streaming, bench/data.py's third anchor, pins packages against this project's:
+# its own venv, found there by the bench (or pass --streaming-python).
+MDS_VENV ?= .venv-mds
+bench-streaming-venv: $(MDS_VENV)/bin/python
+
+$(MDS_VENV)/bin/python:
+	$(PY) -m venv $(MDS_VENV)
+	$(MDS_VENV)/bin/pip install -q torch==2.13.0 mosaicml-streaming==0.13.0
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python -m hybridfleet.ps.wire.proto_gen

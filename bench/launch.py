@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--nproc", type=int, default=None)
     args = parser.parse_args()
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/launch.py", {"torch": "PyTorch", "paddle": "PaddlePaddle"})
     repeats = args.repeats or (2 if args.quick else 5)
     nproc = args.nproc or 2  # paddle needs 2 for a process group
 

@@ -79,8 +79,11 @@ def main() -> None:
     parser.add_argument("--frameworks", default="torch,paddle", help="comma-separated: torch, paddle")
     parser.add_argument("--no-anchor", action="store_true", help="skip the frameworks' own launchers")
     args = parser.parse_args()
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
     count = args.launches if args.launches is not None else (3 if args.quick else 50)
     frameworks = [f for f in args.frameworks.split(",") if f]
+    require("bench/launch_soak.py", {f: {"torch": "PyTorch", "paddle": "PaddlePaddle"}.get(f, f) for f in frameworks})
     rows = []
     with tempfile.TemporaryDirectory(prefix="hfleet-soak-") as tmp:
         for framework in frameworks:

@@ -143,6 +143,9 @@ def main() -> None:
     ap.add_argument("--python-tls", action="store_true", help="also measure TLS in Python's ssl module")
     ap.add_argument("--grpc", action="store_true", help="also measure Push/Pull over gRPC instead of the bulk data plane")
     args = ap.parse_args()
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/ps_exchange.py", {"torch": "PyTorch"})
     mb = args.mb or (16 if args.quick else 64)
     rounds = args.rounds or (3 if args.quick else 5)
     numel = mb * (1 << 20) // 4

@@ -273,6 +273,9 @@ def main() -> None:
                     help=f"local mode: inner steps per outer round (default {LOCAL_STEPS}; quick 10)")
     ap.add_argument("--inner-lr", type=float, default=INNER_LR, help="local mode: the inner Adam's learning rate")
     args = ap.parse_args()
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/wan.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:
         ap.error(f"--rate-mbit: must be > 0 (got {args.rate_mbit})")

@@ -173,3 +173,68 @@ def test_secagg_bench_ends_with_round_upload_and_dropout_ratios():
         assert isinstance(result[key], float), key
     assert result["round_ratio"] > 0 and result["upload_ratio"] >= 1.0  # masks add bytes, never remove them
     assert "up16/int8" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.paddle
+def test_checkpoint_bench_quick_reports_loads_against_safetensors_and_what_they_verify():
+    # Prepare / Execute: a 16 MiB state in two tensors (two files: the streaming view overlaps them)
+    proc = run_bench("checkpoint.py", "--quick", "--size-mb", "16", "--tensor-mb", "8")
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "checkpoint" and result["state_bytes"] == 16 << 20
+    for key in ("save_vs_torch", "load_vs_torch", "load_vs_paddle", "load_vs_safetensors", "load_eager_vs_safetensors"):
+        assert result[key] > 0, key
+    assert result["load_verified"] == "size + CRC-32 of every file before its tensors are used"
+    assert "ours, eager" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.paddle
+def test_data_bench_quick_ends_with_its_ratios_and_says_how_to_get_the_streaming_anchor():
+    # Prepare / Execute
+    proc = run_bench("data.py", "--quick", "--size-mb", "4", timeout_s=400)
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "data"
+    for key in ("vs_hf_datasets", "vs_hf_datasets_64b", "vs_torch_files", "vs_paddle_files", "cache_vs_s3_get"):
+        assert result[key] > 0, key
+    if result["vs_mosaic_streaming"] is None:  # no .venv-mds here: the line says what sets it up
+        assert result["mosaic_streaming"] == "not measured: `make bench-streaming-venv` sets up its venv"
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.paddle
+def test_launch_bench_quick_ends_with_both_ratios():
+    proc = run_bench("launch.py", "--quick", "--repeats", "1", timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "launch"
+    assert result["vs_torchrun"] > 0 and result["vs_paddle_launch"] > 0
+
+
+@pytest.mark.parametrize(("script", "module", "what"), [
+    ("data.py", "datasets", "Hugging Face datasets"),
+    ("registry.py", "mlflow", "MLflow (mlflow-skinny)"),
+    ("checkpoint.py", "torch", "PyTorch"),
+])
+def test_bench_without_its_anchor_names_it_and_the_install_command(tmp_path, script, module, what):
+    # Prepare: a package of the anchor's name that refuses to import, ahead of the real one
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "src")]))
+    # Execute
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick"], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=REPO)
+    # Assert: one line, no traceback, nothing measured
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"bench/{script}: missing {what} (`{module}`)" in proc.stderr
+    assert "pip install -e '.[bench]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -158,3 +158,37 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
         main(["spec", "check", "job.yaml"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 130 and err.startswith("error: interrupted by Ctrl-C") and "Traceback" not in err
+
+
+def _commands(command, path=()):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_help_text_shows_plain_metavars():
+    # Prepare: the whole command tree as `hfleet` runs it
+    import re
+
+    import typer
+
+    from hybridfleet.cli.app import build_app, plain_metavars
+
+    root = plain_metavars(typer.main.get_command(build_app()))
+    typer_style = re.compile(r"\{[A-Za-z_]+\}|<(?:str|int|float|path|bool|file|list\[[a-z]+\])>")
+    checked = 0
+    for path, command in _commands(root):
+        # Execute
+        ctx = command.make_context(" ".join(("hfleet", *path)), ["--help"], resilient_parsing=True)
+        text = command.get_help(ctx)
+        # Assert: `hfleet k8s quota JOB`, `--step STEP`; never `{job}` or `<int>`
+        assert not typer_style.search(text), (path, typer_style.search(text).group(0))
+        checked += 1
+    assert checked > 40  # every group and command was looked at
+
+
+def test_help_of_a_command_reads_like_argparse(capsys):
+    main(["k8s", "quota", "--help"])  # returns normally: exit 0
+    out = capsys.readouterr().out
+    assert "Usage: hfleet k8s quota [OPTIONS] JOB" in out
+    assert "--jobs JOBS" in out and "<int>" not in out

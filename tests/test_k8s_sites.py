@@ -315,7 +315,9 @@ def test_volcano_gang_puts_every_pod_in_one_pod_group(tmp_path):
 
 def test_quota_example_is_valid_and_sized_for_the_job(tmp_path, capsys):
     main(["k8s", "quota", str(_job(tmp_path)), "--namespace", "team-x", "--jobs", "2"])
-    quota, limits = yaml.safe_load_all(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "&id" not in out and "*id" not in out  # plain YAML to paste: shared values written out, no anchors
+    quota, limits = yaml.safe_load_all(out)
     for manifest in (quota, limits):
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
     assert quota["spec"]["hard"]["pods"] == "10"  # (2 shards + 3 workers) x 2 jobs

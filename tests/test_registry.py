@@ -383,3 +383,60 @@ def test_concurrent_registrations_get_distinct_versions_each_with_its_manifest(r
     assert sorted(numbers) == [1, 2, 3, 4]
     for n in numbers:
         assert registry.pull(f"m@{n}", "torch", "safetensors", str(tmp_path / f"out{n}"))["version"] == n
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_registering_the_latest_versions_tensors_again_is_noted(registry, tmp_path, framework):
+    # Prepare: v1 from a checkpoint, a second checkpoint of other weights
+    same = save_model(tmp_path / "run", framework=framework)
+    other = save_model(tmp_path / "other", framework=framework, seed=1)
+    first = registry.register("dup/model", same)
+    # Execute
+    again = registry.register("dup/model", same)
+    changed = registry.register("dup/model", other)
+    # Assert: the repeat says which version it repeats (and copied nothing); new weights do not
+    assert first.duplicate_of is None
+    assert (again.version, again.duplicate_of, again.copied_bytes) == (2, 1, 0)
+    assert changed.duplicate_of is None
+
+
+@pytest.mark.torch  # save_model builds a torch MLP
+def test_publish_of_the_same_checkpoint_twice_prints_a_note(tmp_path, capsys):
+    from hybridfleet.cli.app import main
+
+    ckpt = save_model(tmp_path / "run")
+    db = f"sqlite:///{tmp_path / 'reg.db'}"
+    main(["registry", "publish", "n/m", ckpt, "--step", "10", "-r", db])
+    first = capsys.readouterr()
+    main(["registry", "publish", "n/m", ckpt, "--step", "10", "-r", db])
+    second = capsys.readouterr()
+    assert "note:" not in first.err
+    assert "registered n/m v2" in second.out
+    assert "note: v2 has exactly the tensors of v1" in second.err
+
+
+@pytest.mark.torch  # save_model builds a torch MLP
+@pytest.mark.paddle
+def test_pull_into_paddle_prints_no_framework_noise(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ccache"):
+        pytest.skip("ccache is installed here, so Paddle has no 'No ccache found' warning to print")
+    ckpt = save_model(tmp_path / "run")
+    db = f"sqlite:///{tmp_path / 'reg.db'}"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), HFLEET_REGISTRY_TOKEN="")
+    hfleet = [sys.executable, "-m", "hybridfleet"]
+    subprocess.run([*hfleet, "registry", "publish", "n/m", ckpt, "--step", "10", "-r", db], env=env, check=True,
+                   capture_output=True, timeout=120)
+    # Execute: the pull converts into Paddle's format, so it imports paddle
+    proc = subprocess.run([*hfleet, "registry", "pull", "n/m@1", "--framework", "paddle", "--format", "pdparams",
+                           "-o", str(tmp_path / "out"), "-r", db], env=env, capture_output=True, text=True, timeout=120)
+    # Assert: one line of ours, nothing from the framework
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.pdparams").is_file()
+    assert proc.stdout.strip().startswith("n/m v1 -> ")
+    assert "ccache" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

@@ -18,17 +18,20 @@ from hybridfleet.ckpt.checkpoint import (
 )
 from hybridfleet.ckpt.convert import convert_checkpoint
 from hybridfleet.ckpt.retention import GcResult, gc
+from hybridfleet.ckpt.view import VerifiedTensors, open_tensors
 
 __all__ = [
     "AsyncCheckpointer",
     "CheckpointInfo",
     "GcResult",
+    "VerifiedTensors",
     "VerifyResult",
     "convert_checkpoint",
     "gc",
     "list_checkpoints",
     "load_checkpoint",
     "load_tensors_checkpoint",
+    "open_tensors",
     "save_checkpoint",
     "save_tensors_checkpoint",
     "verify",

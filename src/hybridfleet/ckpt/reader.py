@@ -6,6 +6,7 @@ Loads check each file's size and CRC-32; `verify` checks sha256 (see `manifest`)
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +18,7 @@ from hybridfleet.errors import CheckpointError, StoreError
 from hybridfleet.store import Store, crc32_parts, sha256_parts
 from hybridfleet.store.base import Buffer
 
-READ_WORKERS = 2  # checksums release the GIL: one thread per core
+READ_WORKERS = max(2, min(4, os.cpu_count() or 1))  # checksums release the GIL and are memory-bound
 
 
 def list_steps(store: Store) -> list[int]:

@@ -13,6 +13,7 @@ import time
 import traceback
 
 import typer
+from typer.core import TyperArgument
 
 from hybridfleet import __version__
 from hybridfleet.errors import EXIT_CODES, HfleetError, print_error, report
@@ -58,6 +59,24 @@ def build_app(only: str | None = None) -> typer.Typer:
     return app
 
 
+def plain_metavars(command):
+    """``command`` (and every subcommand) with argparse-style metavars: `Usage: hfleet k8s quota JOB`,
+    `--step STEP`, instead of Typer's `{job}` and `--step <int>`. Flags and choices keep theirs."""
+    for param in command.params:
+        descriptor = getattr(param, "type_descriptor", None)
+        keeps_own = getattr(param, "is_flag", False) or (descriptor is not None and descriptor.is_choice)
+        if param.metavar is None and not keeps_own:
+            param.metavar = (param.name or "value").upper()
+        if isinstance(param, TyperArgument):
+            name = (param.metavar or param.name or "value") + ("..." if param.nargs != 1 else "")
+            # Typer formats these two itself (`{job}`, `job <path>`); the instance's own answers win
+            param._usage_display_name = (lambda shown: lambda: shown)(name if param.required else f"[{name}]")
+            param.display_type_rich = lambda ctx: None
+    for sub in getattr(command, "commands", {}).values():
+        plain_metavars(sub)
+    return command
+
+
 def __getattr__(name: str):
     if name == "app":  # the full app, for tests and tools that introspect it
         return build_app()
@@ -75,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # gRPC's C core would print its own lines next to ours
     try:
         app = build_app(only=args[0] if args and args[0] in COMMAND_MODULES else None)
-        app(args=args, prog_name="hfleet")  # standalone mode: usage errors exit 2 with click's message
+        command = plain_metavars(typer.main.get_command(app))
+        command.main(args=args, prog_name="hfleet")  # standalone mode: usage errors exit 2 with click's message
     except SystemExit as ex:
         if ex.code in (0, None):
             return

@@ -66,15 +66,13 @@ def quota(
     jobs: int = typer.Option(1, "--jobs", help="how many such jobs may run at once in the namespace"),
 ) -> None:
     """Print a ResourceQuota + LimitRange example for a team namespace sized for JOB."""
-    import yaml
-
-    from hybridfleet.k8s.render import load_job
+    from hybridfleet.k8s.render import load_job, plain_yaml
     from hybridfleet.k8s.scheduling import job_pods, team_quota
 
     if jobs < 1:
         raise typer.BadParameter(f"must be >= 1 (got {jobs})", param_hint="--jobs")
     spec, _ = load_job(job)
-    typer.echo(yaml.safe_dump_all(team_quota(spec, job_pods(spec) * jobs, namespace), sort_keys=False), nl=False)
+    typer.echo(plain_yaml(team_quota(spec, job_pods(spec) * jobs, namespace)), nl=False)
 
 
 def register(app: typer.Typer) -> None:

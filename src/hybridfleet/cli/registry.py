@@ -100,6 +100,9 @@ def publish(name: str = typer.Argument(..., help="[NAMESPACE/]NAME"),
         info = reg.register(name, checkpoint, step, description, tags, claims)
     typer.echo(f"registered {info.name} v{info.version} (manifest sha256 {info.manifest_sha256[:12]}..., "
                f"{info.copied_bytes if info.copied_bytes is not None else '?'} bytes copied)")
+    if info.duplicate_of is not None:
+        typer.echo(f"note: v{info.version} has exactly the tensors of v{info.duplicate_of} (same checkpoint published "
+                   f"again?); `hfleet registry alias` points an alias at an existing version without a new one", err=True)
 
 
 @group.command("ls")

@@ -7,6 +7,6 @@ when called; importing this package never imports either framework.
 from __future__ import annotations
 
 from hybridfleet.frameworks.base import Adapter
-from hybridfleet.frameworks.registry import FRAMEWORKS, detect_framework, get_adapter
+from hybridfleet.frameworks.registry import FRAMEWORKS, detect_framework, get_adapter, import_framework
 
-__all__ = ["Adapter", "FRAMEWORKS", "detect_framework", "get_adapter"]
+__all__ = ["Adapter", "FRAMEWORKS", "detect_framework", "get_adapter", "import_framework"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
+from types import ModuleType
 from typing import Any
 
 from hybridfleet.errors import FrameworkMissingError
@@ -16,6 +18,17 @@ FRAMEWORKS: dict[str, tuple[str, str]] = {
 }
 
 
+def import_framework(module: str) -> ModuleType:
+    """Import ``module`` ("torch", "paddle") without framework noise on the terminal.
+
+    Paddle warns "No ccache found" on import when ccache is not installed; that only matters
+    to someone compiling Paddle C++ extensions, never to loading or saving tensors.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+        return importlib.import_module(module)
+
+
 def get_adapter(name: str) -> Adapter:
     """The adapter for framework ``name`` ("torch" or "paddle"), importing it on first use.
 
@@ -26,7 +39,7 @@ def get_adapter(name: str) -> Adapter:
         raise ValueError(f"unknown framework {name!r}; expected one of {sorted(FRAMEWORKS)}")
     target, needed = FRAMEWORKS[name]
     try:
-        importlib.import_module(needed)
+        import_framework(needed)
     except ImportError as err:
         raise FrameworkMissingError(f"pip install 'hybridfleet[{name}]'") from err
     module_name, class_name = target.split(":")

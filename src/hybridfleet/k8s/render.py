@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -130,6 +131,12 @@ class _PlainDumper(yaml.SafeDumper):
 
     def ignore_aliases(self, data) -> bool:
         return True
+
+
+def plain_yaml(documents: list[Any]) -> str:
+    """``documents`` as a YAML stream in key order, every shared object written out in full (no
+    ``&id001`` / ``*id001`` anchors), ready to paste."""
+    return yaml.dump_all(documents, Dumper=_PlainDumper, sort_keys=False)
 
 
 def write_manifests(manifests: list[Manifest], out_dir: Path, howto: str = "") -> list[Path]:

@@ -29,14 +29,16 @@ import numpy as np
 
 from hybridfleet.ckpt import safetensors_io
 from hybridfleet.ckpt.manifest import FileEntry, Manifest
-from hybridfleet.ckpt.reader import READ_WORKERS, list_steps, read_manifest, read_verified
+from hybridfleet.ckpt.reader import list_steps, read_manifest, read_verified
 from hybridfleet.errors import CheckpointError, RegistryError, StoreError
+from hybridfleet.frameworks import import_framework
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
 from hybridfleet.obs.log import get_logger
-from hybridfleet.store import Store, blob_path, open_store, sha256_parts
+from hybridfleet.store import Store, blob_path, copy_blob, open_store, sha256_parts
 
 log = get_logger("registry.artifacts")
 
+COPY_WORKERS = 4  # files copied at once (each S3 one with its own parts in flight), as `s3fs.put` does
 FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt", "pdparams": "model.pdparams"}
 
 
@@ -75,30 +77,35 @@ def source_manifest(source: Store, step: int | None) -> Manifest:
 def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_path: str) -> Registered:
     """Copy ``manifest``'s files into ``target`` as blobs (only those absent), then write its manifest.
 
-    A blob already in ``target`` counts as present only when its sha256 matches; each
-    copied file is checked against its size and sha256 on the way (the one hash pass
-    that names the blob). Nothing is written under ``manifest_path`` until every blob is
-    in place.
+    A blob already in ``target`` counts as present only when its sha256 matches (a copy that
+    does not is rewritten and logged). Each copied file streams from ``source`` to ``target`` once (no separate hashing pass;
+    ``COPY_WORKERS`` files at a time, S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
+    (sha256 without one) on the way; a file that fails is never published as a blob, and
+    nothing is written under ``manifest_path`` until every blob is in place.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
-    with ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="hfleet-register") as pool:  # hashing releases the GIL
-        sound = list(pool.map(lambda e: _sound_blob(target, blob_path(e.sha256), e), manifest.files))
-        copies = [pool.submit(_copy_blob, source, target, e) for e, ok in zip(manifest.files, sound) if not ok]
-        copied = sum(c.result() for c in copies)
-    entries = [FileEntry(name=e.name, path=blob_path(e.sha256), role=e.role, size_bytes=e.size_bytes, sha256=e.sha256,
-                         crc32=e.crc32) for e in manifest.files]  # fmt: skip
+    def copy_one(entry: FileEntry) -> tuple[FileEntry, int]:
+        blob = blob_path(entry.sha256)
+        copied = 0
+        if not _sound_blob(target, blob, entry):
+            try:
+                copied = copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
+            except StoreError as err:
+                raise CheckpointError(f"{entry.name}: {err}") from err
+        return FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
+                         sha256=entry.sha256, crc32=entry.crc32), copied  # fmt: skip
+
+    with ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="hfleet-register") as pool:
+        futures = [pool.submit(copy_one, entry) for entry in manifest.files]
+    done = [f.result() for f in futures]  # the first failure in manifest order is raised
+    entries = [entry for entry, _ in done]
+    copied = sum(n for _, n in done)
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
                    files=entries, metrics=dict(manifest.metrics))  # fmt: skip
     data = out.to_json()
     target.put_bytes(manifest_path, data)
     return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
-
-
-def _copy_blob(source: Store, target: Store, entry: FileEntry) -> int:
-    """Copy one file into ``target`` as its blob after checking its sha256; the payload bytes written."""
-    target.put_parts(blob_path(entry.sha256), [read_verified(source, entry, check_sha256=True)])
-    return entry.size_bytes
 
 
 def _sound_blob(store: Store, blob: str, entry: FileEntry) -> bool:
@@ -115,6 +122,20 @@ def _sound_blob(store: Store, blob: str, entry: FileEntry) -> bool:
     log.warning("blob_rewritten", url=store.url, path=blob, file=entry.name,
                 reason=f"stored copy has {'sha256 ' + str(digest) if digest else f'{size} bytes'}, not its name's content")
     return False
+
+
+def same_tensors(store: Store, manifest_path: str, manifest: Manifest) -> bool:
+    """True when the version manifest at ``manifest_path`` names exactly the tensor files of ``manifest``
+    (same names, roles and sha256; state.json aside). False when it cannot be read."""
+    try:
+        other = Manifest.from_json(store.get_bytes(manifest_path), f"{store.url}/{manifest_path}")
+    except (StoreError, CheckpointError):
+        return False
+
+    def tensors(m: Manifest) -> set[tuple[str, str, str]]:
+        return {(f.role, f.name, f.sha256) for f in m.files if f.role != "state"}
+
+    return tensors(other) == tensors(manifest)
 
 
 def read_version(store: Store, manifest_path: str, manifest_sha256: str) -> tuple[Manifest, dict[str, Any], dict[str, dict[str, np.ndarray]]]:
@@ -180,7 +201,7 @@ def export_weights(manifest: Manifest, state: dict[str, Any], groups: dict[str, 
         torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)
         target.put_bytes(FORMATS[fmt], buf.getvalue())
     else:
-        import paddle
+        paddle = import_framework("paddle")
 
         buf = io.BytesIO()
         paddle.save({k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in weights.items()}, buf)

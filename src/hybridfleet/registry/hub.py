@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from hybridfleet.errors import CheckpointError, RegistryError, RegistryNotFoundError
+from hybridfleet.frameworks import import_framework
 from hybridfleet.obs.log import get_logger
 
 log = get_logger("registry.hub")
@@ -162,7 +163,7 @@ def load_weights(snapshot: Path, files: list[dict[str, Any]]) -> tuple[str, dict
             weights.update(load_file(str(path)))
         return "torch", weights
     if ".pdparams" in by_suffix:
-        import paddle
+        paddle = import_framework("paddle")
 
         for path in by_suffix[".pdparams"]:
             weights.update({k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in paddle.load(str(path)).items()})

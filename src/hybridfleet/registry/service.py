@@ -64,6 +64,7 @@ class VersionInfo:
     tags: dict[str, str] = field(default_factory=dict)
     metric_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # see `hybridfleet.registry.evidence`
     copied_bytes: int | None = None  # set by `register`: payload bytes it copied into the store
+    duplicate_of: int | None = None  # set by `register`: the previous version, when it has exactly these tensors
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,8 +245,12 @@ class Registry:
                 self.store.rm(path)  # the row is rolled back: so is the manifest
                 raise
             row = self._version_row(conn, model_id, ModelRef(namespace, short), number)
+            previous = conn.execute(select(versions.c.manifest_path).where(
+                and_(versions.c.model_id == model_id, versions.c.version == number - 1))).first()  # fmt: skip
         info = _version_info(f"{namespace}/{short}", row, {k: str(v) for k, v in tags.items()})
         info.copied_bytes = done.copied_bytes
+        if previous is not None and artifacts.same_tensors(self.store, previous.manifest_path, done.manifest):
+            info.duplicate_of = number - 1
         return info
 
     def register_run(self, name: str, model_root: str, which: str = "final", description: str = "",

@@ -5,7 +5,9 @@ from __future__ import annotations
 from hybridfleet.store.base import Store
 from hybridfleet.store.blobs import (
     BLOB_PREFIX,
+    DigestingReader,
     blob_path,
+    copy_blob,
     crc32_parts,
     download_verified,
     file_digests,
@@ -19,7 +21,9 @@ __all__ = [
     "STORES",
     "Store",
     "StoreBackendMissingError",
+    "DigestingReader",
     "blob_path",
+    "copy_blob",
     "crc32_parts",
     "download_verified",
     "file_digests",

@@ -9,12 +9,53 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Union
+from collections.abc import Callable, Iterable
+from typing import Protocol, Union
 
 from hybridfleet.errors import StoreError
 
 Buffer = Union[bytes, bytearray, memoryview]
+READ_CHUNK_BYTES = 8 << 20
+
+
+class Reader(Protocol):
+    """What `Store.put_stream` reads from: a binary file opened for reading, or anything with ``readinto``."""
+
+    def readinto(self, view: memoryview) -> int: ...
+
+
+class RangeReader:
+    """Sequential ``readinto`` over a store file, fetched by ranged reads of ``chunk_bytes``."""
+
+    def __init__(self, store: "Store", path: str, size_bytes: int, chunk_bytes: int = READ_CHUNK_BYTES):
+        self.store, self.path, self.size_bytes, self.chunk_bytes = store, path, size_bytes, chunk_bytes
+        self.position = 0  # of the next byte fetched
+        self._chunk = memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        if not self._chunk.nbytes and self.position < self.size_bytes:
+            end = min(self.size_bytes, self.position + self.chunk_bytes)
+            self._chunk = memoryview(self.store.get_bytes(self.path, self.position, end))
+            self.position += self._chunk.nbytes
+        view = memoryview(view).cast("B")
+        count = min(view.nbytes, self._chunk.nbytes)
+        view[:count] = self._chunk[:count]
+        self._chunk = self._chunk[count:]
+        return count
+
+    def close(self) -> None:
+        self._chunk = memoryview(b"")
+
+
+def read_exactly(reader: Reader, view: memoryview, source: str) -> None:
+    """Fill ``view`` from ``reader``; StoreError naming ``source`` when the reader ends first."""
+    view = memoryview(view).cast("B")
+    filled = 0
+    while filled < view.nbytes:
+        n = reader.readinto(view[filled:])
+        if not n:
+            raise StoreError(f"{source}: ended after {filled} of {view.nbytes} bytes expected")
+        filled += n
 
 
 def clean_path(path: str) -> str:
@@ -73,7 +114,40 @@ class Store(ABC):
         self.bytes_read += len(data)
         return bytearray(data)
 
+    def _put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None]) -> None:
+        """Publish ``size_bytes`` read from ``reader`` at ``path`` atomically, after ``check()`` passed.
+
+        This default reads everything into memory first; backends override it to stream.
+        """
+        data = bytearray(size_bytes)
+        read_exactly(reader, memoryview(data), f"{self.url}/{path}")
+        check()
+        self._put_parts(path, [data])
+
+    def _open_reader(self, path: str) -> Reader:
+        """A sequential reader of ``path``; backends may open the file itself instead."""
+        return RangeReader(self, path, self._size(path))
+
     # -- derived operations ---------------------------------------------------------------------
+    def put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None] | None = None) -> None:
+        """Write exactly ``size_bytes`` read from ``reader`` at ``path`` atomically.
+
+        ``check`` runs after the last byte was read and before anything is published; when it
+        raises (e.g. a digest of the bytes read does not match), or the reader ends early,
+        nothing appears at ``path`` and the exception propagates.
+        """
+        path = clean_path(path)
+        if not path:
+            raise StoreError("cannot write to the store root; give a file path")
+        if size_bytes < 0:
+            raise StoreError(f"size_bytes must be >= 0 (got {size_bytes})")
+        self._put_stream(path, reader, size_bytes, check or (lambda: None))
+        self.bytes_written += size_bytes
+
+    def open_reader(self, path: str) -> Reader:
+        """A sequential binary reader (``readinto``, ``close``) of ``path``; StoreError if it does not exist."""
+        return self._open_reader(clean_path(path))
+
     def put_bytes(self, path: str, data: Buffer) -> None:
         """Write ``data`` at ``path`` atomically, replacing any previous file."""
         self.put_parts(path, [data])

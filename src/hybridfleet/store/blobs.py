@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hybridfleet.errors import StoreError
 from hybridfleet.obs.log import get_logger
-from hybridfleet.store.base import Buffer, Store
+from hybridfleet.store.base import Buffer, Reader, Store
 
 BLOB_PREFIX = "blobs/sha256"
 log = get_logger("store.blobs")
@@ -78,6 +78,71 @@ def file_digests(parts: Iterable[Buffer]) -> tuple[str, str, int]:
             crc = _crc32(piece, crc)
         total += view.nbytes
     return digest.hexdigest(), f"{crc:08x}", total
+
+
+class DigestingReader:
+    """A `Reader` that takes the CRC-32 and/or sha256 of the bytes passing through, slice by slice while
+    each slice is still in the core's cache: copying through it reads every byte once."""
+
+    def __init__(self, reader: Reader, crc32: bool = True, sha256: bool = False):
+        self.reader = reader
+        self.size_bytes = 0
+        self._crc = 0 if crc32 else None
+        self._sha = hashlib.sha256() if sha256 else None
+
+    def readinto(self, view: memoryview) -> int:
+        view = memoryview(view).cast("B")
+        n = self.reader.readinto(view[:_DIGESTS_SLICE_BYTES])
+        if n:
+            piece = view[:n]
+            if self._crc is not None:
+                self._crc = _crc32(piece, self._crc)
+            if self._sha is not None:
+                self._sha.update(piece)
+            self.size_bytes += n
+        return n
+
+    @property
+    def crc32(self) -> str | None:
+        """CRC-32 (8 hex digits) of the bytes read so far, or None when not taken."""
+        return None if self._crc is None else f"{self._crc:08x}"
+
+    @property
+    def sha256(self) -> str | None:
+        """sha256 hex of the bytes read so far, or None when not taken."""
+        return None if self._sha is None else self._sha.hexdigest()
+
+
+def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_bytes: int, crc32_hex: str | None) -> int:
+    """Copy ``path`` of ``source`` into ``target`` as blob ``sha256_hex``, reading and writing each byte once.
+
+    The bytes are checked while they stream through: their size and CRC-32 (or, without
+    ``crc32_hex``, their sha256) must match, else StoreError ("crc32 mismatch", "sha256
+    mismatch", "size ... truncated") and nothing is published under the blob's path.
+    Parts go up in parallel where the target streams that way (S3 multipart). Returns the
+    payload bytes written.
+    """
+    where = f"{source.url}/{path}"
+    stored_size = source.size(path)
+    if stored_size != size_bytes:
+        raise StoreError(f"{where}: size {stored_size} bytes, manifest says {size_bytes} (truncated or replaced)")
+    reader = DigestingReader(source.open_reader(path), crc32=crc32_hex is not None, sha256=crc32_hex is None)
+
+    def check() -> None:
+        if reader.size_bytes != size_bytes:
+            raise StoreError(f"{where}: read {reader.size_bytes} bytes, manifest says {size_bytes} (truncated or replaced)")
+        if crc32_hex is not None and reader.crc32 != crc32_hex:
+            raise StoreError(f"{where}: crc32 mismatch (corrupt file); nothing was written")
+        if crc32_hex is None and reader.sha256 != sha256_hex:
+            raise StoreError(f"{where}: sha256 mismatch (corrupt file); nothing was written")
+
+    try:
+        target.put_stream(blob_path(sha256_hex), reader, size_bytes, check)
+    finally:
+        close = getattr(reader.reader, "close", None)
+        if close is not None:
+            close()
+    return size_bytes
 
 
 def put_blob(store: Store, parts: list[Buffer], sha256_hex: str, crc32_hex: str | None = None) -> int:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import s3fs
 
 from hybridfleet.errors import StoreError
+from hybridfleet.store.base import Reader, read_exactly
 from hybridfleet.store.fsspec_store import FsspecStore
+
+# Streamed writes go up as a multipart upload with this many parts in flight (what boto3's
+# TransferConfig and s5cmd do): one connection per part keeps the server's disks and the
+# network busy where a single sequential stream waits on each round trip. Memory held:
+# (UPLOAD_CONCURRENCY + 1) * PART_BYTES per stream.
+PART_BYTES = 16 << 20
+UPLOAD_CONCURRENCY = 8
 
 
 class S3Store(FsspecStore):
@@ -33,6 +43,41 @@ class S3Store(FsspecStore):
         fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, use_listings_cache=False, **options)
         super().__init__(fs, bucket_and_prefix, f"s3://{bucket_and_prefix}")
         self.endpoint_url = endpoint_url
+
+    def _put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None]) -> None:
+        if size_bytes < 2 * PART_BYTES:
+            super()._put_stream(path, reader, size_bytes, check)
+            return
+        bucket, key, _ = self.fs.split_path(self._full(path))
+        source = f"stream for {self.url}/{path}"
+        try:
+            upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        except OSError as err:
+            raise StoreError(f"{self.url}/{path}: write failed: {err}") from err
+        try:
+            with ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="hfleet-s3-part") as pool:
+                futures: list[Future] = []
+                for number, start in enumerate(range(0, size_bytes, PART_BYTES), start=1):
+                    in_flight = [f for f in futures if not f.done()]
+                    if len(in_flight) >= UPLOAD_CONCURRENCY:
+                        wait(in_flight, return_when=FIRST_COMPLETED)
+                    part = bytearray(min(PART_BYTES, size_bytes - start))
+                    read_exactly(reader, memoryview(part), source)
+                    futures.append(pool.submit(self.fs.call_s3, "upload_part", Bucket=bucket, Key=key,
+                                               UploadId=upload_id, PartNumber=number, Body=part))  # fmt: skip
+                parts = [{"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(futures, start=1)]
+            check()
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                            MultipartUpload={"Parts": parts})  # fmt: skip
+        except BaseException as err:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except OSError:
+                pass  # the server drops abandoned uploads itself; the object was never published
+            if isinstance(err, OSError):
+                raise StoreError(f"{self.url}/{path}: write failed: {err}") from err
+            raise
+        self.fs.invalidate_cache(self._full(path))
 
     def _rm(self, path: str, recursive: bool) -> None:
         super()._rm(path, recursive)
