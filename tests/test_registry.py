@@ -359,7 +359,7 @@ def test_registering_a_corrupt_checkpoint_writes_no_row_and_no_manifest(registry
     blob.write_bytes(bytes(data))
     before = table_counts(registry)
     # Execute
-    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"crc32 mismatch \(corrupt file\); nothing was written"):
         registry.register("fresh/model", str(tmp_path / "run"))
     # Assert: no model, no version, no manifest in the store
     assert table_counts(registry) == before
