@@ -19,7 +19,8 @@ SCHEMAS = Path(__file__).parent / "schemas" / "kserve"
 
 @functools.cache
 def inference_service_schema() -> dict:
-    crd = yaml.safe_load((SCHEMAS / "serving.kserve.io_inferenceservices.yaml").read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD is 2 MB of YAML
+    crd = yaml.load((SCHEMAS / "serving.kserve.io_inferenceservices.yaml").read_text(), Loader=loader)
     (version,) = [v for v in crd["spec"]["versions"] if v.get("storage")]
     return version["schema"]["openAPIV3Schema"]
 
@@ -43,8 +44,16 @@ def unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
     return out
 
 
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    schema = inference_service_schema()
+    # KServe's own CRD: checking the 2 MB schema itself (as jsonschema.validate does on every call) takes
+    # seconds and tests nothing of ours
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
 def validate(isvc: dict) -> None:
     """jsonschema.ValidationError or AssertionError (unknown fields) unless ``isvc`` fits the CRD."""
     schema = inference_service_schema()
-    jsonschema.validate(isvc, schema)
+    _validator().validate(isvc)
     assert unknown_fields(isvc, schema) == [], unknown_fields(isvc, schema)
