@@ -26,6 +26,11 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     return exit_info.value.code, out.out, out.err
 
 
+def export_cli(capsys, reg: Registry, ref: str, fmt: str, out, factory: str) -> tuple[int, str, str]:
+    """`hfleet registry export REF --format FMT -o OUT --model FACTORY` on ``reg``."""
+    return run_cli(["registry", "export", ref, "--format", fmt, "-o", str(out), "--model", factory, "-r", reg.db_url], capsys)
+
+
 @pytest.fixture
 def reg(tmp_path) -> Registry:
     return Registry(f"sqlite:///{tmp_path}/registry.db")
@@ -64,8 +69,7 @@ def test_torch_version_exports_to_onnx_in_triton_layout_and_onnxruntime_matches_
     ref = _registered(reg, tmp_path, "torch")
     out = tmp_path / "onnx"
     # Execute
-    code, stdout, stderr = run_cli(["registry", "export", ref, "--format", "onnx", "-o", str(out), "--model",
-                                    f"{DIGITS_FACTORY}:build_torch", "-r", reg.db_url], capsys)  # fmt: skip
+    code, stdout, stderr = export_cli(capsys, reg, ref, "onnx", out, f"{DIGITS_FACTORY}:build_torch")
     # Assert: KServe/Triton layout, figures measured, and an independent onnxruntime run matches torch
     assert code == 0, stderr
     assert "onnx artefact verified on 256 inputs" in stdout
@@ -89,8 +93,7 @@ def test_torch_version_exports_as_a_torch_export_program_that_matches_eager(reg,
 
     ref = _registered(reg, tmp_path, "torch")
     out = tmp_path / "pt2"
-    code, stdout, stderr = run_cli(["registry", "export", ref, "--format", "torch-export", "-o", str(out), "--model",
-                                    f"{DIGITS_FACTORY}:build_torch", "-r", reg.db_url], capsys)  # fmt: skip
+    code, stdout, stderr = export_cli(capsys, reg, ref, "torch-export", out, f"{DIGITS_FACTORY}:build_torch")
     assert code == 0, stderr
     assert files_under(out) == {MANIFEST_NAME, "model.pt2"}
     x = load_test()[0][256:300]
@@ -105,8 +108,7 @@ def test_paddle_version_exports_for_paddle_inference_and_its_predictor_matches_p
 
     ref = _registered(reg, tmp_path, "paddle")
     out = tmp_path / "pd"
-    code, stdout, stderr = run_cli(["registry", "export", ref, "--format", "paddle-inference", "-o", str(out), "--model",
-                                    f"{DIGITS_FACTORY}:build_paddle", "-r", reg.db_url], capsys)  # fmt: skip
+    code, stdout, stderr = export_cli(capsys, reg, ref, "paddle-inference", out, f"{DIGITS_FACTORY}:build_paddle")
     assert code == 0, stderr
     assert files_under(out) == {MANIFEST_NAME, "model.json", "model.pdiparams"}  # one program + one params file (KServe's paddle server)
     config = inference.Config(str(out / "model.json"), str(out / "model.pdiparams"))
@@ -127,8 +129,7 @@ def test_paddle_version_exports_for_paddle_inference_and_its_predictor_matches_p
 def test_paddle_trained_version_exports_to_onnx_through_the_torch_model_code(reg, tmp_path, capsys):
     ref = _registered(reg, tmp_path, "paddle")
     out = tmp_path / "onnx"
-    code, _, stderr = run_cli(["registry", "export", ref, "--format", "onnx", "-o", str(out), "--model",
-                               f"{DIGITS_FACTORY}:build_torch", "-r", reg.db_url], capsys)  # fmt: skip
+    code, _, stderr = export_cli(capsys, reg, ref, "onnx", out, f"{DIGITS_FACTORY}:build_torch")
     assert code == 0, stderr
     import onnxruntime as ort
 
@@ -159,8 +160,7 @@ def test_an_artefact_whose_outputs_differ_is_refused_and_nothing_is_written(reg,
     before_rows, before_tags, before_store = table_counts(reg), reg.get_version(ref).tags, files_under(tmp_path / "artifacts")
     out = tmp_path / "out"
     # Execute
-    code, _, stderr = run_cli(["registry", "export", ref, "--format", fmt, "-o", str(out), "--model",
-                               f"{DRIFTING_FACTORY}:build_drifting_{framework}", "-r", reg.db_url], capsys)  # fmt: skip
+    code, _, stderr = export_cli(capsys, reg, ref, fmt, out, f"{DRIFTING_FACTORY}:build_drifting_{framework}")
     # Assert: the reason with the figures; no folder, no partial, no store file, no tag
     assert code == 27
     assert f"{fmt} artefact refused: its outputs differ from the {framework} model's by up to" in stderr
@@ -174,8 +174,7 @@ def test_an_artefact_whose_outputs_differ_is_refused_and_nothing_is_written(reg,
 def test_paddle_model_to_onnx_is_refused_naming_paddle2onnx_and_writes_nothing(reg, tmp_path, capsys):
     ref = _registered(reg, tmp_path, "paddle")
     before = table_counts(reg), files_under(tmp_path / "artifacts")
-    code, _, stderr = run_cli(["registry", "export", ref, "--format", "onnx", "-o", str(tmp_path / "out"), "--model",
-                               f"{DIGITS_FACTORY}:build_paddle", "-r", reg.db_url], capsys)  # fmt: skip
+    code, _, stderr = export_cli(capsys, reg, ref, "onnx", tmp_path / "out", f"{DIGITS_FACTORY}:build_paddle")
     assert code == 2
     assert "paddle2onnx" in stderr and "--format paddle-inference" in stderr
     assert not (tmp_path / "out").exists() and (table_counts(reg), files_under(tmp_path / "artifacts")) == before
@@ -187,10 +186,8 @@ def test_export_into_a_non_empty_folder_or_with_a_bad_factory_is_refused(reg, tm
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    code, _, stderr = run_cli(["registry", "export", ref, "--format", "onnx", "-o", str(full), "--model",
-                               f"{DIGITS_FACTORY}:build_torch", "-r", reg.db_url], capsys)  # fmt: skip
+    code, _, stderr = export_cli(capsys, reg, ref, "onnx", full, f"{DIGITS_FACTORY}:build_torch")
     assert code == 2 and "exists and is not an empty folder; exports never overwrite" in stderr
     assert files_under(full) == {"keep.txt"}
-    code, _, stderr = run_cli(["registry", "export", ref, "--format", "onnx", "-o", str(tmp_path / "o"), "--model",
-                               f"{DIGITS_FACTORY}:no_such", "-r", reg.db_url], capsys)  # fmt: skip
+    code, _, stderr = export_cli(capsys, reg, ref, "onnx", tmp_path / "o", f"{DIGITS_FACTORY}:no_such")
     assert code == 2 and "has no function no_such" in stderr and not (tmp_path / "o").exists()
