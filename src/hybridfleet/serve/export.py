@@ -49,6 +49,7 @@ def export_version(reg: Any, ref: str, fmt: str, out_dir: str | Path, model: str
     gets tags ``export.<fmt>.{uri, manifest_sha256, max_abs_diff, samples, tolerance, provenance}``
     (needs writer on the model). ExportError (nothing written anywhere) when outputs differ.
     """
+    _check_format_name(fmt)
     info = reg.resolve_version(ref)
     store = open_store(reg.store_url)
     manifest, state, groups = artifacts.read_version(store, info.manifest_path, info.manifest_sha256)
@@ -63,6 +64,7 @@ def export_checkpoint(checkpoint: str, fmt: str, out_dir: str | Path, model: str
                       sample: str | None = None, tolerance: float = DEFAULT_TOLERANCE, step: int | None = None,
                       max_samples: int = DEFAULT_MAX_SAMPLES) -> dict[str, Any]:  # fmt: skip
     """Export a run's model dir (its MODEL.json final step) or a checkpoint root's ``step`` (default newest)."""
+    _check_format_name(fmt)
     root = open_store(checkpoint)
     if step is None and root.exists("MODEL.json"):
         card = read_model_card(root)
@@ -74,6 +76,11 @@ def export_checkpoint(checkpoint: str, fmt: str, out_dir: str | Path, model: str
     name = Path(checkpoint.rstrip("/")).name if "://" not in checkpoint else checkpoint.rstrip("/").rsplit("/", 1)[-1]
     return _export(groups, state, manifest.framework, source, _model_dir_name(name), fmt, out_dir, model, model_args,
                    sample, tolerance, max_samples, before_publish=None)  # fmt: skip
+
+
+def _check_format_name(fmt: str) -> None:
+    if fmt not in exporters.NEEDS:
+        raise UsageError(f"--format must be one of {', '.join(exporters.NEEDS)} (got {fmt!r})")
 
 
 def _model_dir_name(text: str) -> str:

@@ -34,6 +34,8 @@ def build(reg: Any, ref: str, fmt: str = "auto", cache_dir: str = DEFAULT_CACHE,
     """(ASGI app, its started Rollout) for ``ref``; the caller runs the app and stops the rollout."""
     parse_ref(ref)
     poll_interval_ok(poll_s)
+    if not 1 <= threads <= 256:
+        raise UsageError(f"--threads must be between 1 and 256 (got {threads})")
     metrics = ServeMetrics()
     rollout = Rollout(reg, ref, choose_format(reg, ref, fmt), Path(cache_dir).expanduser(), poll_s, threads,
                       on_refresh_error=lambda err: metrics.refresh_errors.labels(parse_ref(ref).name).inc())  # fmt: skip
