@@ -120,8 +120,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="requests per client per setting")
     parser.add_argument("--canary-requests", type=int, default=10_000)
     args = parser.parse_args()
-    if args.requests < 10 or args.canary_requests < 100:
-        parser.error("--requests must be >= 10 and --canary-requests >= 100")
+    if args.requests < 10:
+        parser.error(f"--requests: must be >= 10 (got {args.requests})")
+    if args.canary_requests < 100:
+        parser.error(f"--canary-requests: must be >= 100 (got {args.canary_requests})")
     if args.quick:
         args.requests, args.canary_requests = 100, 1000
     from digits_data import load_test
