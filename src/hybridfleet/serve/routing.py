@@ -106,9 +106,9 @@ class Rollout:
         self.state = new
         return changed
 
-    def route(self, key: str | None) -> tuple[int, Runtime]:
-        """(version, runtime) for one request."""
-        state = self.state  # one read: the pick and the runtime come from the same state
+    def route(self, key: str | None, state: RolloutState | None = None) -> tuple[int, Runtime]:
+        """(version, runtime) for one request, from ``state`` (default: the current one)."""
+        state = state or self.state  # one read: the pick and the runtime come from the same state
         version = state.pick(self.full_name, self.alias or "", key, self._rng)
         return version, state.runtimes[version]
 

@@ -30,7 +30,7 @@ from hybridfleet import __version__
 from hybridfleet.errors import AuthError, PermissionDeniedError
 from hybridfleet.serve.auth import TokenGate
 from hybridfleet.serve.protocol import HEADER_LENGTH, InferRequestError, encode_infer, parse_infer
-from hybridfleet.serve.routing import Rollout
+from hybridfleet.serve.routing import Rollout, RolloutState
 
 ROUTING_HEADER = "x-routing-key"
 ROUTING_PARAMETER = "routing_key"
@@ -78,11 +78,13 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
             return _error(403, str(err))
         return None
 
-    def known(model: str, version: str | None) -> JSONResponse | None:
+    def known(model: str, version: str | None, state: RolloutState) -> JSONResponse | None:
+        """404 unless ``model`` (and ``version``) is served in ``state`` (one state per request: a
+        rollout change between the check and the use cannot make the version vanish)."""
         if model != name:
             return _error(404, f"model {model!r} is not served here (this server serves {name!r})")
-        if version is not None and (not version.isdigit() or int(version) not in rollout.state.runtimes):
-            return _error(404, f"version {version!r} of {name!r} is not served now (serving {sorted(rollout.state.runtimes)})")
+        if version is not None and (not version.isdigit() or int(version) not in state.runtimes):
+            return _error(404, f"version {version!r} of {name!r} is not served now (serving {sorted(state.runtimes)})")
         return None
 
     @app.get("/v2/health/live")
@@ -103,26 +105,26 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
         return authorize(request) or {"name": "hybridfleet", "version": __version__, "extensions": ["binary_tensor_data"]}
 
     def model_metadata(request: Request, model: str, version: str | None) -> Any:
-        refused = authorize(request) or known(model, version)
+        state = rollout.state
+        refused = authorize(request) or known(model, version, state)
         if refused:
             return refused
-        state = rollout.state
         runtime = state.runtimes[int(version) if version else state.stable]
         return {"name": name, "versions": [str(v) for v in sorted(state.runtimes)], "platform": runtime.platform,
                 "inputs": [t.to_dict() for t in runtime.inputs], "outputs": [t.to_dict() for t in runtime.outputs]}  # fmt: skip
 
     def model_ready(request: Request, model: str, version: str | None) -> Any:
-        refused = authorize(request) or known(model, version)
+        refused = authorize(request) or known(model, version, rollout.state)
         return refused or {"name": model, "ready": True}
 
     def infer(request: Request, model: str, version: str | None, body: bytes) -> Response:
         started = time.perf_counter()
-        refused = authorize(request) or known(model, version)
+        state = rollout.state
+        refused = authorize(request) or known(model, version, state)
         if refused:
             return refused
         if len(body) > MAX_BODY_BYTES:
             return _error(400, f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}")
-        state = rollout.state
         if version is not None:
             number, runtime = int(version), state.runtimes[int(version)]
         else:
@@ -137,7 +139,7 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
             return _error(400, str(err))
         if runtime is None:
             param_key = parsed.parameters.get(ROUTING_PARAMETER)
-            number, runtime = rollout.route(key if key is not None else (str(param_key) if param_key is not None else None))
+            number, runtime = rollout.route(key if key is not None else (str(param_key) if param_key is not None else None), state)
         label = str(number)
         try:
             outputs = runtime.run(parsed.inputs)
