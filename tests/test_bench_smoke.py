@@ -119,6 +119,8 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("local_rounds.py", ["--local-steps", "0"], "--local-steps: each must be in 1..150 (got 0)"),
     ("local_rounds.py", ["--local-steps", "x"], "--local-steps: comma-separated integers (got 'x')"),
     ("local_rounds.py", ["--codecs", "int4,topk"], "--codecs: unknown topk (choose from none, int8, int4, sign)"),
+    ("serve.py", ["--requests", "5"], "--requests: must be >= 10 (got 5)"),
+    ("serve.py", ["--canary-requests", "50"], "--canary-requests: must be >= 100 (got 50)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute

@@ -238,6 +238,13 @@ MISTAKES = [
     Mistake("registry: a gate that does not parse",
             lambda c: ["registry", "promote", "m", "1", "--alias", "prod", "--require", "acc>>0.9"],
             EXIT_CODES["registry"].code, "METRIC OP NUMBER"),
+    # serve
+    Mistake("serve: neither TLS nor an explicit plaintext flag", lambda c: ["serve", "digits@prod"], USAGE,
+            "--certs DIR is required", untouched=lambda c: c["tmp"] / "serve-cache"),
+    Mistake("serve: a reference that does not parse", lambda c: ["serve", "Digits@prod", "--insecure-plaintext"],
+            EXIT_CODES["registry"].code, "use lowercase letters"),
+    Mistake("registry export: an unknown format", lambda c: ["registry", "export", "digits@1", "--format", "tflite",
+            "-o", str(c["tmp"] / "export-out"), "--model", "x.py:f"], USAGE, "--format must be one of onnx", untouched=lambda c: c["tmp"] / "export-out"),
     # top level
     Mistake("unknown command", lambda c: ["trian", "job.yaml"], USAGE, "No such command"),
 ]

@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 from digits_data import load_site, load_test
+from digits_model import build_paddle
 
 import hybridfleet.paddle as hf
 
@@ -22,14 +23,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", default="128", help="hidden layer widths, e.g. 2048,512 for a 1.2M-parameter model")
 parser.add_argument("--lr", type=float, default=0.003, help="Adam learning rate (unless the job sets ps.optimizer)")
 args = parser.parse_args()
-widths = [64, *(int(w) for w in args.hidden.split(",")), 10]
 
 # -- the model ---------------------------------------------------------------
 paddle.seed(0)  # every worker starts from the same weights
-layers = []
-for d_in, d_out in zip(widths, widths[1:]):
-    layers += [paddle.nn.Linear(d_in, d_out), paddle.nn.ReLU()]
-model = paddle.nn.Sequential(*layers[:-1])
+model = build_paddle(args.hidden)  # digits_model.py: the same code `hfleet registry export` loads
 
 # the shards apply this Adam (a ps.optimizer in the job file overrides it); with ps.sync: local it takes the inner steps
 optimizer = paddle.optimizer.Adam(learning_rate=args.lr, parameters=model.parameters())

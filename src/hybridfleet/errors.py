@@ -177,6 +177,12 @@ class SchemaError(HfleetError, RuntimeError):
     kind = "schema"
 
 
+class ExportError(HfleetError, RuntimeError):
+    """An exported artefact does not reproduce the framework model's outputs; nothing was written."""
+
+    kind = "export"
+
+
 EXIT_CODES: dict[str, ExitCode] = {
     "ok": ExitCode(0, ""),
     "env_drift": ExitCode(1, "error-level drift between the two locks; rebuild the image from the same lock"),
@@ -205,6 +211,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "conflict": ExitCode(24, "the alias moved meanwhile; check `hfleet registry history NAME` and retry"),
     "gate": ExitCode(25, "the version does not meet the gate; `--json` gives the reasons"),
     "schema": ExitCode(26, "migrate the database: `hfleet registry migrate --db URL`"),
+    "export": ExitCode(27, "the exporter changed the model's behaviour; see the figures above and docs/SERVING.md"),
 }
 
 

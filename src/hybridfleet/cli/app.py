@@ -19,7 +19,7 @@ from hybridfleet import __version__
 from hybridfleet.errors import EXIT_CODES, HfleetError, print_error, report
 
 # command name -> the module under hybridfleet.cli that registers it
-COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt", "data", "report", "ui", "registry"]
+COMMAND_MODULES = ["spec", "env", "image", "certs", "run", "ps", "worker", "launch", "k8s", "ckpt", "data", "report", "ui", "registry", "serve"]
 
 
 def _print_version(value: bool) -> None:

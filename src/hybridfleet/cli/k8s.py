@@ -75,5 +75,40 @@ def quota(
     typer.echo(plain_yaml(team_quota(spec, job_pods(spec) * jobs, namespace)), nl=False)
 
 
+@group.command("render-serving")
+def render_serving(
+    ref: str = typer.Argument(..., help="NAME@ALIAS: its rollout becomes KServe's canary"),
+    mode: str = typer.Option("serverless", "--mode", help="serverless (canaryTrafficPercent) or standard (spec.canary)"),
+    fmt: str = typer.Option("onnx", "--format", help="onnx (Triton) or paddle-inference (paddle server)"),
+    namespace: str = typer.Option("default", "--namespace"),
+    name: Optional[str] = typer.Option(None, "--name", help="InferenceService name (default: NAME-ALIAS)"),
+    s3_endpoint: Optional[str] = typer.Option(None, "--s3-endpoint", help="S3 endpoint URL (default: $AWS_ENDPOINT_URL)"),
+    s3_region: Optional[str] = typer.Option(None, "--s3-region"),
+    secret_name: Optional[str] = typer.Option(None, "--secret-name", help="an existing Secret with the S3 keys"),
+    cpu: str = typer.Option("1", "--cpu"), memory: str = typer.Option("2Gi", "--memory"),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="write the YAML here (default: stdout)"),
+    registry: Optional[str] = typer.Option(None, "--registry", "-r", help="registry URL or database (default: $HFLEET_REGISTRY)"),
+    token: Optional[str] = typer.Option(None, "--token", help="registry token (default: $HFLEET_REGISTRY_TOKEN)"),
+) -> None:
+    """Render a KServe InferenceService for a registry alias, its canary weight taken from the rollout."""
+    import os
+
+    import yaml
+
+    from hybridfleet.k8s.serving import GATEWAY_NOTE, render_inference_service
+    from hybridfleet.registry.client import open_registry
+
+    objects = render_inference_service(open_registry(registry, token), ref, mode, fmt, namespace, name,
+                                       s3_endpoint or os.environ.get("AWS_ENDPOINT_URL"), s3_region, secret_name, cpu, memory)
+    text = yaml.safe_dump_all(objects, sort_keys=False)
+    if mode == "standard":
+        text = f"# {GATEWAY_NOTE}\n" + text
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(str(out))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(group, name="k8s")

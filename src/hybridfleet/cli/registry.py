@@ -246,6 +246,31 @@ def pull(ref: str, framework: str | None = typer.Option(None, help="torch or pad
     typer.echo(f"{result['name']} v{result['version']} -> {result['path']}")
 
 
+@group.command("export")
+def export(source: str = typer.Argument(..., help="NAME@ALIAS / NAME@VERSION, or a run's model dir / checkpoint root"),
+           fmt: str = typer.Option(..., "--format", help="onnx, torch-export or paddle-inference"),
+           out: str = typer.Option(..., "-o", "--out", help="new (or empty) output folder"),
+           model: str = typer.Option(..., "--model", help="the job's model factory: FILE.py:FUNC or package.module:FUNC"),
+           model_arg: list[str] = typer.Option([], "--model-arg", help="KEY=VALUE passed to the factory; repeatable"),
+           sample: str | None = typer.Option(None, help=".npy of real inputs (default: the factory module's sample_inputs())"),
+           tolerance: float = typer.Option(1e-5, help="largest absolute output difference accepted"),
+           upload: bool = typer.Option(True, help="copy the artefact into the registry store and tag the version"),
+           registry: str | None = Url, token: str | None = Token) -> None:  # fmt: skip
+    """Export a version with the framework's exporter; kept only if its runtime reproduces the model's outputs."""
+    from pathlib import Path
+
+    from hybridfleet.serve.export import export_checkpoint, export_version
+
+    args = _pairs(model_arg, "--model-arg")
+    if "://" in source or Path(source).expanduser().exists():
+        result = export_checkpoint(source, fmt, out, model, args, sample, tolerance)
+    else:
+        result = export_version(_open(registry, token), source, fmt, out, model, args, sample, tolerance, upload)
+    v = result["verification"]
+    typer.echo(f"{fmt} artefact verified on {v['samples']} inputs (max |diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:g}) "
+               f"-> {result['path']}" + (f"; stored at {result['uri']}" if result.get("uri") else ""))
+
+
 @group.command("import")
 def import_(source: str = typer.Argument(..., help="hf:ORG/NAME@REV or modelscope:ORG/NAME@REV"),
             name: str | None = typer.Option(None, "--as", help="[NAMESPACE/]NAME (default: hub/<name>)"),

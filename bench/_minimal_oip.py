@@ -1,0 +1,42 @@
+"""The anchor of bench/serve.py: the least server that answers an OIP v2 JSON infer request.
+
+    python bench/_minimal_oip.py MODEL.onnx PORT
+
+uvicorn + one onnxruntime session; no routing, no auth, no metrics, no input checks.
+"""
+
+import json
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import uvicorn
+
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+options.inter_op_num_threads = 1
+session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["path"].endswith("/ready"):
+        payload = b'{"ready": true}'
+    else:
+        tensor = json.loads(body)["inputs"][0]
+        x = np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"])
+        y = session.run(None, {"input": x})[0]
+        payload = json.dumps({"model_name": "digits", "outputs": [{"name": "output", "datatype": "FP32",
+                              "shape": list(y.shape), "data": y.reshape(-1).tolist()}]}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")

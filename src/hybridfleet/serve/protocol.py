@@ -1,0 +1,160 @@
+"""Open Inference Protocol v2 REST bodies: parse an infer request, encode its response.
+
+JSON tensors (``data`` nested or flat, row-major) and the binary tensor data extension
+that Triton's clients use by default (``Inference-Header-Content-Length``: a JSON header,
+then each binary input's raw little-endian bytes in order, sized by its
+``parameters.binary_data_size``). Every size is checked against the model's declared
+tensors and the request's own length before an array is built; a bad request is an
+`InferRequestError` with the message the client sees (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridfleet.serve.runtime import NUMPY_DTYPES, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_ELEMENTS = 16 * 1024 * 1024  # per input tensor: 64 MiB of FP32
+
+
+class InferRequestError(ValueError):
+    """An infer request this model cannot take; the message is returned as ``{"error": ...}``."""
+
+
+@dataclass
+class InferRequest:
+    inputs: dict[str, np.ndarray]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: list[str] | None = None  # requested names; None: all
+    binary_outputs: set[str] = field(default_factory=set)
+
+
+def parse_infer(body: bytes, header_length: str | None, specs: list[TensorSpec], output_specs: list[TensorSpec]) -> InferRequest:
+    """The request in ``body`` checked against the model's input and output tensors."""
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InferRequestError(f"{HEADER_LENGTH} must be an integer (got {header_length!r})") from None
+        if not 0 < n <= len(body):
+            raise InferRequestError(f"{HEADER_LENGTH} {n} is outside the body's {len(body)} bytes")
+        head, raw = body[:n], memoryview(body)[n:]
+    else:
+        head, raw = body, memoryview(b"")
+    try:
+        doc = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InferRequestError(f"request body is not JSON: {err}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+        raise InferRequestError("request must be a JSON object with an 'inputs' list")
+    parameters = doc.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InferRequestError("'parameters' must be an object")
+    by_name = {s.name: s for s in specs}
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for item in doc["inputs"]:
+        if not isinstance(item, dict):
+            raise InferRequestError("each input must be an object with name, shape, datatype, data")
+        name = item.get("name")
+        spec = by_name.get(name)
+        if spec is None:
+            raise InferRequestError(f"unknown input {name!r}; this model takes {', '.join(by_name)}")
+        if name in inputs:
+            raise InferRequestError(f"input {name!r} given twice")
+        shape = _shape(item.get("shape"), spec)
+        if item.get("datatype") != spec.datatype:
+            raise InferRequestError(f"input {name!r}: datatype {item.get('datatype')!r}, the model takes {spec.datatype}")
+        dtype = np.dtype(NUMPY_DTYPES[spec.datatype]).newbyteorder("<")
+        count = math.prod(shape)
+        size = (item.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size != count * dtype.itemsize:
+                raise InferRequestError(f"input {name!r}: binary_data_size {size!r} != {count} x {dtype.itemsize} bytes of shape {shape}")
+            if offset + size > len(raw):
+                raise InferRequestError(f"input {name!r}: {size} binary bytes announced, {len(raw) - offset} left in the body")
+            array = np.frombuffer(raw[offset:offset + size], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+            offset += size
+        else:
+            array = _from_json(item.get("data"), dtype, shape, name)
+        inputs[name] = array
+    if offset != len(raw):
+        raise InferRequestError(f"{len(raw) - offset} bytes of binary data after the last binary input")
+    missing = [s.name for s in specs if s.name not in inputs]
+    if missing:
+        raise InferRequestError(f"missing input(s): {', '.join(missing)}")
+    known_outputs = {s.name for s in output_specs}
+    requested = doc.get("outputs")
+    names: list[str] | None = None
+    binary: set[str] = set(known_outputs) if parameters.get("binary_data_output") is True else set()
+    if requested is not None:
+        if not isinstance(requested, list) or not all(isinstance(o, dict) for o in requested):
+            raise InferRequestError("'outputs' must be a list of objects with a name")
+        names = []
+        binary = set()
+        for o in requested:
+            if o.get("name") not in known_outputs:
+                raise InferRequestError(f"unknown output {o.get('name')!r}; this model gives {', '.join(sorted(known_outputs))}")
+            names.append(o["name"])
+            if (o.get("parameters") or {}).get("binary_data") is True:
+                binary.add(o["name"])
+    request_id = doc.get("id")
+    return InferRequest(inputs, str(request_id) if request_id is not None else None, parameters, names, binary)
+
+
+def _shape(shape: Any, spec: TensorSpec) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InferRequestError(f"input {spec.name!r}: shape must be a list of non-negative integers (got {shape!r})")
+    if len(shape) != len(spec.shape) or any(want not in (-1, got) for want, got in zip(spec.shape, shape)):
+        raise InferRequestError(f"input {spec.name!r}: shape {shape} does not fit the model's {list(spec.shape)}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise InferRequestError(f"input {spec.name!r}: {math.prod(shape)} elements is over the limit of {MAX_ELEMENTS}")
+    if shape and shape[0] == 0:
+        raise InferRequestError(f"input {spec.name!r}: the batch is empty")
+    return tuple(shape)
+
+
+def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if data is None:
+        raise InferRequestError(f"input {name!r}: no 'data' and no binary_data_size parameter")
+    try:
+        array = np.asarray(data, dtype=dtype.newbyteorder("="))
+    except (TypeError, ValueError, OverflowError) as err:
+        raise InferRequestError(f"input {name!r}: data is not a list of {dtype.name} numbers ({err})") from None
+    if array.size != math.prod(shape):
+        raise InferRequestError(f"input {name!r}: {array.size} values for shape {list(shape)} ({math.prod(shape)} expected)")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise InferRequestError(f"input {name!r}: data holds NaN or infinity")
+    return array.reshape(shape)
+
+
+def encode_infer(model_name: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray],
+                 specs: list[TensorSpec]) -> tuple[bytes, int | None]:  # fmt: skip
+    """(response body, JSON header length when binary outputs follow, else None)."""
+    names = request.outputs or [s.name for s in specs]
+    datatypes = {s.name: s.datatype for s in specs}
+    items, blobs = [], []
+    for name in names:
+        array = np.ascontiguousarray(outputs[name])
+        item: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(array.shape)}
+        if name in request.binary_outputs:
+            blob = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+            item["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            item["data"] = array.reshape(-1).tolist()
+        items.append(item)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version), "outputs": items}
+    if request.id is not None:
+        doc["id"] = request.id
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    if not blobs:
+        return head, None
+    return head + b"".join(blobs), len(head)
