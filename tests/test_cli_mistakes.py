@@ -232,6 +232,11 @@ MISTAKES = [
             "hfleet run"),
     Mistake("ui: beyond loopback without a token", lambda c: ["ui", "--host", "0.0.0.0", "--port", "0"], LAUNCH,
             "--token TOKEN"),
+    Mistake("ui: port in use", lambda c: ["ui", "--runs", str(c["tmp"]), "--port", str(c["held_port"])], PORT,
+            "choose another with --port"),
+    Mistake("registry serve: port in use", lambda c: ["registry", "serve", "--db", str(c["tmp"] / "srv.db"), "--port",
+                                                      str(c["held_port"])], PORT, "choose another with --port",
+            lambda c: c["tmp"] / "srv.db"),
     # registry (the session's private registry: see tests/conftest.py)
     Mistake("registry: unknown model", lambda c: ["registry", "show", "nosuch"], EXIT_CODES["registry_not_found"].code,
             "hfleet registry ls"),

@@ -302,3 +302,27 @@ def test_cli_imports_a_hub_model_into_a_server_and_a_reader_is_refused(served, t
     from safetensors.numpy import load_file
 
     np.testing.assert_array_equal(load_file(pulled["path"])["linear.weight"], weights["linear.weight"])
+
+
+def test_registry_serve_prints_the_url_it_serves_once_bound(tmp_path):
+    import re
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "hybridfleet", "registry", "serve", "--db", str(tmp_path / "r.db"),
+                             "--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()  # the first line: where it serves
+        match = re.match(r"hfleet registry serve: (http://127\.0\.0\.1:\d+)/api/v1 \(OpenAPI at \1/docs\)", line)
+        assert match, line
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                answer = httpx.get(f"{match.group(1)}/api/v1/whoami", timeout=10)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the announced URL never answered"
+                time.sleep(0.1)
+        assert answer.status_code == 401 and answer.json()["error"] == "auth"
+    finally:
+        proc.terminate()
+        proc.wait(30)

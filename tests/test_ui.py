@@ -145,7 +145,8 @@ def test_a_busy_port_is_an_error_naming_it(tmp_path):
         result = subprocess.run([sys.executable, "-m", "hybridfleet", "ui", "--runs", str(tmp_path), "--port",
                                  str(port)], capture_output=True, text=True, env=ENV, timeout=60)
     # Assert
-    assert result.returncode == 8 and f"UI port {port} on 127.0.0.1 is in use" in result.stderr
+    assert result.returncode == 16 and f"port {port} on 127.0.0.1 is in use: the UI cannot serve there" in result.stderr
+    assert "hint: choose another with --port" in result.stderr
 
 
 def test_unknown_and_escaping_run_paths_are_404(tmp_path):

@@ -342,7 +342,8 @@ def serve(db: str | None = typer.Option(None, "--db", help="database URL or SQLi
     """Serve the registry over REST with token auth (TLS with --certs); OpenAPI at /openapi.json."""
     from hybridfleet.registry.server import serve as run_server
 
-    run_server(db, host, port, store, allow_path, certs, client_ca)
+    run_server(db, host, port, store, allow_path, certs, client_ca,
+               announce=lambda url: typer.echo(f"hfleet registry serve: {url}/api/v1 (OpenAPI at {url}/docs)", err=True))
 
 
 def register(app: typer.Typer) -> None:

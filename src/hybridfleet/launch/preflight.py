@@ -6,6 +6,7 @@ Each check either returns a resolved value or raises an error that names the pro
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import sys
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import time
 
-from hybridfleet.errors import FrameworkMissingError, GpuRequiredError, LaunchError
+from hybridfleet.errors import FrameworkMissingError, GpuRequiredError, LaunchError, PortInUseError
 from hybridfleet.obs.log import get_logger
 
 log = get_logger("launch.preflight")
@@ -73,6 +74,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host if _is_local(host) else "", 0))
         return sock.getsockname()[1]
+
+
+def listen(host: str, port: int, what: str) -> socket.socket:
+    """A listening TCP socket on ``host:port`` for ``what`` (e.g. "the registry"), bound before any
+    server starts; a port in use is a `PortInUseError` naming it (exit code ``port_in_use``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} on {host} is in use: {what} cannot serve there",
+                                 hint="choose another with --port (0 picks a free port), or stop the process "
+                                      "holding it") from None
+        raise LaunchError(f"cannot bind {what} to {host}:{port}: {err.strerror or err}",
+                          hint="bind an address of this machine (127.0.0.1 for this machine only)") from None
+    sock.listen(128)
+    return sock
+
+
+def url_of(sock: socket.socket, scheme: str = "http") -> str:
+    """``scheme://host:port`` of a listening socket (a wildcard address shown as 127.0.0.1)."""
+    host, port = sock.getsockname()[:2]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+    return f"{scheme}://{shown}:{port}"
 
 
 def _is_local(host: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -322,16 +322,25 @@ def uvicorn_config(app: Any, host: str, port: int, certs: str | None = None, cli
 
 
 def serve(db_url: str | None, host: str = "127.0.0.1", port: int = 8080, store: str | None = None,
-          allow_paths: list[str] | None = None, certs: str | None = None, client_ca: str | None = None) -> None:  # fmt: skip
+          allow_paths: list[str] | None = None, certs: str | None = None, client_ca: str | None = None,
+          announce: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Serve the registry on ``db_url`` until interrupted; local checkpoints are read only under
-    the artifact store and ``allow_paths``; TLS with ``certs`` (see `uvicorn_config`)."""
+    the artifact store and ``allow_paths``; TLS with ``certs`` (see `uvicorn_config`).
+    ``announce(url)`` is called once the port is bound (a port in use is a `PortInUseError`)."""
     import uvicorn
 
+    from hybridfleet.launch.preflight import listen, url_of
     from hybridfleet.store import open_store
 
     if not certs and not is_loopback(host):
         uvicorn_config(None, host, port)  # raises the UsageError before the database is touched
-    registry = Registry(db_url, store=store)
-    roots = [registry.store_url] + [open_store(p).url for p in allow_paths or []]
-    app = create_app(registry, roots)
-    uvicorn.Server(uvicorn_config(app, host, port, certs, client_ca)).run()
+    sock = listen(host, port, "the registry")
+    try:
+        registry = Registry(db_url, store=store)
+        roots = [registry.store_url] + [open_store(p).url for p in allow_paths or []]
+        config = uvicorn_config(create_app(registry, roots), host, port, certs, client_ca)
+        if announce is not None:
+            announce(url_of(sock, "https" if certs else "http"))
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -58,8 +58,14 @@ def serve(reg: Any, ref: str, host: str, port: int, certs: str | None, fmt: str 
     if certs is not None:
         pki = load_pki(certs)
         tls = {"ssl_certfile": str(pki.server_cert), "ssl_keyfile": str(pki.server_key)}
-    app, rollout = build(reg, ref, fmt, cache_dir, poll_s, auth, threads)
+    from hybridfleet.launch.preflight import listen
+
+    sock = listen(host, port, "hfleet serve")  # a port in use is refused before the model is loaded
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", **tls)
+        app, rollout = build(reg, ref, fmt, cache_dir, poll_s, auth, threads)
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning", **tls)).run(sockets=[sock])
+        finally:
+            rollout.stop()
     finally:
-        rollout.stop()
+        sock.close()

@@ -14,7 +14,6 @@ registry are only read, and no database is created.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import re
 import socket
@@ -223,20 +222,10 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; a port in use raises `LaunchError` naming it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        if err.errno == errno.EADDRINUSE:
-            raise LaunchError(f"UI port {port} on {host} is in use; choose another with --port (0 picks a free "
-                              f"port)") from None
-        raise LaunchError(f"cannot bind the UI to {host}:{port}: {err.strerror or err}") from None
-    sock.listen(128)
-    return sock
+    """A listening socket on ``host:port``; a port in use raises `PortInUseError` naming it."""
+    from hybridfleet.launch.preflight import listen
+
+    return listen(host, port, "the UI")
 
 
 def check_exposure(host: str, token: str | None) -> None:
