@@ -155,9 +155,7 @@ class _BulkHarness:
         try:
             client.sendall(data)
             client.shutdown(socket.SHUT_WR)
-            with self.server._lock:
-                self.server._open += 1
-                self.server._pending += 1
+            self.server._slots.take(conn.fileno(), peer[0])  # what the accept loop does before serving
             self.server._serve(conn, peer)
             client.settimeout(5)
             chunks = []
