@@ -134,7 +134,7 @@ def ab_step_seconds(tmp: Path, blocks: int, steps: int) -> tuple[float, float, f
     data["entrypoint"] = str(REPO / data["entrypoint"])
     data["security"] = {"tls": "off", "tokens": "off"}
     job = tmp / "ab-job.yaml"
-    job.write_text(yaml.safe_dump(data))
+    job.write_text(yaml.safe_dump(data, sort_keys=False))  # the hospital stays the first site: its worker initialises
     shards, addresses = serve_shards(job, 2, tmp, expected_workers=1)
     try:
         cfg = WorkerConfig(job=load_spec(job), site="hospital", servers=addresses)
