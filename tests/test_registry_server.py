@@ -385,3 +385,19 @@ def test_registry_serve_prints_the_url_it_serves_once_bound(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_rollout_canary_takes_an_alias_and_refuses_a_missing_one_changing_nothing(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'reg.db'}"
+    reg = Registry(url, store=str(tmp_path / "artifacts"))
+    for seed in (0, 1):
+        reg.register("ci/m", save_model(tmp_path / f"run-{seed}", seed=seed))
+    reg.move_alias("ci/m", "prod", 1)
+    reg.move_alias("ci/m", "gated", 2)
+    before = reg.history("ci/m")
+    code, _ = cli("registry", "rollout", "ci/m", "--alias", "prod", "--canary", "nosuch", "--weight", "10", "--registry", url)
+    assert code == EXIT_CODES["registry_not_found"].code and "has no alias 'nosuch'" in capsys.readouterr().err
+    assert reg.history("ci/m") == before and reg.resolve("ci/m@prod")["version"] == 1
+    code, out = cli("registry", "rollout", "ci/m", "--alias", "prod", "--canary", "gated", "--weight", "10", "--registry", url)
+    assert code == 0 and json.loads(out)["canary_version"] == 2
+    assert reg.history("ci/m")[-1]["canary_version"] == 2 and reg.history("ci/m")[-1]["canary_weight"] == 10
