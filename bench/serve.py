@@ -7,7 +7,9 @@ digits MLP (64-128-10) and of the larger example model (``--hidden 2048,512``, 1
 parameters); 4 client threads send OIP v2 JSON infer requests of batch 1 and 32.
 `hfleet serve` runs as users run it: token auth on and a canary at 10 % (so every
 request is routed). The canary share is counted over ``--canary-requests`` unkeyed
-requests. Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
+requests. Same settings on both sides: one uvicorn worker, onnxruntime with one intra-op
+and one inter-op thread, the same ONNX file and bodies; the anchor has no auth, routing,
+input checks or metrics by its nature, and runs inference on the event loop. Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
 lowest over the four settings), ``p50_vs_minimal`` (hfleet / minimal, the highest) and
 ``canary_share_error_pp`` (|observed - 10| percentage points).
 """

@@ -195,3 +195,21 @@ def test_unreachable_master_stops_the_launch_before_any_log_dir_exists(tmp_path)
     with pytest.raises(LaunchError, match=f"master 127.0.0.1:{port} is unreachable"):
         launch(config)
     assert not (tmp_path / "logs").exists()
+
+
+def test_listen_sets_tcp_nodelay_so_small_responses_are_not_held_by_nagle():
+    """Without TCP_NODELAY each keep-alive request/response of the servers waited ~40 ms
+    (Nagle's algorithm against delayed ACKs), measured with bench/serve.py."""
+    import socket
+
+    from hybridfleet.launch.preflight import listen
+
+    server = listen("127.0.0.1", 0, "the test")
+    try:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        accepted.close()
+        client.close()
+    finally:
+        server.close()

@@ -29,7 +29,7 @@ from hybridfleet.registry.client import RemoteRegistry
 from hybridfleet.registry.server import create_app
 from tests.registry_helpers import save_model, table_counts
 
-pytest_plugins = ["tests.registry_fixtures"]
+pytest_plugins = ["tests.registry_fixtures", "tests.seaweed"]
 pytestmark = pytest.mark.torch  # the versions are torch checkpoints (tests/registry_helpers.save_model)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,61 +190,120 @@ def test_cli_exit_codes_come_from_the_errors_table(served, tmp_path):
     assert owner.history("ci/digits") == []
 
 
-def _ci_commands() -> tuple[list[str], list[str]]:
-    """(image-job commands, train-job commands) of the GitHub workflow; the GitLab file must run the same."""
+def _ci_commands() -> dict[str, list[str]]:
+    """Each job's commands in the GitHub workflow (image, train, release, rollback); the GitLab file must run the same."""
     gh = yaml.safe_load((REPO / "examples/ci/github-actions.yml").read_text())
     gl = yaml.safe_load((REPO / "examples/ci/gitlab-ci.yml").read_text())
 
     def lines(steps):
         return [line.strip() for s in steps if "run" in s for line in s["run"].splitlines() if line.strip()]
 
-    image, train = lines(gh["jobs"]["image"]["steps"]), lines(gh["jobs"]["train"]["steps"])
-    assert [c for c in image if c.startswith("hfleet") or c.startswith("docker")] == gl["image"]["script"]
-    assert train == gl["train"]["script"]
-    return image, train
+    jobs = {job: lines(gh["jobs"][job]["steps"]) for job in ("image", "train", "release", "rollback")}
+    assert [c for c in jobs["image"] if c.startswith("hfleet") or c.startswith("docker")] == gl["image"]["script"]
+    for job in ("train", "release", "rollback"):
+        assert jobs[job] == gl[job]["script"], job
+    return jobs
+
+
+def _serving_objects(path: Path) -> list[dict]:
+    """The objects `hfleet k8s render-serving -o PATH` wrote, each validated (KServe CRD, Kubernetes schemas)."""
+    import kubernetes_validate
+
+    from tests.kserve_schemas import validate
+
+    objects = list(yaml.safe_load_all(path.read_text()))
+    for obj in objects:
+        if obj["kind"] == "InferenceService":
+            validate(obj)
+        else:
+            kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "InferenceService"]  # the keys stay in the cluster's Secret
+    return objects
 
 
 @pytest.mark.slow
-def test_ci_example_commands_train_publish_and_promote_with_a_service_token(tmp_path):
+def test_ci_example_commands_train_gate_export_canary_promote_and_rollback(tmp_path, seaweed, monkeypatch):
     """Runs the CI files' commands as written, except `docker build/push` and `pip install`:
-    no Docker engine here, and the package is installed already. The `train` job's container
-    is this machine's environment."""
-    # Prepare: a registry server with the CI service account
-    owner = Registry(f"sqlite:///{tmp_path / 'reg.db'}", store=str(tmp_path / "artifacts"))
+    no Docker engine here, and the package is installed already. The jobs' container is this
+    machine's environment; the registry store is a real S3 endpoint (SeaweedFS), as
+    render-serving needs an object store KServe's storage initializer reads."""
+    from hybridfleet.serve.export import export_version
+    from tests.serve_models import DIGITS_FACTORY, trained_digits
+
+    # Prepare: a registry server on S3 with the CI service account; prod -> v1 (exported), set once by hand
+    s3 = {"AWS_ENDPOINT_URL": seaweed.endpoint_url, "AWS_ACCESS_KEY_ID": seaweed.key, "AWS_SECRET_ACCESS_KEY": seaweed.secret}
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    owner = Registry(f"sqlite:///{tmp_path / 'reg.db'}", store=seaweed.url(f"ci-{tmp_path.name}"))
+    owner.register("ci/digits", trained_digits(tmp_path / "seed", "torch"))
+    export_version(owner, "ci/digits@1", "onnx", tmp_path / "seed-onnx", f"{DIGITS_FACTORY}:build_torch")
+    owner.move_alias("ci/digits", "prod", 1)
     token = owner.add_principal("ci-bot", "service")
     owner.grant("ci-bot", "writer", "ci")
     owner.grant("ci-bot", "releaser", "ci/digits")
-    image, train = _ci_commands()
+    jobs = _ci_commands()
     hfleet = [sys.executable, "-m", "hybridfleet"]
-    env = {**os.environ, "HFLEET_REGISTRY_TOKEN": token, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, **s3, "HFLEET_REGISTRY_TOKEN": token, "PYTHONPATH": str(REPO / "src")}
+    checkout = tmp_path / "checkout"  # the release jobs' checkout: the repository's examples, its own scratch files
+    checkout.mkdir()
+    (checkout / "examples").symlink_to(REPO / "examples")
+
+    def run_job(job: str, cwd: Path) -> list[str]:
+        outputs = []
+        for command in jobs[job]:
+            argv = shlex.split(command)
+            if argv[0] != "hfleet":
+                assert command == "mkdir -p serving", command  # the only other command the jobs run
+                (cwd / "serving").mkdir(exist_ok=True)
+                continue
+            argv += ["--run-root", str(tmp_path / "runs")] if argv[1] == "run" else []
+            done = subprocess.run(hfleet + argv[1:], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, command + "\n" + done.stdout[-2000:] + done.stderr[-3000:]
+            outputs.append(done.stdout)
+        return outputs
+
     with Server(owner) as server:
         env["HFLEET_REGISTRY"] = server.url
         # Execute: the image job's render step (in a scratch dir: it writes ./Dockerfile)
         (tmp_path / "examples/ci").mkdir(parents=True)
         (tmp_path / "examples/ci/digits-ci.yaml").write_text((REPO / "examples/ci/digits-ci.yaml").read_text())
-        render = [c for c in image if c.startswith("hfleet image render")]
+        render = [c for c in jobs["image"] if c.startswith("hfleet image render")]
         assert render
         for command in render:
             done = subprocess.run(hfleet + shlex.split(command)[1:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
         assert "FROM " in (tmp_path / "Dockerfile").read_text()
-        # the train job, from the repository root (what `actions/checkout` gives)
-        outputs = []
-        for command in train:
-            argv = shlex.split(command)
-            argv += ["--run-root", str(tmp_path / "runs")] if argv[1] == "run" else []
-            done = subprocess.run(hfleet + argv[1:], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-            outputs.append(done.stdout)
-    # Assert
-    assert "registered ci/digits v1 as candidate" in outputs[0]
-    assert "model: file://" in outputs[0] and "lineage in MODEL.json" in outputs[0]
-    promoted = json.loads(outputs[1])
-    assert promoted["passed"] and promoted["alias_state"]["version"] == 1
-    events = owner.history("ci/digits")
-    assert [(e["alias"], e["actor"], e["to_version"]) for e in events] == [("candidate", "ci-bot", 1), ("prod", "ci-bot", 1)]
-    lineage = owner.get_version("ci/digits@prod").lineage
+        train = run_job("train", REPO)  # from the repository root (what `actions/checkout` gives)
+        release = run_job("release", checkout)
+        # a release that failed after its canary started: the rollback job's commands
+        owner.rollout("ci/digits", "prod", canary=1, weight=10)
+        run_job("rollback", checkout)
+    # Assert: the train job registered v2 and the gate passed it
+    assert "registered ci/digits v2 as candidate" in train[0]
+    assert "model: file://" in train[0] and "lineage in MODEL.json" in train[0]
+    gated = json.loads(train[1])
+    assert gated["passed"] and gated["alias_state"]["version"] == 2
+    lineage = owner.get_version("ci/digits@gated").lineage
     assert lineage["job"] == "digits-ci" and lineage["git"]["commit"] and lineage["model"]["which"] == "final"
+    # the export was verified and stored in the registry's S3 store
+    assert "onnx artefact verified on" in release[0] and "stored at s3://" in release[0]
+    uri = {v: owner.get_version(f"ci/digits@{v}").tags["export.onnx.uri"] for v in (1, 2)}
+    assert uri[2].startswith(owner.store_url + "/exports/ci/digits/v2/")
+    # one InferenceService per step, each valid, following the rollout
+    serving = checkout / "serving"
+    predictor = {step: _serving_objects(serving / f"{step}.yaml")[1]["spec"]["predictor"]
+                 for step in ("0-stable", "1-canary", "2-promoted", "3-rolled-back")}  # fmt: skip
+    assert predictor["0-stable"]["model"]["storageUri"] == uri[1] and "canaryTrafficPercent" not in predictor["0-stable"]
+    assert predictor["1-canary"]["canaryTrafficPercent"] == 10 and predictor["1-canary"]["model"]["storageUri"] == uri[2]
+    assert "canaryTrafficPercent" not in predictor["2-promoted"] and predictor["2-promoted"]["model"]["storageUri"] == uri[2]
+    assert predictor["3-rolled-back"]["canaryTrafficPercent"] == 0
+    assert all(p["serviceAccountName"] == predictor["0-stable"]["serviceAccountName"] for p in predictor.values())
+    # the registry's record: who moved what
+    events = [(e["alias"], e["action"], e["actor"], e["to_version"]) for e in owner.history("ci/digits")]
+    assert [e for e in events if e[2] == "ci-bot"] == [
+        ("candidate", "move", "ci-bot", 2), ("gated", "move", "ci-bot", 2), ("prod", "canary", "ci-bot", 1),
+        ("prod", "promote", "ci-bot", 2), ("prod", "rollback", "ci-bot", 2)]  # fmt: skip
+    assert owner.resolve("ci/digits@prod")["version"] == 2
 
 
 def test_a_server_reads_local_checkpoints_only_under_its_allowed_folders(db_url, tmp_path):
@@ -326,3 +385,19 @@ def test_registry_serve_prints_the_url_it_serves_once_bound(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_rollout_canary_takes_an_alias_and_refuses_a_missing_one_changing_nothing(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'reg.db'}"
+    reg = Registry(url, store=str(tmp_path / "artifacts"))
+    for seed in (0, 1):
+        reg.register("ci/m", save_model(tmp_path / f"run-{seed}", seed=seed))
+    reg.move_alias("ci/m", "prod", 1)
+    reg.move_alias("ci/m", "gated", 2)
+    before = reg.history("ci/m")
+    code, _ = cli("registry", "rollout", "ci/m", "--alias", "prod", "--canary", "nosuch", "--weight", "10", "--registry", url)
+    assert code == EXIT_CODES["registry_not_found"].code and "has no alias 'nosuch'" in capsys.readouterr().err
+    assert reg.history("ci/m") == before and reg.resolve("ci/m@prod")["version"] == 1
+    code, out = cli("registry", "rollout", "ci/m", "--alias", "prod", "--canary", "gated", "--weight", "10", "--registry", url)
+    assert code == 0 and json.loads(out)["canary_version"] == 2
+    assert reg.history("ci/m")[-1]["canary_version"] == 2 and reg.history("ci/m")[-1]["canary_weight"] == 10

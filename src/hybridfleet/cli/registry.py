@@ -218,13 +218,22 @@ def promote(name: str, version: str = typer.Argument(..., help="candidate: a ver
 
 @group.command("rollout")
 def rollout(name: str, alias_name: str = typer.Option(..., "--alias"),
-            canary: int | None = typer.Option(None, help="canary version"),
+            canary: str | None = typer.Option(None, help="canary version, or an alias naming it (e.g. the gated candidate)"),
             weight: float | None = typer.Option(None, help="percent of keys on the canary"),
             promote_: bool = typer.Option(False, "--promote", help="the canary becomes the stable version"),
             rollback: bool = typer.Option(False, "--rollback", help="drop the canary"),
             reason: str = typer.Option(""), registry: str | None = Url, token: str | None = Token, ca: str | None = Ca) -> None:  # fmt: skip
-    """Gray release on an alias: --canary V --weight W, --weight W, --promote or --rollback."""
-    _echo(_open(registry, token, ca=ca).rollout(name, alias_name, canary, weight, promote_, rollback, reason))
+    """Gray release on an alias: --canary V --weight W, --weight W, --promote or --rollback.
+
+    --canary takes a version number or an alias; an alias is read once, here, and the
+    rollout records the version it named.
+    """
+    reg = _open(registry, token, ca=ca)
+    version: int | None = None
+    if canary is not None:
+        text = canary.lstrip("v")
+        version = int(text) if text.isdigit() else reg.get_version(f"{name}@{canary}").version
+    _echo(reg.rollout(name, alias_name, version, weight, promote_, rollback, reason))
 
 
 @group.command("resolve")

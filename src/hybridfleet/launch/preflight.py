@@ -92,6 +92,7 @@ def listen(host: str, port: int, what: str) -> socket.socket:
                                       "holding it") from None
         raise LaunchError(f"cannot bind {what} to {host}:{port}: {err.strerror or err}",
                           hint="bind an address of this machine (127.0.0.1 for this machine only)") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted connections inherit it
     sock.listen(128)
     return sock
 

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hybridfleet.errors import AuthError, PermissionDeniedError
+from hybridfleet.errors import AuthError, PermissionDeniedError, RegistryNotFoundError
 from hybridfleet.registry.auth import parse_bearer, token_digest
 
 CACHE_TTL_S = 5.0
@@ -54,11 +54,15 @@ def registry_reader_check(reg: Any, full_name: str) -> Callable[[str], None]:
     namespace, name = full_name.split("/", 1)
 
     def check(token: str) -> None:
-        if hasattr(reg, "for_token"):  # a local registry database
-            reg.for_token(token).actor.require("reader", namespace, name, "call the model's inference server")
-        else:  # a registry server: ask it as that principal
-            from hybridfleet.registry.client import RemoteRegistry
+        try:
+            if hasattr(reg, "for_token"):  # a local registry database
+                reg.for_token(token).actor.require("reader", namespace, name, "call the model's inference server")
+            else:  # a registry server: ask it as that principal
+                from hybridfleet.registry.client import RemoteRegistry
 
-            RemoteRegistry(reg.url, token).get_version(full_name)
+                RemoteRegistry(reg.url, token).get_version(full_name)
+        except RegistryNotFoundError:  # the registry hides a model from a principal without reader on it
+            raise PermissionDeniedError(f"this token's principal needs role 'reader' on {full_name} "
+                                        f"to call the model's inference server") from None
 
     return check

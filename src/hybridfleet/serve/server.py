@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Route
 
 from hybridfleet import __version__
 from hybridfleet.errors import AuthError, PermissionDeniedError
@@ -170,14 +171,15 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
     def ready_version(request: Request, model: str, version: str) -> Any:
         return model_ready(request, model, version)
 
-    @app.post("/v2/models/{model}/infer")
-    async def infer_any(request: Request, model: str) -> Response:
-        return _too_large(request) or await run_in_threadpool(infer, request, model, None, await request.body())
+    async def infer_endpoint(request: Request) -> Response:
+        params = request.path_params
+        return _too_large(request) or await run_in_threadpool(infer, request, params["model"], params.get("version"),
+                                                              await request.body())  # fmt: skip
 
-    @app.post("/v2/models/{model}/versions/{version}/infer")
-    async def infer_version(request: Request, model: str, version: str) -> Response:
-        return _too_large(request) or await run_in_threadpool(infer, request, model, version, await request.body())
-
+    # The hot path is a plain Starlette route, matched first: FastAPI's per-request dependency
+    # solving and telemetry cost more than the rest of a batch-1 request (bench/serve.py).
+    app.router.routes[:0] = [Route("/v2/models/{model}/infer", infer_endpoint, methods=["POST"]),
+                             Route("/v2/models/{model}/versions/{version}/infer", infer_endpoint, methods=["POST"])]
     return app
 
 
