@@ -80,9 +80,12 @@ def three_runs(tmp_path) -> Path:
     write_run(root, "digits", "r1-done", summary=completed_summary("digits"), mtime=1.7e9,
               logs={"worker-hospital-0.log": f"step 10 {XSS}\n", "shard-0.log": "serving\n"})
     stop = [{"ts": 1.7e9, "process": "shard-0", "event": "start"},
+            {"ts": 1.7e9 + 2, "process": "worker-hospital-0", "event": "start"},
             {"ts": 1.7e9 + 12, "process": "worker-hospital-0", "event": "stop"},
             {"ts": 1.7e9 + 12, "process": "shard-0", "event": "stop"}]
-    write_run(root, "digits-paddle", "r2-stopped", framework="paddle", sync="ssp", events=stop, mtime=1.7e9 + 100)
+    slower = _worker_metrics("hospital", 0, 40, 100, 0.5) + _worker_metrics("cloud", 1, 40, 200, 0.6)
+    write_run(root, "digits-paddle", "r2-stopped", framework="paddle", sync="ssp", events=stop, metrics=slower,
+              mtime=1.7e9 + 100)
     empty = {**completed_summary("digits"), "bytes_sent_by_site": {"hospital": 0, "cloud": 0},
              "bytes_sent_by_kind": {}, "model": None}
     write_run(root, "digits", "r3-empty", summary=empty, metrics=[], mtime=1.7e9 + 200)
@@ -107,7 +110,7 @@ def test_runs_list_shows_status_duration_metric_bytes_framework_newest_first_and
     assert "COMPLETED" in done and "2m05s" in done and "0.97" in done and "the saved model" in done
     assert "hospital 4.0 kB" in done and "cloud 8.0 MB" in done and "torch" in done and "40/40" in done
     assert "STOPPED" in stopped and "paddle" in stopped and "40s" in stopped and "hospital 4.0 kB" in stopped
-    assert "trained nothing" in empty and "cloud 0 B" in empty
+    assert "trained nothing" in empty and "cloud 0 B" in empty and "0/40" in empty
     assert len(empty_rows) == 1 and "r3-empty" in empty_rows[0]
 
 
@@ -181,6 +184,23 @@ def test_a_real_run_page_shows_its_registered_model_plots_and_logs(demo_run, tmp
     assert all(w == 800 for w in widths) and len(widths) == 6
     assert "shard-0.log" in logs and any(n.startswith("worker-") for n in logs)
     assert log.status_code == 200 and log.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("events, status", [
+    # Ctrl-C / SIGTERM while workers train: the supervisor stops the workers and exits 130 / 143
+    ([("shard-0", "start"), ("worker-a-0", "start"), ("worker-a-0", "stop"), ("shard-0", "stop")], "stopped"),
+    # Ctrl-C while the shards start: no worker yet
+    ([("shard-0", "start"), ("shard-0", "stop")], "stopped"),
+    # every worker exited, the shards were stopped as at a normal end, and then no summary: a crash
+    ([("shard-0", "start"), ("worker-a-0", "start"), ("worker-a-0", "exit"), ("shard-0", "stop")], "crashed"),
+    ([("shard-0", "start"), ("worker-a-0", "start")], "crashed"),
+])
+def test_a_run_without_summary_is_stopped_only_when_the_supervisor_stopped_it_early(tmp_path, events, status):
+    from hybridfleet.obs.runinfo import load_run
+
+    run = write_run(tmp_path, "digits", "r", events=[{"ts": 1.7e9 + i, "process": p, "event": e}
+                                                     for i, (p, e) in enumerate(events)])
+    assert load_run(run).status == status
 
 
 # ------------------------------------------------------------------ refusals and hostile folders

@@ -75,7 +75,7 @@ def _plot_loss(ax, run: RunData) -> bool:
     series = _by_site_step(_workers(run), lambda r: r.get("loss") if isinstance(r.get("loss"), (int, float)) else None)
     for site, points in series.items():
         ax.plot(*zip(*points), marker=".", label=site)
-    ax.set(xlabel="step", ylabel="training loss")
+    ax.set(xlabel="worker step", ylabel="training loss")
     return bool(series)
 
 
@@ -135,7 +135,7 @@ def _plot_stragglers(ax, run: RunData) -> bool:
             per[str(r["process"])].append((float(r["elapsed_s"]), r["step"]))
     for name, points in sorted(per.items()):
         ax.plot(*zip(*sorted(points)), marker=".", label=name)
-    ax.set(xlabel="seconds since the worker started", ylabel="step")
+    ax.set(xlabel="seconds since the worker started", ylabel="worker step")
     return bool(per)
 
 

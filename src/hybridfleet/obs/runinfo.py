@@ -3,8 +3,9 @@
 `hfleet run` writes ``run.json`` first, then ``events.jsonl`` and ``metrics.jsonl`` as
 the run goes, and ``summary.json`` last. A directory with none of these is not a run.
 A run without summary.json whose supervisor is gone was ``stopped`` when the supervisor
-recorded stopping its processes (Ctrl-C or SIGTERM: it exits 130 / 143 without a
-summary), else ``crashed``.
+recorded stopping a worker, or stopping the shards before any worker started (Ctrl-C or
+SIGTERM: it exits 130 / 143 without a summary; a run that ends normally stops only its
+shards, after every worker exited), else ``crashed``.
 Half-written lines (a crash mid-write) are skipped and counted, never fatal. A ``run.json``
 that is not a JSON object, or whose known fields have the wrong type, makes the run
 ``broken``: its problems are listed and the offending fields dropped, so no reader ever
@@ -139,6 +140,13 @@ def _checked(path: Path, run: RunData, fields: dict[str, tuple[str, Any]]) -> di
     return out
 
 
+def _stopped_by_signal(events: list[dict[str, Any]]) -> bool:
+    stopped = [str(e.get("process", "")) for e in events if e.get("event") == "stop"]
+    workers_started = any(e.get("event") == "start" and not str(e.get("process", "")).startswith("shard-")
+                          for e in events)  # fmt: skip
+    return bool(stopped) and (any(not p.startswith("shard-") for p in stopped) or not workers_started)
+
+
 def load_run(path: str | os.PathLike[str]) -> RunData:
     """Parse a run directory; raises `ReportError` when it does not exist or is not a run."""
     root = Path(path)
@@ -167,7 +175,7 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         run.status = str(run.summary.get("status", "unknown"))
     elif _pid_alive(run.info.get("pid")):
         run.status = "live"
-    elif any(e.get("event") == "stop" for e in run.events):
+    elif _stopped_by_signal(run.events):
         run.status = "stopped"
     else:
         run.status = "crashed"

@@ -111,14 +111,15 @@ def framework(run: RunData) -> str:
 def run_row(run_id: str, run: RunData) -> dict[str, Any]:
     """One line of the runs list: status, start, duration, joint metric with its source, bytes, framework."""
     status, total, step = status_of(run), run.info.get("steps"), latest_step(run)
-    done = total if status in ("completed", "degraded") else (step or 0)
+    empty = trained_nothing(run)
+    done = total if status in ("completed", "degraded") and not empty else (step or 0)
     summary = _summary(run)
     source = summary.get("test_accuracy_source")
     return {"id": run_id, "job": run.job, "started": when(run.info.get("started")), "status": status,
             "duration": duration_text(duration_s(run)), "framework": framework(run),
             "total": total or None, "done": min(done, total) if total else None,
             "accuracy": number(summary.get("test_accuracy")), "accuracy_source": str(source) if source else "",
-            "bytes": [(b["site"], b["sent"]) for b in bytes_by_site(run)], "empty": trained_nothing(run),
+            "bytes": [(b["site"], b["sent"]) for b in bytes_by_site(run)], "empty": empty,
             "problems": list(run.problems)}  # fmt: skip
 
 
