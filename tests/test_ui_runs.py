@@ -24,10 +24,11 @@ XSS = "<script>alert(1)</script>"
 DEAD_PID = 999999999
 
 
-def _worker_metrics(site: str, worker: int, steps: int, sent_per_step: int, acc0: float) -> list[dict]:
+def _worker_metrics(site: str, worker: int, steps: int, sent_per_step: int, acc0: float,
+                    t0: float = 1.7e9) -> list[dict]:
     out = []
     for step in range(10, steps + 1, 10):
-        out.append({"ts": 1.7e9 + step, "process": f"worker-{site}-{worker}", "site": site, "rank": worker,
+        out.append({"ts": t0 + step, "process": f"worker-{site}-{worker}", "site": site, "rank": worker,
                     "step": step, "elapsed_s": step / 10, "loss": 1.0 / step, "test_accuracy": acc0 + step / 1000,
                     "sent": step * sent_per_step, "received": step * sent_per_step,
                     "sent_gradients": step * (sent_per_step - 10), "sent_control": step * 10,
@@ -37,11 +38,11 @@ def _worker_metrics(site: str, worker: int, steps: int, sent_per_step: int, acc0
 
 def write_run(root: Path, job: str, stamp: str, *, framework: str = "torch", sync: str = "bsp", steps: int = 40,
               summary: dict | None = None, events: list[dict] | None = None, metrics: list[dict] | None = None,
-              logs: dict[str, str] | None = None, mtime: float | None = None) -> Path:
+              logs: dict[str, str] | None = None, started: float = 1.7e9, mtime: float | None = None) -> Path:
     """A run directory with run.json, events.jsonl, metrics.jsonl and, when given, summary.json and logs/."""
     run = root / job / stamp
     (run / "logs").mkdir(parents=True)
-    info = {"job": job, "framework": framework, "sync": sync, "pid": DEAD_PID, "started": 1.7e9, "steps": steps,
+    info = {"job": job, "framework": framework, "sync": sync, "pid": DEAD_PID, "started": started, "steps": steps,
             "sites": ["cloud", "hospital"], "resumed_from": None}
     (run / "run.json").write_text(json.dumps(info))
     records = metrics if metrics is not None else (_worker_metrics("hospital", 0, steps, 100, 0.8)
@@ -75,20 +76,22 @@ def completed_summary(job: str, framework: str = "torch", accuracy: float = 0.97
 
 @pytest.fixture
 def three_runs(tmp_path) -> Path:
-    """A completed torch run (oldest), a stopped paddle run, and a completed run that trained nothing (newest)."""
+    """A completed torch run (oldest, its folder changed last), a stopped paddle run, and a completed run that
+    trained nothing (newest)."""
     root = tmp_path / "runs"
-    write_run(root, "digits", "r1-done", summary=completed_summary("digits"), mtime=1.7e9,
+    write_run(root, "digits", "r1-done", summary=completed_summary("digits"), mtime=1.7e9 + 900,
               logs={"worker-hospital-0.log": f"step 10 {XSS}\n", "shard-0.log": "serving\n"})
-    stop = [{"ts": 1.7e9, "process": "shard-0", "event": "start"},
-            {"ts": 1.7e9 + 2, "process": "worker-hospital-0", "event": "start"},
-            {"ts": 1.7e9 + 12, "process": "worker-hospital-0", "event": "stop"},
-            {"ts": 1.7e9 + 12, "process": "shard-0", "event": "stop"}]
-    slower = _worker_metrics("hospital", 0, 40, 100, 0.5) + _worker_metrics("cloud", 1, 40, 200, 0.6)
+    t0 = 1.7e9 + 100
+    stop = [{"ts": t0, "process": "shard-0", "event": "start"},
+            {"ts": t0 + 2, "process": "worker-hospital-0", "event": "start"},
+            {"ts": t0 + 12, "process": "worker-hospital-0", "event": "stop"},
+            {"ts": t0 + 12, "process": "shard-0", "event": "stop"}]
+    slower = _worker_metrics("hospital", 0, 40, 100, 0.5, t0) + _worker_metrics("cloud", 1, 40, 200, 0.6, t0)
     write_run(root, "digits-paddle", "r2-stopped", framework="paddle", sync="ssp", events=stop, metrics=slower,
-              mtime=1.7e9 + 100)
+              started=t0)
     empty = {**completed_summary("digits"), "bytes_sent_by_site": {"hospital": 0, "cloud": 0},
              "bytes_sent_by_kind": {}, "model": None}
-    write_run(root, "digits", "r3-empty", summary=empty, metrics=[], mtime=1.7e9 + 200)
+    write_run(root, "digits", "r3-empty", summary=empty, metrics=[], started=1.7e9 + 200)
     return root
 
 
@@ -104,7 +107,7 @@ def test_runs_list_shows_status_duration_metric_bytes_framework_newest_first_and
         rows = page.locator("#runs tr.run").all_inner_texts()
         empty_rows = page.locator("#runs tr.empty").all_inner_texts()
         save_screenshot(page, "runs-list")
-    # Assert: newest first
+    # Assert: newest started first
     assert [re.search(r"r\d-\w+", r).group(0) for r in rows] == ["r3-empty", "r2-stopped", "r1-done"]
     empty, stopped, done = rows
     assert "COMPLETED" in done and "2m05s" in done and "0.97" in done and "the saved model" in done

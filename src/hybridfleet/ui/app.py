@@ -119,7 +119,7 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
                 out.append((f"{path.parent.name}/{path.name}", load_run(path)))
             except ReportError:
                 continue  # removed meanwhile
-        return out
+        return sorted(out, key=lambda item: runs_view.started_s(item[1]), reverse=True)  # newest first
 
     @app.get("/static/ui.css")
     def stylesheet() -> Response:

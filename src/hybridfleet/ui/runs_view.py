@@ -34,6 +34,17 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+def started_s(run: RunData) -> float:
+    """When the run started (run.json), else when its folder last changed; 0 when neither is known."""
+    started = run.info.get("started")
+    if isinstance(started, (int, float)) and not isinstance(started, bool):
+        return float(started)
+    try:
+        return run.path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def duration_s(run: RunData) -> float | None:
     """Seconds the run took (summary's wall time), has run so far (live), or ran until its last record."""
     wall = _summary(run).get("wall_s")
