@@ -273,3 +273,17 @@ def test_no_run_folder_content_yields_a_500_and_every_value_is_escaped(tmp_path)
     assert "&lt;script&gt;" in bodies["/runs/x/hostile"].text
     wrong = bodies["/runs/x/wrong-types"].text
     assert "BROKEN" in wrong and "bytes_sent_by_kind" in wrong and "&#39;model&#39; must be an object or null" in wrong
+
+
+def test_a_live_run_page_counts_worker_steps_reloads_itself_and_does_not_call_summary_missing(tmp_path):
+    # Prepare: a run whose supervisor (this test process) is alive, 20 of 40 steps reported
+    run = write_run(tmp_path, "digits", "live", metrics=_worker_metrics("hospital", 0, 20, 100, 0.8))
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "pid": os.getpid()}))
+    with in_process_ui(tmp_path) as url:
+        # Execute
+        body = httpx.get(url + "/runs/digits/live").text
+    # Assert
+    assert "LIVE" in body and "worker step 20 of 40" in body and "worker steps (sum over the site" in body
+    assert '<meta http-equiv="refresh" content="5">' in body
+    assert "Missing: summary.json" not in body and "trained nothing" not in body
