@@ -8,8 +8,10 @@ hint only where the binary or the package is truly absent.
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from tests.needs import missing
@@ -37,3 +39,16 @@ def pixel_stddev(png: bytes) -> float:
     from PIL import Image, ImageStat
 
     return ImageStat.Stat(Image.open(io.BytesIO(png)).convert("L")).stddev[0]
+
+
+SCREENSHOTS_ENV = "HFLEET_UI_SCREENSHOTS"
+
+
+def save_screenshot(page, name: str) -> bytes:
+    """A full-page screenshot of ``page`` kept as a CI artifact: ``$HFLEET_UI_SCREENSHOTS/NAME.png``
+    (default tests/artifacts/ui/, ignored by git); returns the PNG."""
+    folder = Path(os.environ.get(SCREENSHOTS_ENV) or Path(__file__).resolve().parent / "artifacts" / "ui")
+    folder.mkdir(parents=True, exist_ok=True)
+    png = page.screenshot(full_page=True)
+    (folder / f"{name}.png").write_bytes(png)
+    return png

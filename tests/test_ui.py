@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridfleet.obs.runinfo import load_run
 from tests.browser import chromium_page, pixel_stddev
 from tests.obs_fixtures import demo_job
 
@@ -110,6 +111,7 @@ def test_click_to_a_live_run_shows_live_progress_per_site(tmp_path):
     assert status == "LIVE" and report_status == "LIVE"
     assert re.search(r"hospital\s+2/2\s+[1-9]", sites) and re.search(r"cloud\s+2/2\s+[1-9]", sites), sites
     assert run.returncode == 143
+    assert load_run(next(runs.glob("*/*"))).status == "stopped"  # SIGTERM: stopped, not crashed
 
 
 def test_binding_beyond_loopback_without_a_token_is_refused(tmp_path):

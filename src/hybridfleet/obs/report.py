@@ -75,18 +75,24 @@ def _plot_loss(ax, run: RunData) -> bool:
     series = _by_site_step(_workers(run), lambda r: r.get("loss") if isinstance(r.get("loss"), (int, float)) else None)
     for site, points in series.items():
         ax.plot(*zip(*points), marker=".", label=site)
-    ax.set(xlabel="step", ylabel="training loss")
+    ax.set(xlabel="worker step", ylabel="training loss")
     return bool(series)
 
 
+def joint_accuracy(run: RunData) -> list[tuple[int, float]]:
+    """The joint model's test accuracy against worker step: at each step, the mean over the workers that
+    reported one (one model, all sites); empty when no worker reported an accuracy."""
+    return _by_site_step([{**r, "site": "joint"} for r in _workers(run)], _accuracy).get("joint", [])
+
+
 def _plot_accuracy(ax, run: RunData) -> bool:
-    joint = _by_site_step([{**r, "site": "joint"} for r in _workers(run)], _accuracy)  # one model, all sites
+    joint = joint_accuracy(run)
     alone = _by_site_step(_baselines(run), _accuracy)
-    for points in joint.values():
-        ax.plot(*zip(*points), marker=".", linewidth=2, label="joint model (all sites)")
+    if joint:
+        ax.plot(*zip(*joint), marker=".", linewidth=2, label="joint model (all sites)")
     for site, points in alone.items():
         ax.plot(*zip(*points), linestyle="--", marker=".", label=f"{site} alone")
-    ax.set(xlabel="step", ylabel="test accuracy")
+    ax.set(xlabel="worker step", ylabel="test accuracy")
     return bool(joint or alone)
 
 
@@ -129,7 +135,7 @@ def _plot_stragglers(ax, run: RunData) -> bool:
             per[str(r["process"])].append((float(r["elapsed_s"]), r["step"]))
     for name, points in sorted(per.items()):
         ax.plot(*zip(*sorted(points)), marker=".", label=name)
-    ax.set(xlabel="seconds since the worker started", ylabel="step")
+    ax.set(xlabel="seconds since the worker started", ylabel="worker step")
     return bool(per)
 
 
@@ -158,6 +164,11 @@ SECTIONS: list[tuple[str, str, Callable]] = [
     ("stragglers", "Stragglers: progress per worker", _plot_stragglers),
     ("events", "Restarts and events", _plot_events),
 ]
+
+
+def render_plot(draw: Callable, run: RunData) -> bytes | None:
+    """``draw(ax, run)`` on a fresh figure as PNG bytes; None when ``draw`` found no data (returned False)."""
+    return _render_png(draw, run)
 
 
 def _render_png(draw: Callable, run: RunData) -> bytes | None:
@@ -215,6 +226,8 @@ def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
     notes = []
     if run.live:
         notes.append("This run is still in progress: the figures show the data written so far.")
+    elif run.status == "stopped":
+        notes.append("This run was stopped (Ctrl-C or SIGTERM) before it finished: a partial report.")
     elif run.status == "crashed":
         notes.append("This run stopped without writing summary.json (its supervisor is gone): a partial report.")
     elif run.status == "broken":

@@ -2,6 +2,10 @@
 
 `hfleet run` writes ``run.json`` first, then ``events.jsonl`` and ``metrics.jsonl`` as
 the run goes, and ``summary.json`` last. A directory with none of these is not a run.
+A run without summary.json whose supervisor is gone was ``stopped`` when the supervisor
+recorded stopping a worker, or stopping the shards before any worker started (Ctrl-C or
+SIGTERM: it exits 130 / 143 without a summary; a run that ends normally stops only its
+shards, after every worker exited), else ``crashed``.
 Half-written lines (a crash mid-write) are skipped and counted, never fatal. A ``run.json``
 that is not a JSON object, or whose known fields have the wrong type, makes the run
 ``broken``: its problems are listed and the offending fields dropped, so no reader ever
@@ -38,6 +42,10 @@ _RUN_FIELDS = {
 }
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _per_site(check):
     return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
 
@@ -50,7 +58,11 @@ _SUMMARY_FIELDS = {
     "restarts": ("an integer >= 0", _RUN_FIELDS["steps"][1]),
     "wall_s": ("a number", _is_number),
     "site_alone_accuracy": ("an object of site: number", _per_site(lambda x: x is None or _is_number(x))),
-    "bytes_sent_by_site": ("an object of site: bytes", _per_site(lambda x: isinstance(x, int) and not isinstance(x, bool))),
+    "bytes_sent_by_site": ("an object of site: bytes", _per_site(_is_count)),
+    "bytes_received_by_site": ("an object of site: bytes", _per_site(_is_count)),
+    "bytes_sent_by_kind": ("an object of site: {kind: bytes}", _per_site(_per_site(_is_count))),
+    "test_accuracy_source": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "model": ("an object or null", lambda v: v is None or isinstance(v, dict)),
 }  # fmt: skip
 
 
@@ -66,7 +78,7 @@ class RunData:
     missing: list[str] = field(default_factory=list)          # what a complete run has and this one lacks
     problems: list[str] = field(default_factory=list)         # why the run is broken (malformed run.json)
     bad_lines: int = 0
-    status: str = "unknown"  # completed | degraded | failed | live | crashed | broken
+    status: str = "unknown"  # completed | degraded | failed | live | stopped | crashed | broken
 
     @property
     def job(self) -> str:
@@ -128,6 +140,13 @@ def _checked(path: Path, run: RunData, fields: dict[str, tuple[str, Any]]) -> di
     return out
 
 
+def _stopped_by_signal(events: list[dict[str, Any]]) -> bool:
+    stopped = [str(e.get("process", "")) for e in events if e.get("event") == "stop"]
+    workers_started = any(e.get("event") == "start" and not str(e.get("process", "")).startswith("shard-")
+                          for e in events)  # fmt: skip
+    return bool(stopped) and (any(not p.startswith("shard-") for p in stopped) or not workers_started)
+
+
 def load_run(path: str | os.PathLike[str]) -> RunData:
     """Parse a run directory; raises `ReportError` when it does not exist or is not a run."""
     root = Path(path)
@@ -156,6 +175,8 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         run.status = str(run.summary.get("status", "unknown"))
     elif _pid_alive(run.info.get("pid")):
         run.status = "live"
+    elif _stopped_by_signal(run.events):
+        run.status = "stopped"
     else:
         run.status = "crashed"
     return run

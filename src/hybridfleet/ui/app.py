@@ -8,6 +8,9 @@ viewer's own, entered in the same form; never the database's owner.
 
 Every page is a Jinja2 template with autoescape, served with a strict
 Content-Security-Policy (no script at all, styles from the UI itself, no framing).
+A live run's page reloads itself every few seconds (a meta refresh, no script), and its
+plots are PNGs the UI draws from the run's files on each request. Process logs are served
+as text/plain, only files directly under the run's ``logs/``.
 Nothing here writes: a run's report is rendered in memory, its directory and the
 registry are only read, and no database is created.
 """
@@ -19,7 +22,7 @@ import re
 import socket
 from importlib import resources
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -35,9 +38,9 @@ from hybridfleet.errors import (
 )
 from hybridfleet.obs.discovery import read_targets
 from hybridfleet.obs.live import RunView
-from hybridfleet.obs.report import STYLE_CSP_SOURCE, build_report
+from hybridfleet.obs.report import SECTIONS, STYLE_CSP_SOURCE, build_report, render_plot
 from hybridfleet.obs.runinfo import list_runs, load_run
-from hybridfleet.ui import pages
+from hybridfleet.ui import compare, pages, runs_view
 from hybridfleet.ui.registry_view import RegistryAccess
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -45,6 +48,9 @@ _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 UI_COOKIE = "hfleet_ui_token"
 REGISTRY_COOKIE = "hfleet_registry_token"
 _FORM_LIMIT_BYTES = 8192
+LIVE_REFRESH_S = 5
+LOG_LIMIT_BYTES = 2 * 1024 * 1024  # a longer log is served from its last bytes
+_PLOTS = {key: (title, draw) for key, title, draw in SECTIONS}
 _OPEN_PATHS = ("/login", "/static/ui.css")
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
        "base-uri 'none'")  # fmt: skip
@@ -113,7 +119,7 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
                 out.append((f"{path.parent.name}/{path.name}", load_run(path)))
             except ReportError:
                 continue  # removed meanwhile
-        return out
+        return sorted(out, key=lambda item: runs_view.started_s(item[1]), reverse=True)  # newest first
 
     @app.get("/static/ui.css")
     def stylesheet() -> Response:
@@ -154,24 +160,74 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
             response.delete_cookie(name, httponly=True, samesite="strict")
         return response
 
+    def loaded(job: str, stamp: str):
+        try:
+            return load_run(run_dir(job, stamp))
+        except ReportError as err:
+            raise HTTPException(404, str(err)) from None
+
     @app.get("/", response_class=HTMLResponse)
     def runs_page(request: Request) -> HTMLResponse:
-        rows = [pages.run_row(run_id, run) for run_id, run in runs()]
-        refresh = 5 if any(r["status"] == "live" for r in rows) else None
+        rows = [runs_view.run_row(run_id, run) for run_id, run in runs()]
+        refresh = LIVE_REFRESH_S if any(r["status"] == "live" for r in rows) else None
         return page(request, "runs.html", title="Runs", runs=rows, refresh_s=refresh)
 
     @app.get("/runs/{job}/{stamp}", response_class=HTMLResponse)
     def run_page(request: Request, job: str, stamp: str) -> HTMLResponse:
-        try:
-            run = load_run(run_dir(job, stamp))
-        except ReportError as err:
-            raise HTTPException(404, str(err)) from None
+        run = loaded(job, stamp)
         sites = None
         if run.live:
             view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0)
             sites = view.snapshot().sites
-        return page(request, "run.html", title=f"Run {run.job} {stamp}", run=pages.run_view(f"{job}/{stamp}", run, sites),
-                    refresh_s=2 if run.live else None)  # fmt: skip
+        plots = [(key, title) for key, (title, _) in _PLOTS.items()]
+        return page(request, "run.html", title=f"Run {run.job} {stamp}",
+                    run=runs_view.run_view(f"{job}/{stamp}", run, sites, plots),
+                    refresh_s=LIVE_REFRESH_S if run.live else None)  # fmt: skip
+
+    @app.get("/runs/{job}/{stamp}/plots/{key}.png")
+    def run_plot(job: str, stamp: str, key: str) -> Response:
+        if key not in _PLOTS:
+            raise HTTPException(404, "no such plot")
+        run = loaded(job, stamp)
+        png = render_plot(_PLOTS[key][1], run)
+        if png is None:
+            png = render_plot(_no_data, run)
+        return Response(png, media_type="image/png")
+
+    @app.get("/runs/{job}/{stamp}/logs/{name}")
+    def run_log(job: str, stamp: str, name: str) -> Response:
+        path = runs_view.log_file(run_dir(job, stamp), name)
+        if path is None:
+            raise HTTPException(404, "no such log")
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - LOG_LIMIT_BYTES))
+            data = f.read(LOG_LIMIT_BYTES)
+        head = f"[the last {LOG_LIMIT_BYTES} of {size} bytes]\n" if size > LOG_LIMIT_BYTES else ""
+        return Response(head + data.decode("utf-8", "replace"), media_type="text/plain; charset=utf-8")
+
+    def picked(request: Request) -> list[tuple[str, object]]:
+        ids = request.query_params.getlist("run")
+        if len(ids) < 2:
+            raise HTTPException(400, "pick at least 2 runs to compare (tick them on the runs list)")
+        if len(ids) > compare.MAX_RUNS:
+            raise HTTPException(400, f"pick at most {compare.MAX_RUNS} runs to compare (got {len(ids)})")
+        out = []
+        for run_id in ids:
+            job, _, stamp = run_id.partition("/")
+            out.append((f"{job}/{stamp}", loaded(job, stamp)))
+        return out
+
+    @app.get("/compare", response_class=HTMLResponse)
+    def compare_page(request: Request) -> HTMLResponse:
+        chosen = picked(request)
+        rows = [runs_view.run_row(run_id, run) for run_id, run in chosen]
+        return page(request, "compare.html", title=f"Compare {len(chosen)} runs", runs=rows,
+                    query=urlencode([("run", run_id) for run_id, _ in chosen]), diff=compare.spec_diff([run for _, run in chosen]))  # fmt: skip
+
+    @app.get("/compare.png")
+    def compare_plot(request: Request) -> Response:
+        return Response(compare.accuracy_png(picked(request)), media_type="image/png")
 
     @app.get("/runs/{job}/{stamp}/report", response_class=HTMLResponse)
     def report_page(job: str, stamp: str) -> HTMLResponse:
@@ -219,6 +275,12 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
                     message=str(err.detail))  # fmt: skip
 
     return app
+
+
+def _no_data(ax, run) -> bool:
+    ax.text(0.5, 0.5, "no data for this plot yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+    return True
 
 
 def bind(host: str, port: int) -> socket.socket:

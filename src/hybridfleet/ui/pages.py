@@ -13,10 +13,9 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from hybridfleet.obs.live import SiteState, human_bytes
 from hybridfleet.obs.runinfo import RunData
 
-STATUSES = ("completed", "degraded", "failed", "live", "crashed", "broken", "unknown")
+STATUSES = ("completed", "degraded", "failed", "live", "stopped", "crashed", "broken", "unknown")
 _ENV = Environment(loader=PackageLoader("hybridfleet.ui", "templates"), autoescape=select_autoescape(["html"]),
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)  # fmt: skip
 
@@ -55,42 +54,6 @@ def latest_step(run: RunData) -> int | None:
     steps = [r["step"] for r in run.metrics if isinstance(r.get("step"), int)
              and str(r.get("process", "")).startswith("worker-")]  # fmt: skip
     return max(steps) if steps else None
-
-
-def _summary(run: RunData) -> dict[str, Any]:
-    return run.summary if isinstance(run.summary, dict) else {}
-
-
-def run_row(run_id: str, run: RunData) -> dict[str, Any]:
-    """One line of the runs list."""
-    status, total, step = status_of(run), run.info.get("steps"), latest_step(run)
-    done = total if status in ("completed", "degraded") else (step or 0)
-    return {"id": run_id, "job": run.job, "started": when(run.info.get("started")), "status": status,
-            "total": total or None, "done": min(done, total) if total else None,
-            "accuracy": number(_summary(run).get("test_accuracy")), "problems": list(run.problems)}  # fmt: skip
-
-
-def _site(name: str, st: SiteState) -> dict[str, Any]:
-    return {"name": name, "workers_up": st.workers_up, "workers": st.workers, "steps": f"{st.steps:g}",
-            "uplink": human_bytes(st.uplink_bytes), "downlink": human_bytes(st.downlink_bytes),
-            "accuracy": "-" if st.accuracy is None else f"{st.accuracy:.3f}"}  # fmt: skip
-
-
-def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None) -> dict[str, Any]:
-    """One run: status, problems, live progress per site, summary rows, what is missing."""
-    summary = _summary(run)
-    rows: list[tuple[str, str]] = []
-    if run.summary is not None:
-        rows = [("joint test accuracy", number(summary.get("test_accuracy"))),
-                ("restarts", number(summary.get("restarts"))), ("wall time (s)", number(summary.get("wall_s")))]
-        alone = summary.get("site_alone_accuracy")
-        if isinstance(alone, dict):
-            rows += [(f"{k} alone", number(v)) for k, v in alone.items()]
-    step, total = latest_step(run), run.info.get("steps")
-    return {"id": run_id, "status": status_of(run), "path": str(run.path), "problems": list(run.problems),
-            "live": run.live, "step": "-" if step is None else step, "total": total or "-",
-            "sites": [_site(name, st) for name, st in sorted((sites or {}).items())],
-            "summary": rows, "missing": list(run.missing)}  # fmt: skip
 
 
 def _metric_detail(record: Any) -> str:

@@ -1,0 +1,67 @@
+"""Compare runs in `hfleet ui`: the joint test accuracy of each run overlaid on one plot, and the job
+spec each run recorded (``run.json`` and the summary's job settings) side by side.
+
+The plot is drawn here with matplotlib into a PNG served by the UI itself (the page has no
+script); the spec table marks every row whose values differ between the runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hybridfleet.obs.report import joint_accuracy, render_plot
+from hybridfleet.obs.runinfo import RunData
+
+MAX_RUNS = 8
+# summary.json fields that describe how the job was set up (not what it measured)
+_SUMMARY_SETUP = ("framework", "sync", "shards", "workers", "train_rows", "resumed_from")
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict) and value:
+        out: dict[str, str] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else value}
+
+
+def spec_of(run: RunData) -> dict[str, str]:
+    """The job settings the run recorded, flattened to ``dotted.key -> text``."""
+    spec = _flatten(run.info)
+    summary = run.summary if isinstance(run.summary, dict) else {}
+    for key in _SUMMARY_SETUP:
+        if key in summary and key not in spec:
+            spec.update(_flatten(summary[key], key))
+    return spec
+
+
+def spec_diff(runs: list[RunData]) -> list[dict[str, Any]]:
+    """One row per setting any run recorded: the value in each run (``-`` where absent) and whether they differ."""
+    specs = [spec_of(r) for r in runs]
+    keys = sorted(set().union(*specs)) if specs else []
+    rows = []
+    for key in keys:
+        values = [s.get(key, "-") for s in specs]
+        rows.append({"key": key, "cells": values, "differs": len(set(values)) > 1})
+    return rows
+
+
+def accuracy_png(runs: list[tuple[str, RunData]]) -> bytes:
+    """One PNG: each run's joint test accuracy against worker step (from its metrics.jsonl)."""
+
+    def draw(ax, _run) -> bool:
+        for run_id, run in runs:
+            points = joint_accuracy(run)
+            if points:
+                ax.plot(*zip(*points), marker=".", label=run_id.replace("$", r"\$"))
+        ax.set(xlabel="worker step", ylabel="joint test accuracy")
+        if not ax.get_legend_handles_labels()[0]:
+            ax.text(0.5, 0.5, "no run reported a test accuracy yet", ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
+        return True
+
+    png = render_plot(draw, runs[0][1])
+    assert png is not None  # draw always returns True
+    return png
