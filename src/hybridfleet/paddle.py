@@ -21,6 +21,13 @@ class PaddleParameterServer(ParameterServerHandle):
         statistics = set(self._buffers())
         return {n: p for n, p in self.model.named_parameters() if n not in statistics}
 
+    def _sparse_gradient_parameters(self) -> dict[str, str]:
+        out = {}
+        for prefix, layer in self.model.named_sublayers(include_self=True):
+            if isinstance(layer, paddle.nn.Embedding) and getattr(layer, "_sparse", False):
+                out[f"{prefix}.weight" if prefix else "weight"] = "nn.Embedding(sparse=True)"
+        return out
+
     def _buffers(self) -> dict[str, Any]:
         # BatchNorm's running statistics are non-trainable parameters in paddle; other buffers are buffers
         state = self.model.state_dict()

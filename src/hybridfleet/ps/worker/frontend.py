@@ -70,6 +70,7 @@ class ParameterServerHandle(ABC):
                             f"trains with {self.framework}; run the {job.framework} script, or set "
                             f"sites.{site}.framework: {self.framework} with its own entrypoint")
         params = self._named_parameters()
+        self._refuse_sparse_gradients()
         self.reader = self._optimizer_reader(optimizer, params)  # refuses an optimizer we cannot run, before joining
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
@@ -96,6 +97,22 @@ class ParameterServerHandle(ABC):
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
             self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
+
+    def _refuse_sparse_gradients(self) -> None:
+        """Raise SpecError, before joining, naming each parameter whose gradient would be sparse.
+
+        The shards take dense gradients for every key; a row-sparse gradient (an embedding built
+        with ``sparse=True``) cannot be read as one without silently dropping or misplacing rows."""
+        sparse = self._sparse_gradient_parameters()
+        if sparse:
+            named = ", ".join(f"{name!r} ({layer})" for name, layer in sorted(sparse.items()))
+            first = next(iter(sorted(sparse)))
+            raise SpecError(f"parameter {first!r} has sparse gradients: {named}; the parameter server pushes dense "
+                            "gradients: build the embedding with sparse=False")
+
+    def _sparse_gradient_parameters(self) -> dict[str, str]:
+        """parameter name -> the layer that makes its gradient sparse (none by default)."""
+        return {}
 
     def _optimizer_reader(self, optimizer: Any, params: dict[str, Any]):
         """The reader of the script's optimizer when the shards apply it (None: ps.optimizer applies)."""
