@@ -76,3 +76,132 @@ def test_a_dense_torch_embedding_still_joins(shards):
     ps = hf.connect(m, torch.optim.SGD(m.parameters(), lr=0.1), config=cluster.config(0))
     ps.close()
     assert cluster.status()[0]["initialized"]
+
+
+# ------------------------------------------------------------------------------ non-finite gradients
+SKIP_AT, STEPS = 3, 6  # worker 1's gradient holds an Inf at step SKIP_AT (1-based)
+
+
+def _data(seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((4, 5)).astype("float32"), rng.standard_normal((4, 2)).astype("float32"))
+            for _ in range(STEPS)]
+
+
+class _Torch:
+    @staticmethod
+    def model():
+        import torch
+
+        torch.manual_seed(0)
+        m = torch.nn.Linear(5, 2)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    @staticmethod
+    def backward(m, x, y, poison: bool = False):
+        import torch
+
+        m.zero_grad(set_to_none=True)
+        ((m(torch.from_numpy(x)) - torch.from_numpy(y)) ** 2).mean().backward()
+        if poison:
+            m.weight.grad[0, 0] = float("inf")  # as a float16 overflow under autocast would
+
+    @staticmethod
+    def values(m):
+        return {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+
+
+class _Paddle:
+    @staticmethod
+    def model():
+        import paddle
+
+        paddle.seed(0)
+        m = paddle.nn.Linear(5, 2)
+        return m, paddle.optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=m.parameters())
+
+    @staticmethod
+    def backward(m, x, y, poison: bool = False):
+        import paddle
+
+        m.clear_gradients(set_to_zero=False)
+        ((m(paddle.to_tensor(x)) - paddle.to_tensor(y)) ** 2).mean().backward()
+        if poison:
+            g = m.weight.grad.numpy()
+            g[0, 0] = float("inf")
+            m.weight.grad.set_value(g)
+
+    @staticmethod
+    def values(m):
+        return {k: v.numpy().copy() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_a_non_finite_gradient_on_one_worker_skips_that_round_for_all_and_training_goes_on(shards, framework,
+                                                                                           capsys):
+    import threading
+
+    import numpy as np
+
+    f = _Torch if framework == "torch" else _Paddle
+    hf = __import__(f"hybridfleet.{framework}", fromlist=["connect"])
+    data = [_data(1), _data(2)]
+    # Prepare: the plain script on both workers' batches together, with GradScaler's skip at SKIP_AT
+    ref, opt = f.model()
+    for step, ((x0, y0), (x1, y1)) in enumerate(zip(*data), start=1):
+        if step != SKIP_AT:
+            f.backward(ref, np.concatenate([x0, x1]), np.concatenate([y0, y1]))
+            opt.step()
+    cluster = shards(framework, workers=2, shards=2)
+    lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
+
+    def worker(rank):
+        with lock:
+            m, opt = f.model()
+        ps = hf.connect(m, opt, config=cluster.config(rank))
+        seen = [f.values(m)]
+        for step, (x, y) in enumerate(data[rank], start=1):
+            with lock:
+                f.backward(m, x, y, poison=rank == 1 and step == SKIP_AT)
+            ps.step()
+            seen.append(f.values(m))
+        ps.close()
+        return seen
+
+    # Execute
+    got = h.run_workers(worker, 2)
+    # Assert: round SKIP_AT changed nothing on either worker, the others did; the result is the plain script's
+    for seen in got:
+        assert all((seen[SKIP_AT][k] == seen[SKIP_AT - 1][k]).all() for k in seen[0])
+        assert all(not (seen[SKIP_AT + 1][k] == seen[SKIP_AT][k]).all() for k in seen[0])
+        h.assert_close(seen[-1], f.values(ref))
+    assert [s["skipped_rounds"] for s in cluster.status()] == [1, 1]
+    assert all(s["version"] == STEPS for s in cluster.status())
+    err = capsys.readouterr().err
+    assert '"event":"round_skipped_nonfinite"' in err and '"worker":"a-1"' in err
+
+
+@pytest.mark.torch
+def test_a_skip_push_that_carries_keys_is_refused_and_changes_nothing(shards):
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.ps.wire.reject import Reject
+
+    cluster = shards("torch")
+    m, opt = _Torch.model()
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    state = cluster.servers[0].state
+    before, status = cluster.params(), state.status()
+    key = state.keys[0]
+    with pytest.raises(Reject, match=r"a push that skips its round \(non-finite gradient\) carries no keys; "
+                                     r"this one carries 1; nothing changed"):
+        state.push("a-0", "a", "GRADIENT", 1, 0, "none", {key: b"\0" * 4 * state.params[key].size},
+                   skip_nonfinite=True)
+    assert state.status() == status
+    assert all((cluster.params()[k] == v).all() for k, v in before.items())
+    ps.close()
+    assert torch.isfinite(m.weight).all()
