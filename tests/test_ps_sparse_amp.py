@@ -205,3 +205,61 @@ def test_a_skip_push_that_carries_keys_is_refused_and_changes_nothing(shards):
     assert all((cluster.params()[k] == v).all() for k, v in before.items())
     ps.close()
     assert torch.isfinite(m.weight).all()
+
+
+# ------------------------------------------------------------------------- low-precision parameters
+def _shard_values(cluster) -> dict:
+    """The shards' float32 master weights, by parameter name, flat."""
+    import numpy as np
+
+    blocks = cluster.params()
+    plan = cluster.servers[0].state.plan
+    return {name: np.concatenate([blocks[b.key] for b in plan.blocks if b.param == name]) for name in plan.params}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_torch_model_trains_on_float32_master_weights_like_the_amp_recipe(shards, dtype):
+    import torch
+
+    import hybridfleet.torch as hf
+
+    low = getattr(torch, dtype)
+    data = _data(3)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(5, 2).to(low)
+
+    def loss(m, x, y):
+        return ((m(torch.from_numpy(x).to(low)).float() - torch.from_numpy(y)) ** 2).mean()
+
+    # Prepare: the usual recipe: float32 master weights stepped by the optimizer, copied into the low-precision model
+    ref = model()
+    master = [torch.nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
+    opt = torch.optim.SGD(master, lr=0.1, momentum=0.9)
+    for x, y in data:
+        ref.zero_grad(set_to_none=True)
+        loss(ref, x, y).backward()
+        for mp, p in zip(master, ref.parameters()):
+            mp.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for mp, p in zip(master, ref.parameters()):
+                p.copy_(mp)
+    cluster = shards("torch")
+    m = model()
+    # Execute
+    ps = hf.connect(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), config=cluster.config(0))
+    for x, y in data:
+        ps.zero_grad()
+        loss(m, x, y).backward()
+        ps.step()
+    ps.close()
+    # Assert: the shard's float32 masters match the recipe's; the model keeps its dtype, holding them cast
+    names = [n for n, _ in ref.named_parameters()]
+    h.assert_close(_shard_values(cluster), {n: mp.detach().numpy().reshape(-1) for n, mp in zip(names, master)})
+    for (n, p), mp in zip(m.named_parameters(), master):
+        assert p.dtype == low, n
+        assert torch.equal(p.detach(), mp.detach().to(low)), n
+    assert not torch.equal(master[0].detach().to(low), model().weight.detach())  # it trained

@@ -55,9 +55,11 @@ class PaddleParameterServer(ParameterServerHandle):
         return tensor.detach().cpu().astype("float32").numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:
+        # the shards keep float32 master weights; a float16 / bfloat16 parameter takes them cast to its dtype
         params = self._named_parameters()
         for name, arr in values.items():
-            params[name].set_value(np.ascontiguousarray(arr, dtype=np.float32))
+            p, value = params[name], np.ascontiguousarray(arr, dtype=np.float32)
+            p.set_value(value if p.dtype == paddle.float32 else paddle.to_tensor(value).astype(p.dtype))
 
     def zero_grad(self) -> None:
         for p in self._named_parameters().values():

@@ -44,6 +44,7 @@ class TorchParameterServer(ParameterServerHandle):
         return tensor.detach().to("cpu", torch.float32).numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:
+        # the shards keep float32 master weights; a float16 / bfloat16 parameter takes them cast to its dtype
         params = self._named_parameters()
         with torch.no_grad():
             for name, arr in values.items():
