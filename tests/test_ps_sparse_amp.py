@@ -263,3 +263,62 @@ def test_a_half_precision_torch_model_trains_on_float32_master_weights_like_the_
         assert p.dtype == low, n
         assert torch.equal(p.detach(), mp.detach().to(low)), n
     assert not torch.equal(master[0].detach().to(low), model().weight.detach())  # it trained
+
+
+@pytest.mark.paddle
+def test_a_bfloat16_paddle_model_trains_on_float32_master_weights_like_the_amp_recipe(shards):
+    # paddle's CPU kernels have no bfloat16 matmul: the model is element-wise (bfloat16 multiply and add exist)
+    import numpy as np
+    import paddle
+
+    import hybridfleet.paddle as hf
+
+    class Net(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.w = self.create_parameter([5], default_initializer=paddle.nn.initializer.Normal(0.0, 1.0))
+            self.b = self.create_parameter([2], default_initializer=paddle.nn.initializer.Constant(0.25))
+
+        def forward(self, x):
+            return (x * self.w).astype("float32").sum(-1, keepdim=True) + self.b.astype("float32")
+
+    def model(dtype="bfloat16"):
+        paddle.seed(0)
+        m = Net()
+        m.to(dtype=dtype)
+        return m
+
+    def loss(m, x, y):
+        return ((m(paddle.to_tensor(x).astype("bfloat16")) - paddle.to_tensor(y)) ** 2).mean()
+
+    data = _data(4)
+    # Prepare: the recipe: float32 master weights stepped by paddle's Momentum, cast into the bfloat16 model
+    ref, master = model(), model("float32")
+    for mp, p in zip(master.parameters(), ref.parameters()):
+        mp.set_value(p.astype("float32"))
+    opt = paddle.optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=master.parameters())
+    for x, y in data:
+        ref.clear_gradients(set_to_zero=False)
+        loss(ref, x, y).backward()
+        grads = [p.grad.astype("float32") for p in ref.parameters()]
+        master.clear_gradients(set_to_zero=False)
+        sum((mp * g).sum() for mp, g in zip(master.parameters(), grads)).backward()  # master.grad = the model's
+        opt.step()
+        for mp, p in zip(master.parameters(), ref.parameters()):
+            p.set_value(mp.astype("bfloat16"))
+    cluster = shards("paddle")
+    m = model()
+    # Execute
+    ps = hf.connect(m, paddle.optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=m.parameters()),
+                    config=cluster.config(0))
+    for x, y in data:
+        m.clear_gradients(set_to_zero=False)
+        loss(m, x, y).backward()
+        ps.step()
+    ps.close()
+    # Assert: the shard's float32 masters match the recipe's; the model stays bfloat16, holding them cast
+    h.assert_close(_shard_values(cluster), {n: p.numpy().reshape(-1) for n, p in master.named_parameters()})
+    for (n, p), mp in zip(m.named_parameters(), master.parameters()):
+        assert p.dtype == paddle.bfloat16, n
+        assert (p.numpy() == mp.astype("bfloat16").numpy()).all(), n
+    assert not np.allclose(master.w.numpy(), model("float32").w.numpy())  # it trained
