@@ -322,3 +322,18 @@ def test_a_bfloat16_paddle_model_trains_on_float32_master_weights_like_the_amp_r
         assert p.dtype == paddle.bfloat16, n
         assert (p.numpy() == mp.astype("bfloat16").numpy()).all(), n
     assert not np.allclose(master.w.numpy(), model("float32").w.numpy())  # it trained
+
+
+@pytest.mark.torch
+def test_connect_refuses_torch_sparse_adam_whose_lazy_updates_the_shards_do_not_run(shards):
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.ps.worker.optim_spec import UnsupportedOptimizer
+
+    cluster = shards("torch")
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(UnsupportedOptimizer, match=r"optimizer torch\.optim\.sparse_adam\.SparseAdam: the shards run"):
+        hf.connect(m, torch.optim.SparseAdam(list(m.parameters())), config=cluster.config(0))
+    status = cluster.status()[0]
+    assert status["members"] == {} and not status["initialized"]
