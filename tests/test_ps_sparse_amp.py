@@ -337,3 +337,25 @@ def test_connect_refuses_torch_sparse_adam_whose_lazy_updates_the_shards_do_not_
         hf.connect(m, torch.optim.SparseAdam(list(m.parameters())), config=cluster.config(0))
     status = cluster.status()[0]
     assert status["members"] == {} and not status["initialized"]
+
+
+@pytest.mark.torch
+def test_without_servers_a_non_finite_gradient_skips_the_scripts_optimizer_step(capsys):
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.ps.worker.session import WorkerConfig
+
+    m, opt = _Torch.model()
+    ps = hf.connect(m, opt, config=WorkerConfig(job=h.job("torch"), site="a"))
+    (x, y), (x2, y2) = _data(5)[:2]
+    _Torch.backward(m, x, y, poison=True)
+    before = _Torch.values(m)
+    ps.step()
+    assert all((_Torch.values(m)[k] == v).all() for k, v in before.items())  # skipped, nothing became Inf
+    _Torch.backward(m, x2, y2)
+    ps.step()
+    assert not (_Torch.values(m)["weight"] == before["weight"]).all()  # training goes on
+    assert ps.session.skipped_nonfinite == 1
+    assert '"event":"round_skipped_nonfinite"' in capsys.readouterr().err
+    ps.close()

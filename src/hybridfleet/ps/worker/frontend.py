@@ -196,7 +196,7 @@ class ParameterServerHandle(ABC):
         worker's BatchNorm statistics under ``ps.buffers: average``); default: the batch sizes
         of the training-mode forward passes since the last step."""
         if self.rounds is not None:
-            self.optimizer.step()
+            self._step_script_optimizer()
             new = self.rounds.after_inner_step(
                 lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}),
                 (lambda: self._buffer_update(samples)) if self.buffers is not None else None)
@@ -210,7 +210,7 @@ class ParameterServerHandle(ABC):
             grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
             self._load(self.session.step(self._with_buffers(self._canonical(grads), samples)))
         elif self.session.local:  # no servers: the script's optimizer steps the model here
-            self.optimizer.step()
+            self._step_script_optimizer()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
         else:
             desc = self.reader.describe()
@@ -223,6 +223,16 @@ class ParameterServerHandle(ABC):
             self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _step_script_optimizer(self) -> None:
+        """Step the script's optimizer on this worker, unless a gradient is not finite (GradScaler
+        semantics: that step is skipped, logged and counted)."""
+        bad = sorted(n for n, p in self._named_parameters().items()
+                     if p.grad is not None and not np.isfinite(self._grad(p)).all())
+        if bad:
+            self.session.note_skipped_nonfinite(bad)
+        else:
+            self.optimizer.step()
 
     def _buffer_update(self, samples: int | None) -> dict[str, np.ndarray]:
         update = self.buffers.update(self._buffer_values(), self._samples if samples is None else samples)

@@ -268,6 +268,12 @@ class PSSession:
         self.timer.end(self._raw_gradient_bytes)
         return params
 
+    def note_skipped_nonfinite(self, keys: list[str]) -> None:
+        """Log and count a step skipped because the gradients of ``keys`` are not finite."""
+        self.skipped_nonfinite += 1
+        log.warning("round_skipped_nonfinite", worker=self.config.worker_id, step=self.step_count + 1,
+                    keys=keys[:3], nonfinite_keys=len(keys))
+
     def local_step(self, params: dict[str, np.ndarray]) -> None:
         """Without servers, the script's optimizer stepped the model itself: record its new values."""
         self._check_names(params)
@@ -285,9 +291,7 @@ class PSSession:
                                  f"{self.step_count + 1}; a round cannot be skipped when the site's workers reduce "
                                  "together or under secure aggregation; nothing was sent")
             # GradScaler semantics: the step is skipped, on every worker of the round, and training goes on
-            self.skipped_nonfinite += 1
-            log.warning("round_skipped_nonfinite", worker=self.config.worker_id, step=self.step_count + 1,
-                        keys=nonfinite[:3], nonfinite_keys=len(nonfinite))
+            self.note_skipped_nonfinite(nonfinite)
             grads = {}
         if self.local:
             if nonfinite:
