@@ -21,6 +21,13 @@ class PaddleParameterServer(ParameterServerHandle):
         statistics = set(self._buffers())
         return {n: p for n, p in self.model.named_parameters() if n not in statistics}
 
+    def _sparse_gradient_parameters(self) -> dict[str, str]:
+        out = {}
+        for prefix, layer in self.model.named_sublayers(include_self=True):
+            if isinstance(layer, paddle.nn.Embedding) and getattr(layer, "_sparse", False):
+                out[f"{prefix}.weight" if prefix else "weight"] = "nn.Embedding(sparse=True)"
+        return out
+
     def _buffers(self) -> dict[str, Any]:
         # BatchNorm's running statistics are non-trainable parameters in paddle; other buffers are buffers
         state = self.model.state_dict()
@@ -48,9 +55,11 @@ class PaddleParameterServer(ParameterServerHandle):
         return tensor.detach().cpu().astype("float32").numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:
+        # the shards keep float32 master weights; a float16 / bfloat16 parameter takes them cast to its dtype
         params = self._named_parameters()
         for name, arr in values.items():
-            params[name].set_value(np.ascontiguousarray(arr, dtype=np.float32))
+            p, value = params[name], np.ascontiguousarray(arr, dtype=np.float32)
+            p.set_value(value if p.dtype == paddle.float32 else paddle.to_tensor(value).astype(p.dtype))
 
     def zero_grad(self) -> None:
         for p in self._named_parameters().values():

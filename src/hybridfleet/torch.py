@@ -18,6 +18,13 @@ class TorchParameterServer(ParameterServerHandle):
         # frozen ones too: they stay part of the job (unchanged while they have no gradient)
         return dict(self.model.named_parameters())
 
+    def _sparse_gradient_parameters(self) -> dict[str, str]:
+        out = {}
+        for prefix, module in self.model.named_modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+                out[f"{prefix}.weight" if prefix else "weight"] = f"nn.{type(module).__name__}(sparse=True)"
+        return out
+
     def _buffer_values(self) -> dict[str, np.ndarray]:
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
@@ -37,6 +44,7 @@ class TorchParameterServer(ParameterServerHandle):
         return tensor.detach().to("cpu", torch.float32).numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:
+        # the shards keep float32 master weights; a float16 / bfloat16 parameter takes them cast to its dtype
         params = self._named_parameters()
         with torch.no_grad():
             for name, arr in values.items():

@@ -7,6 +7,9 @@ parser has accepted the header (so offsets that overlap, leave gaps or overrun t
 file are refused exactly as the reference reader refuses them). Tensors are ordered by item size,
 largest first, after a 64-byte-aligned header, so every tensor starts aligned to its
 item size. The files are plain safetensors, readable by `safetensors.safe_open`.
+
+bfloat16 tensors (safetensors "BF16") are numpy arrays of ``ml_dtypes.bfloat16``, numpy
+having no bfloat16 of its own: the bytes are the framework's own, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ import struct
 import tempfile
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import safetensors
 
 from hybridfleet.errors import CheckpointError
 from hybridfleet.store.base import Buffer
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 DTYPE_CODES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }  # fmt: skip
-CODE_DTYPES = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
+CODE_DTYPES = {code: BFLOAT16 if name == "bfloat16" else np.dtype(name) for name, code in DTYPE_CODES.items()}
 HEADER_ALIGN_BYTES = 64
 MAX_HEADER_BYTES = 100 << 20
 

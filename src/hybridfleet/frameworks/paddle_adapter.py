@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from hybridfleet.ckpt.safetensors_io import BFLOAT16
 from hybridfleet.frameworks.base import Adapter
 
 
@@ -55,7 +56,20 @@ def _by_name(key: str, names: list[str]) -> str:
 
 
 def _numpy_dtype(tensor: Any) -> np.dtype:
-    return np.dtype(str(tensor.dtype).split(".")[-1])
+    name = str(tensor.dtype).split(".")[-1]
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    """A copy of ``tensor`` as numpy; bfloat16 (paddle gives its bits as uint16) as ml_dtypes.bfloat16."""
+    arr = np.array(tensor.numpy(), copy=True, order="C")
+    return arr.view(BFLOAT16) if str(tensor.dtype).endswith("bfloat16") else arr
+
+
+def _paddle_value(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``arr`` cast to ``dtype`` in the form paddle loads: bfloat16 as its uint16 bits."""
+    arr = np.asarray(arr).astype(dtype, copy=False)
+    return np.ascontiguousarray(arr).view(np.uint16) if dtype == BFLOAT16 else arr
 
 
 class PaddleAdapter(Adapter):
@@ -70,6 +84,8 @@ class PaddleAdapter(Adapter):
 
     def from_numpy(self, arr: np.ndarray) -> Any:
         arr = np.asarray(arr)
+        if arr.dtype == BFLOAT16:  # paddle reads uint16 arrays as bfloat16 bits
+            return paddle.to_tensor(np.ascontiguousarray(arr).view(np.uint16))
         if arr.flags.writeable and arr.flags.c_contiguous and arr.ndim > 0:
             try:
                 return paddle.from_dlpack(arr)  # zero-copy
@@ -77,15 +93,19 @@ class PaddleAdapter(Adapter):
                 pass
         return paddle.to_tensor(arr)
 
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        arr = super().to_numpy(tensor)
+        return arr.view(BFLOAT16) if str(tensor.dtype).endswith("bfloat16") else arr
+
     def model_state(self, model: Any) -> dict[str, np.ndarray]:
-        return {k: np.array(v.numpy(), copy=True, order="C") for k, v in model.state_dict().items()}
+        return {k: _numpy(v) for k, v in model.state_dict().items()}
 
     def _expected_state(self, model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(v.shape), str(v.dtype).split(".")[-1]) for k, v in model.state_dict().items()}
 
     def _assign_state(self, model: Any, state: dict[str, np.ndarray]) -> None:
         current = model.state_dict()
-        model.set_state_dict({k: np.asarray(v).astype(_numpy_dtype(current[k]), copy=False) for k, v in state.items()})
+        model.set_state_dict({k: _paddle_value(v, _numpy_dtype(current[k])) for k, v in state.items()})
 
     def optimizer_state(self, optimizer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         tensors: dict[str, np.ndarray] = {}
@@ -93,10 +113,10 @@ class PaddleAdapter(Adapter):
         names = _param_names(optimizer)
         for key, value in optimizer.state_dict().items():
             if isinstance(value, paddle.Tensor):
-                tensors[_by_position(key, names)] = np.array(value.numpy(), copy=True, order="C")
+                tensors[_by_position(key, names)] = _numpy(value)
             elif key == "master_weights":
                 for name, tensor in value.items():
-                    tensors[f"master_weights/{name}"] = np.array(tensor.numpy(), copy=True, order="C")
+                    tensors[f"master_weights/{name}"] = _numpy(tensor)
             else:
                 meta[key] = value
         return tensors, meta
@@ -105,7 +125,7 @@ class PaddleAdapter(Adapter):
         full: dict[str, Any] = dict(meta)
         names = _param_names(optimizer)
         for key, arr in tensors.items():
-            tensor = paddle.to_tensor(np.array(arr, copy=True))
+            tensor = self.from_numpy(np.array(arr, copy=True))
             if key.startswith("master_weights/"):
                 full.setdefault("master_weights", {})[key.split("/", 1)[1]] = tensor
             else:

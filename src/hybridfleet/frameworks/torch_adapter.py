@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridfleet.ckpt.safetensors_io import BFLOAT16
 from hybridfleet.frameworks.base import Adapter
 from hybridfleet.frameworks.optim_meta import from_json_group, to_json_group
 
@@ -34,6 +35,21 @@ def _writable(arr: np.ndarray) -> np.ndarray:
     return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, copy=True, order="C")
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU numpy view of ``tensor``; bfloat16 (which numpy lacks) as ml_dtypes.bfloat16, same bits."""
+    t = tensor.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def _tensor(arr: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of ``arr`` (sharing memory where it can); ml_dtypes.bfloat16 becomes torch.bfloat16."""
+    if arr.dtype == BFLOAT16:
+        return torch.from_numpy(_writable(arr).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(_writable(arr))
+
+
 class TorchAdapter(Adapter):
     name = "torch"
 
@@ -45,10 +61,14 @@ class TorchAdapter(Adapter):
         return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
 
     def from_numpy(self, arr: np.ndarray) -> Any:
-        return torch.from_numpy(_writable(np.asarray(arr)))
+        return _tensor(np.asarray(arr))
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        arr = _numpy(tensor)
+        return arr if arr.flags.c_contiguous else np.array(arr, order="C")
 
     def model_state(self, model: Any) -> dict[str, np.ndarray]:
-        return {k: np.array(v.detach().cpu().numpy(), copy=True, order="C") for k, v in model.state_dict().items()}
+        return {k: np.array(_numpy(v), copy=True, order="C") for k, v in model.state_dict().items()}
 
     def model_views(self, model: Any) -> dict[str, np.ndarray]:
         return {k: self.to_numpy(v) for k, v in model.state_dict().items()}
@@ -66,7 +86,7 @@ class TorchAdapter(Adapter):
         for param_id, entries in full["state"].items():
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"state.{param_id}.{key}"] = np.array(value.detach().cpu().numpy(), copy=True, order="C")
+                    tensors[f"state.{param_id}.{key}"] = np.array(_numpy(value), copy=True, order="C")
                 else:
                     scalars[f"{param_id}.{key}"] = value
         meta = {"param_groups": [to_json_group(g) for g in full["param_groups"]], "scalars": scalars}
@@ -76,7 +96,7 @@ class TorchAdapter(Adapter):
         state: dict[int, dict[str, Any]] = {}
         for name, arr in tensors.items():
             _, param_id, key = name.split(".", 2)
-            state.setdefault(int(param_id), {})[key] = torch.from_numpy(np.array(arr, copy=True, order="C"))
+            state.setdefault(int(param_id), {})[key] = _tensor(np.array(arr, copy=True, order="C"))
         for name, value in meta.get("scalars", {}).items():
             param_id, key = name.split(".", 1)
             state.setdefault(int(param_id), {})[key] = value

@@ -200,7 +200,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         kind = ps_pb2.PushHeader.Kind.Name(header.kind)
         version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
                                            header.codec, payloads, header.contributors or 1,
-                                           header.optimizer_json)
+                                           header.optimizer_json, header.skip_nonfinite)
         return ps_pb2.PushResponse(version=version, applied=applied)
 
     def Heartbeat(self, request, context):

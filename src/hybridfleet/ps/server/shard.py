@@ -87,6 +87,9 @@ class ShardState:
         self.rounds: dict[int, RoundAggregator] = {}
         self.applied_pushes = 0
         self.rejected_pushes = 0
+        self.skipped_rounds = 0  # rounds closed without an update: a worker's gradient was not finite
+        self.skipped_pushes = 0  # the same outside rounds (asp, ssp): one worker's update skipped
+        self.skip_votes: dict[int, set[str]] = {}  # round -> workers that pushed skip_nonfinite
         self.on_applied: Callable[[], None] | None = None  # called after each applied version, lock held
         self._first_join: float | None = None
         self._now = clock
@@ -270,8 +273,15 @@ class ShardState:
 
     # -------------------------------------------------------------------- push
     def push(self, worker_id: str, site: str, kind: str, step: int, base_version: int, codec: str,
-             payloads: dict[str, bytes], contributors: int = 1, optimizer_json: str = "") -> tuple[int, bool]:
+             payloads: dict[str, bytes], contributors: int = 1, optimizer_json: str = "",
+             skip_nonfinite: bool = False) -> tuple[int, bool]:
         """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected.
+
+        ``skip_nonfinite``: the worker's gradient was not finite (GradScaler semantics): the push
+        carries no key and counts as the worker's part of the round, which then closes without
+        applying anything (version + 1, every parameter unchanged; logged as
+        ``round_skipped_nonfinite`` and counted in ``status()["skipped_rounds"]``). Outside rounds
+        (asp, ssp) only that worker's update is skipped.
 
         ``optimizer_json``: the script's optimizer for this step (`hybridfleet.ps.server.groups`);
         empty, the job's ``ps.optimizer`` applies. Keys absent from the push had no gradient and
@@ -330,6 +340,12 @@ class ShardState:
                 self.rejected_pushes += 1
                 raise Reject("ALREADY_EXISTS", f"worker {worker_id} already pushed round {self.version}; "
                                                "wait for the round to close, then pull")
+            if skip_nonfinite and payloads:
+                raise Reject("INVALID_ARGUMENT", "a push that skips its round (non-finite gradient) carries no "
+                                                 f"keys; this one carries {len(payloads)}; nothing changed")
+            if skip_nonfinite and self.secagg is not None:
+                raise Reject("INVALID_ARGUMENT", "a round cannot be skipped under secure aggregation (the masks "
+                                                 "need every worker's masked update); nothing changed")
             if isinstance(decoded, Reject):
                 raise decoded
             if isinstance(desc, Reject):
@@ -347,7 +363,14 @@ class ShardState:
                 rnd = self.rounds.get(self.version) or self.rounds.setdefault(self.version, self._new_round())
                 rnd.add(worker_id, grads, weight)
                 self.round_optimizer.setdefault(self.version, (worker_id, desc))
+                if skip_nonfinite:
+                    self.skip_votes.setdefault(self.version, set()).add(worker_id)
                 applied = self._maybe_finish_rounds()
+            elif skip_nonfinite:
+                self.skipped_pushes += 1
+                log.warning("push_skipped_nonfinite", shard=self.shard, worker=worker_id, step=step,
+                            version=self.version)
+                applied = False
             else:
                 self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()}, desc)
                 applied = True
@@ -455,8 +478,22 @@ class ShardState:
             update = rnd.result()
         del self.rounds[self.version]
         _, desc = self.round_optimizer.pop(self.version, (None, None))
-        self._apply(update, desc)
+        skippers = self.skip_votes.pop(self.version, None)
+        if skippers:
+            self._skip_round(skippers)
+        else:
+            self._apply(update, desc)
         return True
+
+    def _skip_round(self, skippers: set[str]) -> None:
+        """Close the open round without applying anything: a worker's gradient was not finite."""
+        log.warning("round_skipped_nonfinite", shard=self.shard, round=self.version, workers=sorted(skippers))
+        self.version += 1
+        self.skipped_rounds += 1
+        if self.compress_down:
+            self._encode_deltas([])  # the delta log stays contiguous: this version changed nothing
+        if self.on_applied is not None:
+            self.on_applied()
 
     def _check_round_optimizer(self, worker_id: str, desc: dict | None) -> None:
         """A round's pushers agree on the optimizer and every hyperparameter; Reject names the differences."""
@@ -589,6 +626,7 @@ class ShardState:
                 "live_workers": sorted(self.live_members()),
                 "members": {w: {"site": m.site, "clock": m.clock, "alive": m.alive} for w, m in self.members.items()},
                 "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
+                "skipped_rounds": self.skipped_rounds, "skipped_pushes": self.skipped_pushes,
                 "downlink_dense_bytes": self.downlink_dense_bytes,
                 "downlink_encoded_bytes": self.downlink_encoded_bytes,
                 **({"secure_aggregation": self.secagg.status()} if self.secagg is not None else {}),

@@ -329,12 +329,15 @@ class PSClient:
         return reply
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
-             kind: str = "GRADIENT", contributors: int = 1, optimizer_json: str = "") -> list[ps_pb2.PushResponse]:
+             kind: str = "GRADIENT", contributors: int = 1, optimizer_json: str = "",
+             skip_nonfinite: bool = False) -> list[ps_pb2.PushResponse]:
         """Push encoded blocks (key -> payload) to their shards in parallel; one step of this worker's clock.
 
         A gradient push reaches every shard that holds keys, also one whose keys all lack a gradient
         this step (it pushes no key: the round still counts this worker). ``optimizer_json``: the
-        script's optimizer for this step (see `hybridfleet.ps.worker.optim_spec`)."""
+        script's optimizer for this step (see `hybridfleet.ps.worker.optim_spec`). ``skip_nonfinite``:
+        this step's gradient was not finite; ``payloads`` is empty and every shard holding keys
+        closes the round without applying it."""
         assert self.plan is not None, "join first"
         if kind == "GRADIENT":
             self.clock += 1
@@ -354,7 +357,7 @@ class PSClient:
                 worker_id=self.worker_id, step=step, kind=ps_pb2.PushHeader.Kind.Value(kind), codec=codec,
                 base_version=(base_versions[i] if base_versions else max(self.versions[i], 0)),
                 keys=[ps_pb2.KeyBytes(key=k, nbytes=len(v)) for k, v in part.items()], contributors=contributors,
-                optimizer_json=optimizer_json)
+                optimizer_json=optimizer_json, skip_nonfinite=skip_nonfinite)
             if self._bulk[i] is not None:
                 return self._call(i, lambda s: self._bulk_push(i, header, part, category), what="push")
             return self._call(i, lambda s: s.Push(self._push_messages(header, part, category), metadata=self._metadata),

@@ -70,6 +70,7 @@ class ParameterServerHandle(ABC):
                             f"trains with {self.framework}; run the {job.framework} script, or set "
                             f"sites.{site}.framework: {self.framework} with its own entrypoint")
         params = self._named_parameters()
+        self._refuse_sparse_gradients()
         self.reader = self._optimizer_reader(optimizer, params)  # refuses an optimizer we cannot run, before joining
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
@@ -96,6 +97,22 @@ class ParameterServerHandle(ABC):
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
             self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
+
+    def _refuse_sparse_gradients(self) -> None:
+        """Raise SpecError, before joining, naming each parameter whose gradient would be sparse.
+
+        The shards take dense gradients for every key; a row-sparse gradient (an embedding built
+        with ``sparse=True``) cannot be read as one without silently dropping or misplacing rows."""
+        sparse = self._sparse_gradient_parameters()
+        if sparse:
+            named = ", ".join(f"{name!r} ({layer})" for name, layer in sorted(sparse.items()))
+            first = next(iter(sorted(sparse)))
+            raise SpecError(f"parameter {first!r} has sparse gradients: {named}; the parameter server pushes dense "
+                            "gradients: build the embedding with sparse=False")
+
+    def _sparse_gradient_parameters(self) -> dict[str, str]:
+        """parameter name -> the layer that makes its gradient sparse (none by default)."""
+        return {}
 
     def _optimizer_reader(self, optimizer: Any, params: dict[str, Any]):
         """The reader of the script's optimizer when the shards apply it (None: ps.optimizer applies)."""
@@ -179,7 +196,7 @@ class ParameterServerHandle(ABC):
         worker's BatchNorm statistics under ``ps.buffers: average``); default: the batch sizes
         of the training-mode forward passes since the last step."""
         if self.rounds is not None:
-            self.optimizer.step()
+            self._step_script_optimizer()
             new = self.rounds.after_inner_step(
                 lambda: self._canonical({n: self._to_numpy(p) for n, p in self._named_parameters().items()}),
                 (lambda: self._buffer_update(samples)) if self.buffers is not None else None)
@@ -193,7 +210,7 @@ class ParameterServerHandle(ABC):
             grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
             self._load(self.session.step(self._with_buffers(self._canonical(grads), samples)))
         elif self.session.local:  # no servers: the script's optimizer steps the model here
-            self.optimizer.step()
+            self._step_script_optimizer()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
         else:
             desc = self.reader.describe()
@@ -206,6 +223,16 @@ class ParameterServerHandle(ABC):
             self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _step_script_optimizer(self) -> None:
+        """Step the script's optimizer on this worker, unless a gradient is not finite (GradScaler
+        semantics: that step is skipped, logged and counted)."""
+        bad = sorted(n for n, p in self._named_parameters().items()
+                     if p.grad is not None and not np.isfinite(self._grad(p)).all())
+        if bad:
+            self.session.note_skipped_nonfinite(bad)
+        else:
+            self.optimizer.step()
 
     def _buffer_update(self, samples: int | None) -> dict[str, np.ndarray]:
         update = self.buffers.update(self._buffer_values(), self._samples if samples is None else samples)

@@ -128,6 +128,7 @@ class PSSession:
         self._egress: dict | None = None  # the egress scan's result, in the egress test mode
         self.secure = None  # hybridfleet.ps.secagg.rounds.SecureRounds when ps.secure_aggregation is on
         self.feedback = None  # hybridfleet.codec.feedback.ErrorFeedback with compression.error_feedback
+        self.skipped_nonfinite = 0  # steps this worker skipped (for every worker) for a non-finite gradient
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
@@ -253,13 +254,25 @@ class PSSession:
 
         ``grads`` holds the parameters that have a gradient this step; the others are not
         stepped. ``optimizer_json``: the script's optimizer as the shards should apply it
-        (`hybridfleet.ps.worker.optim_spec`); empty, the job's ``ps.optimizer`` applies."""
+        (`hybridfleet.ps.worker.optim_spec`); empty, the job's ``ps.optimizer`` applies.
+
+        A gradient with a NaN or Inf skips the step as GradScaler does: nothing of it is sent, the
+        shards close the round without applying anything for any worker (BSP), the parameters
+        stay as they are, and it is logged (``round_skipped_nonfinite``) and counted in the metrics
+        (``rounds_skipped_nonfinite``). Where the site's workers reduce together or under secure
+        aggregation it raises ValueError instead, having sent nothing."""
         self.timer.begin()
         params = self._step(grads, optimizer_json)
         if self._raw_gradient_bytes is None:
             self._raw_gradient_bytes = 0 if self.local or self.link is not None else self._numel() * DTYPE.itemsize
         self.timer.end(self._raw_gradient_bytes)
         return params
+
+    def note_skipped_nonfinite(self, keys: list[str]) -> None:
+        """Log and count a step skipped because the gradients of ``keys`` are not finite."""
+        self.skipped_nonfinite += 1
+        log.warning("round_skipped_nonfinite", worker=self.config.worker_id, step=self.step_count + 1,
+                    keys=keys[:3], nonfinite_keys=len(keys))
 
     def local_step(self, params: dict[str, np.ndarray]) -> None:
         """Without servers, the script's optimizer stepped the model itself: record its new values."""
@@ -271,11 +284,19 @@ class PSSession:
         unknown = sorted(set(grads) - set(self.shapes))
         if unknown:
             raise ValueError(f"gradients of parameters the job does not have: {unknown[:3]}")
-        for k, g in grads.items():
-            if not np.isfinite(g).all():
-                raise ValueError(f"gradient of {k!r} has non-finite values (NaN or Inf) at step {self.step_count + 1}; "
-                                 "nothing was sent")
+        nonfinite = sorted(k for k, g in grads.items() if not np.isfinite(g).all())
+        if nonfinite:
+            if self.link is not None or self.hub is not None or self.secure is not None:
+                raise ValueError(f"gradient of {nonfinite[0]!r} has non-finite values (NaN or Inf) at step "
+                                 f"{self.step_count + 1}; a round cannot be skipped when the site's workers reduce "
+                                 "together or under secure aggregation; nothing was sent")
+            # GradScaler semantics: the step is skipped, on every worker of the round, and training goes on
+            self.note_skipped_nonfinite(nonfinite)
+            grads = {}
         if self.local:
+            if nonfinite:
+                self.step_count += 1
+                return self.parameters()
             for k, g in grads.items():
                 self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
             self.step_count += 1
@@ -299,7 +320,7 @@ class PSSession:
             total, contributors = self.hub.gather(flatten(grads, self._names))
             grads = unflatten(total, self.shapes, self._names)
             self.timer.mark("wait")
-        if self.dp is not None:  # clip and noise what leaves the site, after the site's own reduce
+        if self.dp is not None and not nonfinite:  # clip and noise what leaves the site, after the site's reduce
             grads = self.dp.apply(grads)
         payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
         self.timer.mark("encode")
@@ -316,7 +337,7 @@ class PSSession:
                     self.secure.unmask(base)
                 else:
                     self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
-                                     optimizer_json=optimizer_json)
+                                     optimizer_json=optimizer_json, skip_nonfinite=bool(nonfinite))
                 self._settle_feedback(applied=True)
             except grpc.RpcError as err:
                 # already pushed this round (a retry of this very push): ours is in the round; anything else
@@ -485,6 +506,8 @@ class PSSession:
             p = self.ps.privacy
             metrics.setdefault("dp_epsilon", round(epsilon_spent(p.noise_multiplier, self.step_count, p.delta), 6))
             metrics.setdefault("dp_delta", p.delta)
+        if self.skipped_nonfinite:
+            metrics.setdefault("rounds_skipped_nonfinite", self.skipped_nonfinite)
         if metrics.get("final"):
             metrics.setdefault("params_sha256", self.params_digest())
             data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset

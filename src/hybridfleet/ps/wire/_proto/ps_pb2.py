@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridfleet/ps/v1/ps.proto\x12\x11hybridfleet.ps.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xd1\x01\n\x0bJoinRequest\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12-\n\x06params\x18\x05 \x03(\x0b\x32\x1d.hybridfleet.ps.v1.TensorSpec\x12\x12\n\nnum_shards\x18\x06 \x01(\r\x12\x18\n\x10\x62lock_size_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x11\n\tframework\x18\t \x01(\t\"\xf0\x01\n\x0cJoinResponse\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0binitialized\x18\x05 \x01(\x08\x12\x0c\n\x04sync\x18\x06 \x01(\t\x12\x17\n\x0fstaleness_bound\x18\x07 \x01(\r\x12\x14\n\x0cworker_clock\x18\x08 \x01(\x04\x12\x14\n\x0clive_workers\x18\t \x03(\t\x12\x1c\n\x14heartbeat_interval_s\x18\n \x01(\x01\x12\x11\n\tbulk_port\x18\x0b \x01(\r\"\x8f\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rsince_version\x18\x02 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x03 \x01(\x03\x12\x14\n\x0cworker_clock\x18\x04 \x01(\x04\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x13\n\x0binit_digest\x18\x06 \x01(\t\"M\n\x0bTensorChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"b\n\tPullChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.hybridfleet.ps.v1.TensorChunk\x12\x15\n\rdelta_version\x18\x03 \x01(\x04\"\xfd\x01\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".hybridfleet.ps.v1.PushHeader.Kind\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12)\n\x04keys\x18\x06 \x03(\x0b\x32\x1b.hybridfleet.ps.v1.KeyBytes\x12\x14\n\x0c\x63ontributors\x18\x07 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x08 \x01(\t\"\x1e\n\x04Kind\x12\x0c\n\x08GRADIENT\x10\x00\x12\x08\n\x04INIT\x10\x01\"\'\n\x08KeyBytes\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"w\n\x0bPushMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.hybridfleet.ps.v1.PushHeaderH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.hybridfleet.ps.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"0\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"3\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\":\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0clive_workers\x18\x02 \x03(\t\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xe0\x03\n\x0fParameterServer\x12G\n\x04Join\x12\x1e.hybridfleet.ps.v1.JoinRequest\x1a\x1f.hybridfleet.ps.v1.JoinResponse\x12\x46\n\x04Pull\x12\x1e.hybridfleet.ps.v1.PullRequest\x1a\x1c.hybridfleet.ps.v1.PullChunk0\x01\x12I\n\x04Push\x12\x1e.hybridfleet.ps.v1.PushMessage\x1a\x1f.hybridfleet.ps.v1.PushResponse(\x01\x12V\n\tHeartbeat\x12#.hybridfleet.ps.v1.HeartbeatRequest\x1a$.hybridfleet.ps.v1.HeartbeatResponse\x12J\n\x05Leave\x12\x1f.hybridfleet.ps.v1.LeaveRequest\x1a .hybridfleet.ps.v1.LeaveResponse\x12M\n\x06Status\x12 .hybridfleet.ps.v1.StatusRequest\x1a!.hybridfleet.ps.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridfleet/ps/v1/ps.proto\x12\x11hybridfleet.ps.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xd1\x01\n\x0bJoinRequest\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12-\n\x06params\x18\x05 \x03(\x0b\x32\x1d.hybridfleet.ps.v1.TensorSpec\x12\x12\n\nnum_shards\x18\x06 \x01(\r\x12\x18\n\x10\x62lock_size_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x11\n\tframework\x18\t \x01(\t\"\xf0\x01\n\x0cJoinResponse\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0binitialized\x18\x05 \x01(\x08\x12\x0c\n\x04sync\x18\x06 \x01(\t\x12\x17\n\x0fstaleness_bound\x18\x07 \x01(\r\x12\x14\n\x0cworker_clock\x18\x08 \x01(\x04\x12\x14\n\x0clive_workers\x18\t \x03(\t\x12\x1c\n\x14heartbeat_interval_s\x18\n \x01(\x01\x12\x11\n\tbulk_port\x18\x0b \x01(\r\"\x8f\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rsince_version\x18\x02 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x03 \x01(\x03\x12\x14\n\x0cworker_clock\x18\x04 \x01(\x04\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x13\n\x0binit_digest\x18\x06 \x01(\t\"M\n\x0bTensorChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"b\n\tPullChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.hybridfleet.ps.v1.TensorChunk\x12\x15\n\rdelta_version\x18\x03 \x01(\x04\"\x95\x02\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".hybridfleet.ps.v1.PushHeader.Kind\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12)\n\x04keys\x18\x06 \x03(\x0b\x32\x1b.hybridfleet.ps.v1.KeyBytes\x12\x14\n\x0c\x63ontributors\x18\x07 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x08 \x01(\t\x12\x16\n\x0eskip_nonfinite\x18\t \x01(\x08\"\x1e\n\x04Kind\x12\x0c\n\x08GRADIENT\x10\x00\x12\x08\n\x04INIT\x10\x01\"\'\n\x08KeyBytes\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"w\n\x0bPushMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.hybridfleet.ps.v1.PushHeaderH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.hybridfleet.ps.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"0\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"3\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\":\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0clive_workers\x18\x02 \x03(\t\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xe0\x03\n\x0fParameterServer\x12G\n\x04Join\x12\x1e.hybridfleet.ps.v1.JoinRequest\x1a\x1f.hybridfleet.ps.v1.JoinResponse\x12\x46\n\x04Pull\x12\x1e.hybridfleet.ps.v1.PullRequest\x1a\x1c.hybridfleet.ps.v1.PullChunk0\x01\x12I\n\x04Push\x12\x1e.hybridfleet.ps.v1.PushMessage\x1a\x1f.hybridfleet.ps.v1.PushResponse(\x01\x12V\n\tHeartbeat\x12#.hybridfleet.ps.v1.HeartbeatRequest\x1a$.hybridfleet.ps.v1.HeartbeatResponse\x12J\n\x05Leave\x12\x1f.hybridfleet.ps.v1.LeaveRequest\x1a .hybridfleet.ps.v1.LeaveResponse\x12M\n\x06Status\x12 .hybridfleet.ps.v1.StatusRequest\x1a!.hybridfleet.ps.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLCHUNK']._serialized_start=787
   _globals['_PULLCHUNK']._serialized_end=885
   _globals['_PUSHHEADER']._serialized_start=888
-  _globals['_PUSHHEADER']._serialized_end=1141
-  _globals['_PUSHHEADER_KIND']._serialized_start=1111
-  _globals['_PUSHHEADER_KIND']._serialized_end=1141
-  _globals['_KEYBYTES']._serialized_start=1143
-  _globals['_KEYBYTES']._serialized_end=1182
-  _globals['_PUSHMESSAGE']._serialized_start=1184
-  _globals['_PUSHMESSAGE']._serialized_end=1303
-  _globals['_PUSHRESPONSE']._serialized_start=1305
-  _globals['_PUSHRESPONSE']._serialized_end=1353
-  _globals['_HEARTBEATREQUEST']._serialized_start=1355
-  _globals['_HEARTBEATREQUEST']._serialized_end=1406
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1408
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1466
-  _globals['_LEAVEREQUEST']._serialized_start=1468
-  _globals['_LEAVEREQUEST']._serialized_end=1501
-  _globals['_LEAVERESPONSE']._serialized_start=1503
-  _globals['_LEAVERESPONSE']._serialized_end=1518
-  _globals['_STATUSREQUEST']._serialized_start=1520
-  _globals['_STATUSREQUEST']._serialized_end=1535
-  _globals['_STATUSRESPONSE']._serialized_start=1537
-  _globals['_STATUSRESPONSE']._serialized_end=1567
-  _globals['_PARAMETERSERVER']._serialized_start=1570
-  _globals['_PARAMETERSERVER']._serialized_end=2050
+  _globals['_PUSHHEADER']._serialized_end=1165
+  _globals['_PUSHHEADER_KIND']._serialized_start=1135
+  _globals['_PUSHHEADER_KIND']._serialized_end=1165
+  _globals['_KEYBYTES']._serialized_start=1167
+  _globals['_KEYBYTES']._serialized_end=1206
+  _globals['_PUSHMESSAGE']._serialized_start=1208
+  _globals['_PUSHMESSAGE']._serialized_end=1327
+  _globals['_PUSHRESPONSE']._serialized_start=1329
+  _globals['_PUSHRESPONSE']._serialized_end=1377
+  _globals['_HEARTBEATREQUEST']._serialized_start=1379
+  _globals['_HEARTBEATREQUEST']._serialized_end=1430
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1432
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1490
+  _globals['_LEAVEREQUEST']._serialized_start=1492
+  _globals['_LEAVEREQUEST']._serialized_end=1525
+  _globals['_LEAVERESPONSE']._serialized_start=1527
+  _globals['_LEAVERESPONSE']._serialized_end=1542
+  _globals['_STATUSREQUEST']._serialized_start=1544
+  _globals['_STATUSREQUEST']._serialized_end=1559
+  _globals['_STATUSRESPONSE']._serialized_start=1561
+  _globals['_STATUSRESPONSE']._serialized_end=1591
+  _globals['_PARAMETERSERVER']._serialized_start=1594
+  _globals['_PARAMETERSERVER']._serialized_end=2074
 # @@protoc_insertion_point(module_scope)

@@ -104,7 +104,7 @@ class PullChunk(_message.Message):
     def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., delta_version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "kind", "codec", "keys", "contributors", "optimizer_json")
+    __slots__ = ("worker_id", "step", "base_version", "kind", "codec", "keys", "contributors", "optimizer_json", "skip_nonfinite")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         GRADIENT: _ClassVar[PushHeader.Kind]
@@ -119,6 +119,7 @@ class PushHeader(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    SKIP_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     base_version: int
@@ -127,7 +128,8 @@ class PushHeader(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[KeyBytes]
     contributors: int
     optimizer_json: str
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PushHeader.Kind, str]] = ..., codec: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[KeyBytes, _Mapping]]] = ..., contributors: _Optional[int] = ..., optimizer_json: _Optional[str] = ...) -> None: ...
+    skip_nonfinite: bool
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PushHeader.Kind, str]] = ..., codec: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[KeyBytes, _Mapping]]] = ..., contributors: _Optional[int] = ..., optimizer_json: _Optional[str] = ..., skip_nonfinite: _Optional[bool] = ...) -> None: ...
 
 class KeyBytes(_message.Message):
     __slots__ = ("key", "nbytes")
