@@ -103,14 +103,15 @@ def job_extras(spec: Any) -> tuple[str, ...]:
 
 
 def imported_modules(script: Path, _seen: set[Path] | None = None) -> set[str]:
-    """Top-level modules ``script`` imports, through the local modules beside it that it imports."""
+    """Top-level modules ``script`` imports when it runs (imports inside functions are lazy and left
+    out), through the local modules beside it that it imports."""
     seen = _seen if _seen is not None else set()
     if script in seen or not script.is_file():
         return set()
     seen.add(script)
     tree = ast.parse(script.read_text(encoding="utf-8", errors="replace"), filename=str(script))
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _run_at_import(tree):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -123,6 +124,17 @@ def imported_modules(script: Path, _seen: set[Path] | None = None) -> set[str]:
         else:
             out.add(name)
     return out
+
+
+def _run_at_import(tree: ast.AST):
+    """The nodes executed when the module runs: not the bodies of functions (their imports are lazy,
+    e.g. the other framework's model builder beside this one's)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [child for child in ast.iter_child_nodes(node)
+                 if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
 
 
 def script_distributions(script: Path) -> tuple[str, ...]:
