@@ -301,6 +301,15 @@ def mount_script(pod: Pod, container: dict[str, Any], volumes: dict[str, tuple[s
     """Shell lines that, in a private mount namespace, put every volume at its mountPath and the hosts file,
     make the root filesystem read-only when the securityContext asks, then run the command as its user."""
     lines = ["set -e", f"hostname {shlex.quote(pod.hostname[:63])}"]
+    # what stands in for the image's files: this checkout (its src/ is on PYTHONPATH) and the venv of
+    # this interpreter; a volume mounted over one of their ancestors (an emptyDir at /tmp while the
+    # checkout lives under /tmp) must not hide them, so they are bound back, read-only, inside it
+    image = sorted({REPO, Path(sys.prefix).resolve()}, key=lambda d: len(d.parts))
+    image = [d for d in image if not any(o != d and o in d.parents for o in image)]
+    covered = [d for d in image if any(Path(m["mountPath"]) == d or Path(m["mountPath"]) in d.parents
+                                       for m in container.get("volumeMounts", []))]
+    for i, kept in enumerate(covered):
+        lines.append(f"exec {5 + i}< {shlex.quote(str(kept))}")
     overlays: list[Path] = []
     read_only_root = bool(security_context(pod, container).get("readOnlyRootFilesystem"))
     mounts = sorted(container.get("volumeMounts", []), key=lambda m: len(Path(m["mountPath"]).parts))
@@ -343,6 +352,10 @@ def mount_script(pod: Pod, container: dict[str, Any], volumes: dict[str, tuple[s
             lines += [f"{make} {shlex.quote(target)}", f"mount --bind {shlex.quote(str(src))} {shlex.quote(target)}"]
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+    for i, kept in enumerate(covered):
+        quoted = shlex.quote(str(kept))
+        lines += [f"mkdir -p {quoted}", f"mount -c --bind /proc/self/fd/{5 + i} {quoted}",
+                  f"mount -c -o remount,bind,ro {quoted}", f"exec {5 + i}<&-"]
     privileges = _privileges(pod, container)
     if privileges:
         lines += _interpreter_lines()
