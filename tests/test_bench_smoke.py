@@ -109,6 +109,7 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     assert "H=3" in proc.stdout
 
 
+@pytest.mark.torch  # each of these benches checks its PyTorch anchor (bench/_anchors.py) before its settings
 @pytest.mark.parametrize(("script", "args", "message"), [
     ("compression.py", ["--lr", "0"], "--lr: must be > 0 (got 0.0)"),
     ("compression.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
@@ -222,6 +223,7 @@ def test_launch_bench_quick_ends_with_both_ratios():
     assert result["vs_torchrun"] > 0 and result["vs_paddle_launch"] > 0
 
 
+@pytest.mark.torch  # every other anchor of these benches (PyTorch among them) must be there for the hidden one to be named
 @pytest.mark.parametrize(("script", "module", "what"), [
     ("data.py", "datasets", "Hugging Face datasets"),
     ("registry.py", "mlflow", "MLflow (mlflow-skinny)"),

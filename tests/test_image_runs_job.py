@@ -57,10 +57,9 @@ def venv_of(root: Path, distributions: set[str]) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_rendered_image_holds_every_distribution_the_job_imports(tmp_path, example, request):
+@pytest.mark.parametrize("example", [pytest.param(e, marks=getattr(pytest.mark, f)) for e, f in sorted(EXAMPLES.items())])
+def test_rendered_image_holds_every_distribution_the_job_imports(tmp_path, example):
     framework = EXAMPLES[example]
-    request.applymarker(getattr(pytest.mark, framework))
     # Prepare: the example job with absolute paths, rendered against this machine's installed lock
     import yaml
 
