@@ -424,11 +424,12 @@ def test_pull_into_paddle_prints_no_framework_noise(tmp_path):
     import subprocess
     import sys
 
-    if shutil.which("ccache"):
-        pytest.skip("ccache is installed here, so Paddle has no 'No ccache found' warning to print")
     ckpt = save_model(tmp_path / "run")
     db = f"sqlite:///{tmp_path / 'reg.db'}"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), HFLEET_REGISTRY_TOKEN="")
+    # a PATH without ccache, so Paddle would print its 'No ccache found' warning if nothing stopped it
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep) if not shutil.which("ccache", path=d))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), HFLEET_REGISTRY_TOKEN="",
+               PATH=path)
     hfleet = [sys.executable, "-m", "hybridfleet"]
     subprocess.run([*hfleet, "registry", "publish", "n/m", ckpt, "--step", "10", "-r", db], env=env, check=True,
                    capture_output=True, timeout=120)
