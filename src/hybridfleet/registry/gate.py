@@ -21,7 +21,7 @@ from hybridfleet.errors import RegistryError
 from hybridfleet.registry.evidence import EVIDENCE, source_of
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
-_EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.\-/]*)\s*(>=|<=|==|>|<)\s*([-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)\s*$")
+_EXPR = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.\-/]*)\s*(>=|<=|==|>|<)\s*([-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)\s*")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Requirement:
 
 def parse_requirement(text: str) -> Requirement:
     """Parse ``METRIC OP NUMBER``; RegistryError naming the expression and the grammar otherwise."""
-    match = _EXPR.match(text or "")
+    match = _EXPR.fullmatch(text or "")
     if not match:
         raise RegistryError(f"gate expression {text!r} does not parse; expected METRIC OP NUMBER with OP one of "
                             f"{', '.join(_OPS)} (e.g. 'test_accuracy>=0.95')")
