@@ -1,0 +1,92 @@
+"""The Fashion-MNIST classifier: a small ResNet with BatchNorm, the same for PyTorch and Paddle.
+
+    stem   conv3x3(1 -> w) + BN + ReLU                      28 x 28
+    stage  basic block w -> 2w, stride 2 (1x1 projection)  14 x 14
+    stage  basic block 2w -> 4w, stride 2                   7 x 7
+    stage  basic block 4w -> 8w, stride 2                   4 x 4
+    head   global average pool + linear 8w -> 10
+
+A basic block is conv3x3 + BN + ReLU + conv3x3 + BN, plus the shortcut, then ReLU
+(He et al., 2016). Width ``w`` = 16 (the default) gives 0.30M parameters, 24 gives 0.68M;
+tests shrink it with ``--width 4``. Convolutions carry no bias (BatchNorm follows each).
+
+    hfleet registry export fashion@prod --format onnx --model examples/fashion/fashion_model.py:build_torch -o out/fashion-onnx
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_WIDTH = 16
+
+
+def _torch_block(c_in: int, c_out: int, stride: int):
+    import torch
+
+    class BasicBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+            self.bn1 = torch.nn.BatchNorm2d(c_out)
+            self.conv2 = torch.nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+            self.bn2 = torch.nn.BatchNorm2d(c_out)
+            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                                torch.nn.BatchNorm2d(c_out))
+
+        def forward(self, x):
+            out = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+    return BasicBlock()
+
+
+def build_torch(width: int = DEFAULT_WIDTH):
+    """The torch ResNet of train_torch.py: (N, 1, 28, 28) images in [0, 1] -> (N, 10) logits."""
+    import torch
+
+    w = int(width)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, w, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(w), torch.nn.ReLU(),
+        _torch_block(w, 2 * w, 2), _torch_block(2 * w, 4 * w, 2), _torch_block(4 * w, 8 * w, 2),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8 * w, 10),
+    )
+
+
+def _paddle_block(c_in: int, c_out: int, stride: int):
+    import paddle
+    import paddle.nn.functional as F
+
+    class BasicBlock(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = paddle.nn.Conv2D(c_in, c_out, 3, stride, 1, bias_attr=False)
+            self.bn1 = paddle.nn.BatchNorm2D(c_out)
+            self.conv2 = paddle.nn.Conv2D(c_out, c_out, 3, 1, 1, bias_attr=False)
+            self.bn2 = paddle.nn.BatchNorm2D(c_out)
+            self.shortcut = paddle.nn.Sequential(paddle.nn.Conv2D(c_in, c_out, 1, stride, bias_attr=False),
+                                                 paddle.nn.BatchNorm2D(c_out))
+
+        def forward(self, x):
+            out = F.relu(self.bn1(self.conv1(x)))
+            return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+    return BasicBlock()
+
+
+def build_paddle(width: int = DEFAULT_WIDTH):
+    """The paddle ResNet of train_paddle.py, layer for layer the torch one."""
+    import paddle
+
+    w = int(width)
+    return paddle.nn.Sequential(
+        paddle.nn.Conv2D(1, w, 3, 1, 1, bias_attr=False), paddle.nn.BatchNorm2D(w), paddle.nn.ReLU(),
+        _paddle_block(w, 2 * w, 2), _paddle_block(2 * w, 4 * w, 2), _paddle_block(4 * w, 8 * w, 2),
+        paddle.nn.AdaptiveAvgPool2D(1), paddle.nn.Flatten(), paddle.nn.Linear(8 * w, 10),
+    )
+
+
+def sample_inputs(rows: int = 256) -> np.ndarray:
+    """The first ``rows`` rows of the shared test set (float32, N x 1 x 28 x 28), to verify an export on."""
+    from fashion_data import load_test
+
+    return load_test(rows)[0]
