@@ -1,5 +1,6 @@
 """The Fashion-MNIST classifier: a small ResNet with BatchNorm, the same for PyTorch and Paddle.
 
+    input  per-image standardization (zero mean, unit variance per image)
     stem   conv3x3(1 -> w) + BN + ReLU                      28 x 28
     stage  basic block w -> 2w, stride 2 (1x1 projection)  14 x 14
     stage  basic block 2w -> 4w, stride 2                   7 x 7
@@ -7,7 +8,14 @@
     head   global average pool + linear 8w -> 10
 
 A basic block is conv3x3 + BN + ReLU + conv3x3 + BN, plus the shortcut, then ReLU
-(He et al., 2016). Width ``w`` = 16 (the default) gives 0.30M parameters, 24 gives 0.68M;
+(He et al., 2016).
+
+Why the standardization: each worker's BatchNorm normalizes a batch of one site's images in
+training (statistics of one scanner and five classes), while the averaged running statistics
+serve both sites at test time. A site's affine brightness/contrast shift is undone per image
+before the first convolution, so the two no longer disagree. Without it, the joint model of a
+short run (1,500 rows per site, 150 steps, width 4) scored 0.32 against 0.67 for the same
+model trained on both sites' rows mixed in each batch; with it 0.77 against 0.78. Width ``w`` = 16 (the default) gives 0.30M parameters, 24 gives 0.68M;
 tests shrink it with ``--width 4``. Convolutions carry no bias (BatchNorm follows each).
 
     hfleet registry export fashion@prod --format onnx --model examples/fashion/fashion_model.py:build_torch -o out/fashion-onnx
@@ -18,6 +26,23 @@ from __future__ import annotations
 import numpy as np
 
 DEFAULT_WIDTH = 16
+
+
+EPS = 1e-6
+
+
+def _torch_standardize():
+    import torch
+
+    class Standardize(torch.nn.Module):
+        """Each image to zero mean and unit variance (undoes a scanner's brightness and contrast)."""
+
+        def forward(self, x):
+            mean = x.mean(dim=(1, 2, 3), keepdim=True)
+            var = ((x - mean) ** 2).mean(dim=(1, 2, 3), keepdim=True)
+            return (x - mean) / torch.sqrt(var + EPS)
+
+    return Standardize()
 
 
 def _torch_block(c_in: int, c_out: int, stride: int):
@@ -46,10 +71,24 @@ def build_torch(width: int = DEFAULT_WIDTH):
 
     w = int(width)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, w, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(w), torch.nn.ReLU(),
+        _torch_standardize(), torch.nn.Conv2d(1, w, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(w), torch.nn.ReLU(),
         _torch_block(w, 2 * w, 2), _torch_block(2 * w, 4 * w, 2), _torch_block(4 * w, 8 * w, 2),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8 * w, 10),
     )
+
+
+def _paddle_standardize():
+    import paddle
+
+    class Standardize(paddle.nn.Layer):
+        """Each image to zero mean and unit variance (undoes a scanner's brightness and contrast)."""
+
+        def forward(self, x):
+            mean = x.mean(axis=[1, 2, 3], keepdim=True)
+            var = ((x - mean) ** 2).mean(axis=[1, 2, 3], keepdim=True)
+            return (x - mean) / paddle.sqrt(var + EPS)
+
+    return Standardize()
 
 
 def _paddle_block(c_in: int, c_out: int, stride: int):
@@ -79,7 +118,7 @@ def build_paddle(width: int = DEFAULT_WIDTH):
 
     w = int(width)
     return paddle.nn.Sequential(
-        paddle.nn.Conv2D(1, w, 3, 1, 1, bias_attr=False), paddle.nn.BatchNorm2D(w), paddle.nn.ReLU(),
+        _paddle_standardize(), paddle.nn.Conv2D(1, w, 3, 1, 1, bias_attr=False), paddle.nn.BatchNorm2D(w), paddle.nn.ReLU(),
         _paddle_block(w, 2 * w, 2), _paddle_block(2 * w, 4 * w, 2), _paddle_block(4 * w, 8 * w, 2),
         paddle.nn.AdaptiveAvgPool2D(1), paddle.nn.Flatten(), paddle.nn.Linear(8 * w, 10),
     )
