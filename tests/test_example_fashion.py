@@ -153,7 +153,7 @@ def _shrunk_job(tmp_path: Path, framework: str, packed: Path) -> Path:
     data["args"] = ["--width", "4", "--test-rows", "1000", "--lr", "0.1"]
     data["sites"]["hospital"]["data"] = str(packed / "site-a")
     data["sites"]["cloud"]["data"] = str(packed / "site-b")
-    data["train"].update(steps=120, batch_size=32, eval_every_steps=0)
+    data["train"].update(steps=120, batch_size=32, eval_every_steps=60)
     data["ps"]["shards"] = 1
     data.update(max_restarts=0, checkpoint={"keep_last": 1})
     path = tmp_path / "job.yaml"

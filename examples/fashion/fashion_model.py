@@ -23,6 +23,8 @@ tests shrink it with ``--width 4``. Convolutions carry no bias (BatchNorm follow
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 DEFAULT_WIDTH = 16
@@ -122,6 +124,17 @@ def build_paddle(width: int = DEFAULT_WIDTH):
         _paddle_block(w, 2 * w, 2), _paddle_block(2 * w, 4 * w, 2), _paddle_block(4 * w, 8 * w, 2),
         paddle.nn.AdaptiveAvgPool2D(1), paddle.nn.Flatten(), paddle.nn.Linear(8 * w, 10),
     )
+
+
+def train_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The training scripts' options (the job's ``args:``): model width and the optimizer's settings."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=DEFAULT_WIDTH, help="channels of the stem (16: 0.30M parameters)")
+    parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate (cosine to 0 over the steps)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay of every parameter")
+    parser.add_argument("--test-rows", type=int, default=None, help="evaluate on the first N test images (default all)")
+    return parser.parse_args(argv)
 
 
 def sample_inputs(rows: int = 256) -> np.ndarray:

@@ -12,28 +12,21 @@ the job's ``ps.buffers`` (averaged by default), so every worker evaluates, and r
 saves, the same model. Started without a parameter server (no HFLEET_SERVERS), the same
 script trains alone on one site's data (that is how `site_baselines` trains each site alone).
 
-Options (the job's ``args:``): ``--width`` (16: 0.30M parameters), ``--lr``, ``--test-rows``.
+Options (the job's ``args:``, see fashion_model.train_args): ``--width`` (16: 0.30M parameters), ``--lr``,
+``--momentum``, ``--weight-decay``, ``--test-rows``.
 """
-
-import argparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from fashion_data import load_site, load_test
-from fashion_model import DEFAULT_WIDTH, build_torch
+from fashion_model import build_torch, train_args
 
 import hybridfleet.torch as hf
 
 torch.set_num_threads(1)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--width", type=int, default=DEFAULT_WIDTH, help="channels of the stem (16: 0.30M parameters)")
-parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate of SGD (cosine to 0 over the steps)")
-parser.add_argument("--momentum", type=float, default=0.9)
-parser.add_argument("--weight-decay", type=float, default=5e-4)
-parser.add_argument("--test-rows", type=int, default=None, help="evaluate on the first N test images (default all)")
-args = parser.parse_args()
+args = train_args()  # --width, --lr, --momentum, --weight-decay, --test-rows
 
 # -- the model and its optimizer -----------------------------------------------------
 torch.manual_seed(0)  # every worker starts from the same weights
