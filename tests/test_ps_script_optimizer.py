@@ -439,3 +439,37 @@ def test_a_shard_whose_keys_all_lack_a_gradient_still_closes_the_round_and_steps
     assert not np.array_equal(after[on_shard[0]], before[on_shard[0]])
     assert np.array_equal(after[on_shard[1]], before[on_shard[1]])
     a0.close()
+
+
+@pytest.mark.paddle
+def test_paddle_momentum_over_model_parameters_with_batchnorm_matches_the_plain_script(shards):
+    # Prepare: a normal paddle script hands model.parameters() to its optimizer, which includes BatchNorm's
+    # running statistics (stop_gradient parameters that paddle never steps and the job treats as buffers)
+    import paddle
+
+    import hybridfleet.paddle as hf
+    from buffer_models import batch, loss, make_model, state
+
+    def momentum(model):
+        return paddle.optimizer.Momentum(learning_rate=0.05, momentum=0.9, parameters=model.parameters(),
+                                         weight_decay=1e-3)
+
+    plain = make_model("paddle")
+    plain_opt = momentum(plain)
+    cluster = shards("paddle")
+    model = make_model("paddle")
+    ps = hf.connect(model, momentum(model), config=cluster.config(0))
+    # Execute: 20 steps each on the same batches
+    for step in range(20):
+        x, y = batch(step, 16, shift=1.0)
+        plain_opt.clear_grad()
+        loss("paddle", plain, x, y).backward()
+        plain_opt.step()
+        ps.zero_grad()
+        loss("paddle", model, x, y).backward()
+        ps.step()
+    ps.close()
+    # Assert: parameters and running statistics match the plain script's
+    want, got = state("paddle", plain), state("paddle", model)
+    assert any(k.endswith("_mean") for k in want)
+    h.assert_close(got, want)

@@ -20,6 +20,8 @@ from hybridfleet.spec.models import JobSpec
 _NAMED_SPLIT = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*:[^/\\]+$")
 # the modules whose import shows which framework a script trains with
 _FRAMEWORK_MODULES = {"torch": ("torch", "hybridfleet.torch"), "paddle": ("paddle", "hybridfleet.paddle")}
+# the script beside an example's entrypoint that packs its site datasets
+PACK_SCRIPT = "pack_sites.py"
 # module a block needs -> (the block's field path, the extra that installs it)
 _BLOCK_NEEDS = {"privacy": ("dp_accounting", "ps.privacy", "privacy")}
 
@@ -84,8 +86,7 @@ def _check_data(spec: JobSpec, site: str) -> None:
     field = f"sites.{site}.data"
     if not path.exists():
         raise SpecError(f"{field}: {data!r} does not exist (relative paths start at {Path.cwd()})",
-                        hint=f"fix {field} in the job file (`hfleet data ls DIR` lists packed datasets), or run "
-                             "from the folder it is relative to")
+                        hint=_missing_data_hint(spec, site, field))
     if path.is_dir() and (path / "manifest.json").is_file():
         try:
             from hybridfleet.data import open_dataset
@@ -98,6 +99,17 @@ def _check_data(spec: JobSpec, site: str) -> None:
             raise SpecError(f"{field}: {data!r} does not open as a packed dataset: {err}",
                             hint=f"`hfleet data verify {data}` says what is wrong; repack it with `hfleet data pack`") \
                 from None
+
+
+def _missing_data_hint(spec: JobSpec, site: str, field: str) -> str:
+    """What to do about a missing site dataset: run the packing script beside the entrypoint when there is one
+    (the shipped examples write their site datasets with ``pack_sites.py``), else fix the path."""
+    packer = Path(spec.site_entrypoint(site)).parent / PACK_SCRIPT
+    if packer.is_file():
+        return (f"pack the site datasets first: python {packer} (it writes them with `hfleet data pack`); "
+                f"or fix {field} in the job file")
+    return (f"fix {field} in the job file (`hfleet data ls DIR` lists packed datasets), or run "
+            "from the folder it is relative to")
 
 
 def _check_blocks(spec: JobSpec) -> None:

@@ -175,6 +175,10 @@ class PaddleOptimizerReader:
             names = []
             for p in params:
                 name = self.names_of.get(id(p))
+                if name is None and p.stop_gradient:
+                    # never stepped by paddle either: BatchNorm's running statistics (which follow ps.buffers)
+                    # come with model.parameters(), as do tensors the script froze outside the model
+                    continue
                 if name is None:
                     raise UnsupportedOptimizer(f"optimizer group {i} holds {p.name} that is not a parameter of the "
                                                "connected model")
