@@ -214,9 +214,6 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
                 self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
             self.step_count += 1
             return self.parameters()
-        if self.link is not None or self.hub is not None or self.secure is not None:
-            # the site's reduce and the masks cover every key: a parameter without a gradient sends zeros
-            grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
         if self.link is not None:  # site follower: the leader reduces and talks to the shards
             return self._follower_step(grads)
         assert self.client is not None and self.plan is not None
@@ -225,6 +222,9 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
             grads, contributors = self._leader_gather(grads)
         if self.dp is not None and not nonfinite:  # clip and noise what leaves the site, after the site's reduce
             grads = self.dp.apply(grads)
+        if self.secure is not None:
+            # the masks cover every key: a parameter without a gradient sends zeros
+            grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
         self._exchange(grads, contributors, nonfinite, optimizer_json)
         if self.hub is not None:
             self._leader_broadcast()
