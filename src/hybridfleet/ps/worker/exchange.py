@@ -31,9 +31,10 @@ class ShardExchange:
                 for i in range(self.plan.num_shards)]
 
     def _exchange(self, grads: dict[str, np.ndarray], contributors: int, nonfinite: list[str],
-                  optimizer_json: str) -> None:
+                  optimizer_json: str, present: set[str] | None = None) -> None:
         """Push ``grads`` (the sum of ``contributors`` workers' gradients), wait as the consistency mode
-        says and apply the pulled parameters; a restarted shard's values replace ours."""
+        says and apply the pulled parameters; a restarted shard's values replace ours. ``present``:
+        under secure aggregation, the parameters that had a gradient (the others carry zeros)."""
         payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
@@ -42,7 +43,7 @@ class ShardExchange:
             try:
                 if self.secure is not None:  # masked: the shard sees only the round's sum
                     try:
-                        self.secure.push(payloads, base, contributors, optimizer_json)
+                        self.secure.push(payloads, base, contributors, optimizer_json, present)
                     except grpc.RpcError as err:
                         if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                             raise  # already pushed (a retried push): the round still needs our answer

@@ -222,10 +222,11 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
             grads, contributors = self._leader_gather(grads)
         if self.dp is not None and not nonfinite:  # clip and noise what leaves the site, after the site's reduce
             grads = self.dp.apply(grads)
+        present = set(grads)
         if self.secure is not None:
-            # the masks cover every key: a parameter without a gradient sends zeros
+            # the masks cover every key: a parameter without a gradient sends zeros, flagged as absent
             grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
-        self._exchange(grads, contributors, nonfinite, optimizer_json)
+        self._exchange(grads, contributors, nonfinite, optimizer_json, present)
         if self.hub is not None:
             self._leader_broadcast()
         return self.parameters()
