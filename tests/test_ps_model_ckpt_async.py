@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,22 +20,10 @@ import script_optim_helpers as h
 from hybridfleet.ckpt import list_checkpoints, load_checkpoint
 from hybridfleet.ckpt.run_model import ModelCheckpointer
 from hybridfleet.errors import CheckpointError
-from hybridfleet.store.file import FileStore
+from tests.ckpt_helpers import GatedStore
 
 REPO = Path(__file__).resolve().parents[1]
 FRAMEWORKS = [pytest.param("torch", marks=pytest.mark.torch), pytest.param("paddle", marks=pytest.mark.paddle)]
-
-
-class GatedStore(FileStore):
-    """A real file store whose writes wait until the test opens the gate (to hold a write in flight)."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.gate = threading.Event()
-
-    def _put_parts(self, path, parts):
-        self.gate.wait()
-        super()._put_parts(path, parts)
 
 
 def _helpers(framework: str):
