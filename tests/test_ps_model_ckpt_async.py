@@ -19,7 +19,7 @@ import pytest
 import script_optim_helpers as h
 from hybridfleet.ckpt import list_checkpoints, load_checkpoint
 from hybridfleet.ckpt.run_model import ModelCheckpointer
-from hybridfleet.errors import CheckpointError
+from hybridfleet.errors import EXIT_CODES, CheckpointError
 from tests.ckpt_helpers import GatedStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,6 +148,6 @@ def test_a_run_whose_model_failed_to_save_exits_non_zero_with_one_line(tmp_path,
     # Execute
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(REPO))
     # Assert
-    assert result.returncode != 0 and "finished" not in result.stdout
+    assert result.returncode == EXIT_CODES["checkpoint"].code and "finished" not in result.stdout
     assert "background checkpoint write of step 1 failed" in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
