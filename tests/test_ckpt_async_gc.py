@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,20 +14,9 @@ from hybridfleet.ckpt import AsyncCheckpointer, gc, list_checkpoints, load_tenso
 from hybridfleet.cli.app import main as cli_main
 from hybridfleet.errors import CheckpointError
 from hybridfleet.store.file import FileStore
+from tests.ckpt_helpers import GatedStore
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class GatedStore(FileStore):
-    """A real file store whose writes wait until the test opens the gate (to hold a save in flight)."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.gate = threading.Event()
-
-    def _put_parts(self, path, parts):
-        self.gate.wait()
-        super()._put_parts(path, parts)
 
 
 class FailingStore(FileStore):

@@ -261,3 +261,33 @@ def test_hfleet_certs_hub_issues_the_certificate_a_leader_serves_with(tmp_path):
             _link(tmp_path, hub, 1, None)
     finally:
         hub.close()
+
+
+def test_the_sum_carries_which_parameters_some_worker_had_a_gradient_for(pki_dir):
+    # Prepare: two parameters (2 and 4 values); the leader has a gradient for neither, follower 1 for the second
+    job = _job()
+    pair = hub_certificate_paths(pki_dir, "h")
+    env = {HUB_CERT_ENV: str(pair.cert), HUB_KEY_ENV: str(pair.key), "HFLEET_CA_CERT": str(pki_dir / "ca.pem"),
+           VERIFY_KEY_ENV: str(pki_dir / VERIFY_KEY)}
+    hub = SiteHub("127.0.0.1:0", 2, NUMEL, HubSecurity.from_env(job, "h", env), sizes=[2, 4])
+    tokens = _tokens(pki_dir, job, "h")
+    try:
+        links = {}
+        for r in (1, 2):
+            links[r] = _link(pki_dir, hub, r, tokens[f"h-{r}"])
+            links[r].params = 2
+        assert hub.wait_for_followers(5.0) == 2
+        hub.admit(np.zeros(NUMEL, np.float32), 1)
+        for link in links.values():
+            link.receive()
+        # Execute: follower 1 is honest; follower 2 claims no gradient for the first parameter yet sends values
+        links[1].send(np.array([0, 0, 1, 1, 1, 1], np.float32), np.array([0, 1]))
+        links[2].send(np.array([5, 0, 2, 2, 2, 2], np.float32), np.array([0, 1]))
+        total, present, contributors = hub.gather_present(np.zeros(NUMEL, np.float32), np.array([0, 0]))
+        # Assert: the liar is dropped and adds nothing; only the second parameter had a gradient
+        assert contributors == 2 and present.tolist() == [False, True]
+        assert np.array_equal(total, np.array([0, 0, 1, 1, 1, 1], np.float32))
+        with pytest.raises(ValueError, match="3 presence flags for 2 parameters"):
+            links[1].send(np.zeros(NUMEL, np.float32), np.array([1, 1, 1]))
+    finally:
+        hub.close()

@@ -219,9 +219,11 @@ def test_a_pusher_that_drops_after_pushing_is_recovered_from_shares_and_stays_ma
     assert np.max(np.abs(-after - sum(u["b"] for u in us) / 3)) <= s.clip / s.limit + 1e-6
     # what the shard can strip off c's push (its self mask) leaves c's pair masks on it: not its update
     dtype = RING_DTYPES[s.bits][0]
-    y_c = np.concatenate([np.frombuffer(captured[b.key], dtype) for b in c.client.plan.blocks_for_shard(0)])
+    # (each key's payload: its values, then its presence flag; the masked vector: all values, then all flags)
+    parts = [np.frombuffer(captured[b.key], dtype) for b in c.client.plan.blocks_for_shard(0)]
+    y_c = np.concatenate([p[:-1] for p in parts] + [p[-1:] for p in parts])
     stripped = y_c - prg(last["self_seeds"]["c-0"], y_c.size, dtype)
-    guess = dequantise(stripped, s.clip, s.limit, s.bits)
+    guess = dequantise(stripped[:-len(parts)], s.clip, s.limit, s.bits)
     truth = np.concatenate([c.blocks(us[2])[b.key] for b in c.client.plan.blocks_for_shard(0)])
     assert np.mean(np.abs(guess - truth) < 0.01) < 0.01  # no better than chance
     assert stats.kstest(stripped.astype(np.float64) / 2.0 ** 32, "uniform").pvalue > 1e-4
@@ -349,6 +351,44 @@ def test_too_few_survivors_stop_the_round_with_the_cause(tmp_path):
         cluster.stop()
 
 
+def test_a_key_no_pusher_had_a_gradient_for_is_not_stepped_and_one_some_had_is_averaged_over_all(cluster):
+    # Prepare: every pusher flags "b" as without a gradient (zeros); only pusher a has one for "w"
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    us = updates(3, 5)
+    for i, p in enumerate(pushers):
+        present = {"w"} if i == 0 else set()
+        push = p.secure.push
+        p.secure.push = lambda g, base, contributors, optimizer_json="", present=present, push=push: push(
+            g, base, contributors, optimizer_json, present=present)
+        for key in list(us[i]):
+            if key not in present:
+                us[i][key] = np.zeros_like(us[i][key])
+    # Execute
+    run_round(pushers, us)
+    # Assert: "b" untouched (not stepped); "w" is a's update over the round's three pushers (sgd, lr 1)
+    s, after = pushers[0].settings, cluster.params()
+    assert np.array_equal(after["b"], np.zeros(64, np.float32))
+    assert np.max(np.abs(-after["w"] - us[0]["w"].reshape(-1) / 3)) <= s.clip / s.limit + 1e-6
+
+
+def test_presence_counts_beyond_the_pushers_fail_the_round_and_change_nothing(cluster):
+    # Prepare: pusher c flags its keys with 7 instead of 1 (the sum then exceeds the three pushers)
+    pushers = [Pusher(cluster, s) for s in "abc"]
+    init(cluster, pushers)
+    masker = pushers[2].secure.maskers[0]
+    mask = masker.mask
+    masker.mask = lambda rnd, vector, present=None: mask(rnd, vector, None if present is None else present * 7)
+    state = cluster.servers[0].state
+    # Execute / Assert
+    from hybridfleet.ps.wire.bulk import BulkError
+
+    with pytest.raises((ProtocolError, BulkError), match="presence counts exceed the 3 pusher"):
+        run_round(pushers, updates(3, 6))
+    assert state.version == 0
+    assert all(np.array_equal(v, np.zeros_like(v)) for v in cluster.params().values())
+
+
 def test_a_spec_refuses_what_cannot_be_masked():
     from hybridfleet.errors import SpecError
     from hybridfleet.spec import parse_spec
@@ -375,7 +415,8 @@ def test_shared_seed_randomk_masks_only_the_coordinates_every_pusher_keeps(tmp_p
         run_round(pushers, us)
         b = -cluster.params()["b"]
         kept = kept_indices("b", 0, 64, 0.25)
-        assert kept.size == 16 and sizes == [4 * (16 + 1024)]  # only the kept coordinates travel (32-bit ring)
+        # only the kept coordinates travel (32-bit ring), with one presence element per key
+        assert kept.size == 16 and sizes == [4 * (16 + 1024 + 2)]
         s = pushers[0].settings
         assert np.max(np.abs(b[kept] - sum(u["b"] for u in us)[kept] / 3)) <= s.clip / s.limit + 1e-6
         assert not np.delete(b, kept).any()
@@ -433,7 +474,7 @@ def test_a_push_after_the_round_closed_for_unmasking_is_refused_and_the_sum_is_u
     with state.cond:
         state.secagg.rounds[1].survivors = ("b-0", "c-0")        # ... but the round closed without a
     with pytest.raises(grpc.RpcError) as err:
-        a.client.push({b.key: bytes(4 * (b.stop - b.start)) for b in a.client.plan.blocks}, codec="secagg32",
+        a.client.push({b.key: bytes(4 * (b.stop - b.start + 1)) for b in a.client.plan.blocks}, codec="secagg32",
                       base_versions=[1])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "round 1 is being unmasked without worker a-0" in err.value.details()

@@ -119,6 +119,15 @@ class AsyncCheckpointer:
             log.error("checkpoint_lost", step=self._pending_step, reason=str(err))
         return err
 
+    def raise_failure(self) -> None:
+        """Raise CheckpointError when a background write has failed since the last check (without
+        waiting for a write in flight); the failure is reported once."""
+        if self.busy:
+            return
+        err = self._report_failure()
+        if err is not None:
+            raise CheckpointError(f"background checkpoint write of step {self._pending_step} failed: {err}") from err
+
     def wait(self) -> CheckpointInfo | None:
         """Block until the write in flight is done; re-raise its error as CheckpointError."""
         self._join()

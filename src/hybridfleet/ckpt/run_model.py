@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridfleet.ckpt.async_save import AsyncCheckpointer
 from hybridfleet.ckpt.checkpoint import save_checkpoint
 from hybridfleet.ckpt.manifest import MANIFEST_NAME, step_dir
 from hybridfleet.ckpt.reader import list_steps, read_checkpoint, read_manifest
@@ -82,10 +83,18 @@ class ModelCheckpointer:
     Every save is followed by retention (`gc`): the newest ``keep_last``, the best by
     ``keep_best`` and the final checkpoint stay. A checkpoint carries only the metrics
     measured at its own step, so "best" never credits weights with an older evaluation.
+
+    With ``background=True`` the periodic and best saves copy the model's values once and
+    write them (and apply retention) in a background thread (`AsyncCheckpointer`, at most
+    one write in flight), so the training step does not wait for the disk; the files and
+    retention are the same as a synchronous save's. A failed background write is raised as
+    CheckpointError at the next `after_step` / `on_metrics` / `final` / `save` / `close`;
+    `final`, `save` and `close` return only once every write is done.
     """
 
     def __init__(self, root: str | Store, framework: str, every_steps: int | None = None,
-                 every_s: float | None = None, keep_last: int = 3, keep_best: str | None = None):  # fmt: skip
+                 every_s: float | None = None, keep_last: int = 3, keep_best: str | None = None,
+                 background: bool = False):  # fmt: skip
         self.store = open_store(root)
         self.framework = framework
         self.every_steps = every_steps
@@ -96,21 +105,28 @@ class ModelCheckpointer:
         self.last_saved_step: int | None = None
         self.final_saved = False
         self._last_save_time = time.monotonic()
+        self._writer = AsyncCheckpointer(self.store, framework, keep_last=keep_last,
+                                         best_metric=self.best.metric if self.best else None,
+                                         best_mode=self.best.mode if self.best else "max") if background else None
 
     @classmethod
-    def from_env(cls, job: JobSpec | None, framework: str, env: dict[str, str] | None = None) -> ModelCheckpointer | None:
+    def from_env(cls, job: JobSpec | None, framework: str, env: dict[str, str] | None = None,
+                 background: bool = False) -> ModelCheckpointer | None:
         """The checkpointer ``HFLEET_MODEL_DIR`` asks for, with the job's ``checkpoint`` cadence; None when unset."""
         env = os.environ if env is None else env
         root = env.get(MODEL_DIR_ENV)
         if not root:
             return None
         if job is None:
-            return cls(root, framework)
+            return cls(root, framework, background=background)
         cadence: CheckpointSpec = job.checkpoint
-        return cls(root, framework, cadence.every_steps, cadence.every_s, cadence.keep_last, cadence.keep_best)
+        return cls(root, framework, cadence.every_steps, cadence.every_s, cadence.keep_last, cadence.keep_best,
+                   background=background)
 
     def after_step(self, step: int, model: Any) -> bool:
-        """Save when ``every_steps`` or ``every_s`` says so; True when a checkpoint was written."""
+        """Save when ``every_steps`` or ``every_s`` says so; True when a checkpoint was written
+        (with ``background``: snapshotted, its write under way)."""
+        self.raise_failed_write()
         due = bool(self.every_steps and step % self.every_steps == 0)
         due = due or bool(self.every_s and time.monotonic() - self._last_save_time >= self.every_s)
         if due and step != self.last_saved_step:
@@ -119,6 +135,7 @@ class ModelCheckpointer:
 
     def on_metrics(self, step: int, model: Any, metrics: dict[str, Any]) -> bool:
         """Save when ``metrics`` hold a new best of ``keep_best``; True when a checkpoint was written."""
+        self.raise_failed_write()
         if self.best is None:
             return False
         value = _numeric(metrics).get(self.best.metric)
@@ -129,21 +146,45 @@ class ModelCheckpointer:
         return True
 
     def final(self, step: int, model: Any, metrics: dict[str, Any] | None = None) -> None:
-        """Save the model as the run ends (replacing a save of the same step, now with its final metrics)."""
+        """Save the model as the run ends (replacing a save of the same step, now with its final metrics);
+        returns once it and every earlier save are written."""
         self._save(step, model, metrics or {})
+        self.wait()
         self.final_saved = True
 
     def save(self, step: int, model: Any, metrics: dict[str, Any] | None = None) -> None:
-        """Save ``model`` at ``step`` now (with the metrics measured at this step), then apply retention."""
+        """Save ``model`` at ``step`` now (with the metrics measured at this step), then apply retention;
+        returns once it is written."""
         self._save(step, model, metrics or {})
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until the background write in flight (if any) is done; CheckpointError if one failed."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def close(self) -> None:
+        """Wait for the write in flight (see `wait`) and stop writing. Idempotent."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def raise_failed_write(self) -> None:
+        """Raise CheckpointError when a background write has failed (without waiting for one in flight)."""
+        if self._writer is not None:
+            self._writer.raise_failure()
 
     def _save(self, step: int, model: Any, metrics: dict[str, Any]) -> None:
-        save_checkpoint(self.store, step, model=model, framework=self.framework, metrics=_numeric(metrics),
-                        state={"model_checkpoint": True})  # fmt: skip
+        if self._writer is not None:
+            self._writer.wait()  # one write in flight; a failed one is raised here, never dropped
+            self._writer.save(step, model=model, metrics=_numeric(metrics), state={"model_checkpoint": True})
+        else:
+            save_checkpoint(self.store, step, model=model, framework=self.framework, metrics=_numeric(metrics),
+                            state={"model_checkpoint": True})  # fmt: skip
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
-        gc(self.store, keep_last=self.keep_last, best_metric=self.best.metric if self.best else None,
-           best_mode=self.best.mode if self.best else "max")  # fmt: skip
+        if self._writer is None:  # a background write applies retention itself, once written
+            gc(self.store, keep_last=self.keep_last, best_metric=self.best.metric if self.best else None,
+               best_mode=self.best.mode if self.best else "max")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ the card

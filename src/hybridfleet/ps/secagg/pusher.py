@@ -49,13 +49,19 @@ class ShardMasker:
         self.in_roster = True
         return True
 
-    def mask(self, rnd: int, vector: np.ndarray) -> tuple[np.ndarray, list[tuple[str, bytes]]]:
-        """(masked ring vector, encrypted shares of this round's self seed, one per peer)."""
+    def mask(self, rnd: int, vector: np.ndarray, present: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[str, bytes]]]:
+        """(masked ring vector, encrypted shares of this round's self seed, one per peer).
+
+        ``present``: one flag per key, 1 when this pusher had a gradient for it; appended to the
+        quantised values as whole ring elements and masked with them, so the shard learns only
+        how many pushers had a gradient for each key."""
         s = self.settings
         ids = list(self.roster)
         seed = os.urandom(shamir.SECRET_BYTES)
         shares = shamir.split(seed, [i + 1 for i in range(len(ids))], self.threshold)
         ring = quantise(vector, s.clip, s.limit, s.bits, self.rng)
+        if present is not None:
+            ring = np.concatenate([ring, np.asarray(present, dtype=ring.dtype)])
         add_mask(ring, seed)
         for q, secret in self.secrets.items():
             add_mask(ring, pair_seed(secret, self.shard, rnd), 1 if q > self.me else -1)

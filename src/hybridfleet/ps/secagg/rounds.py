@@ -122,7 +122,10 @@ class SecureRounds:
         """Forget the random-k residuals of a push that was not applied: each key keeps the one it had."""
         self._staged.clear()
 
-    def _mask_one(self, shard: int, rnd: int, grads: dict[str, np.ndarray], contributors: int) -> dict[str, bytes]:
+    def _mask_one(self, shard: int, rnd: int, grads: dict[str, np.ndarray], contributors: int,
+                  present: set[str] | None = None) -> dict[str, bytes]:
+        """The shard's keys' masked payloads; ``present``: the parameters this pusher had a gradient for
+        (None: all of them)."""
         blocks = self.client.plan.blocks_for_shard(shard)
         if not blocks:
             return {}
@@ -136,7 +139,7 @@ class SecureRounds:
         for _ in range(3):
             if not m.in_roster or not m.epoch:
                 self._setup(shard)
-            ring, shares = m.mask(rnd, vector)
+            ring, shares = m.mask(rnd, vector, np.array([present is None or b.param in present for b in blocks]))
             try:
                 self._rpc(shard, "Shares", pb.SharesRequest(worker_id=self.client.worker_id, round=rnd, epoch=m.epoch,
                                                             shares=[pb.Ciphertext(peer=q, data=d) for q, d in shares]),
@@ -159,12 +162,13 @@ class SecureRounds:
         return self._payloads(blocks, ring)
 
     def _payloads(self, blocks, ring: np.ndarray) -> dict[str, bytes]:
-        out, offset = {}, 0
-        for b in blocks:
+        """Per key: its kept ring elements, then its presence element (the ring's tail, one per key)."""
+        out, offset, flags = {}, 0, ring.size - len(blocks)
+        for i, b in enumerate(blocks):
             n = b.stop - b.start
             if self.settings.randomk_ratio is not None:
                 n = min(n, max(1, math.ceil(self.settings.randomk_ratio * n)))
-            out[b.key] = ring[offset:offset + n].tobytes()
+            out[b.key] = ring[offset:offset + n].tobytes() + ring[flags + i:flags + i + 1].tobytes()
             offset += n
         return out
 
@@ -176,9 +180,12 @@ class SecureRounds:
             self._setup(shard)
 
     def push(self, grads: dict[str, np.ndarray], base_versions: list[int], contributors: int,
-             optimizer_json: str = ""):
-        """Mask and push this step's update (key -> float32 block) to every shard; raises like `PSClient.push`."""
-        payload_parts = self.client._each_shard(lambda i: self._mask_one(i, base_versions[i], grads, contributors))
+             optimizer_json: str = "", present: set[str] | None = None):
+        """Mask and push this step's update (key -> float32 block, zeros for a parameter without a
+        gradient) to every shard; ``present``: the parameters with a gradient (None: all). A key no
+        pusher of the round had a gradient for is not stepped. Raises like `PSClient.push`."""
+        payload_parts = self.client._each_shard(
+            lambda i: self._mask_one(i, base_versions[i], grads, contributors, present))
         payloads = {k: v for part in payload_parts for k, v in part.items()}
         return self.client.push(payloads, codec=self.settings.codec_name, base_versions=base_versions,
                                 contributors=contributors, optimizer_json=optimizer_json)

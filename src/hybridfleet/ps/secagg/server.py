@@ -276,6 +276,7 @@ class SecAggServer:
             return None
         try:
             total = self._unmask(rnd, sr, agg.total)
+            update = self._to_update(rnd, total, agg.weight, len(sr.survivors))
         except ValueError as err:
             self._fail(f"round {rnd}: {err}")
             return None
@@ -283,7 +284,7 @@ class SecAggServer:
         self.unmasked_rounds += 1
         self.dropped_pushers += len(sr.dropped)
         self._evict(set(sr.dropped) | set(silent) | (set(sr.roster) - live))
-        return self._to_update(rnd, total, agg.weight)
+        return update
 
     def _unmask(self, rnd: int, sr: SecRound, total: np.ndarray) -> np.ndarray:
         shard = self.state.shard
@@ -304,13 +305,22 @@ class SecAggServer:
         log.info("secagg_unmasked", shard=shard, round=rnd, survivors=len(sr.survivors), dropped=list(sr.dropped))
         return total
 
-    def _to_update(self, rnd: int, total: np.ndarray, weight: int) -> dict[str, np.ndarray]:
+    def _to_update(self, rnd: int, total: np.ndarray, weight: int, pushers: int) -> dict[str, np.ndarray]:
+        """The round's mean update of the keys some pusher had a gradient for (the others are left out,
+        so they are not stepped); ValueError when the presence counts exceed the ``pushers``."""
         s = self.settings
-        values = dequantise(total, s.clip, s.limit, s.bits)
+        layout = self.layout()
+        counts = total[total.size - len(layout):]
+        if (counts > pushers).any():
+            raise ValueError(f"presence counts exceed the {pushers} pusher(s) of the round; the sum was tampered with")
+        values = dequantise(total[:total.size - len(layout)], s.clip, s.limit, s.bits)
         if weight > 1:
             values /= np.float32(weight)
         out, offset = {}, 0
-        for key, numel in self.layout():
+        for (key, numel), count in zip(layout, counts):
+            if not count:  # no pusher had a gradient for it: skip its values, leave it out
+                offset += numel if s.randomk_ratio is None else min(numel, max(1, math.ceil(s.randomk_ratio * numel)))
+                continue
             if s.randomk_ratio is None:
                 out[key] = values[offset:offset + numel]
                 offset += numel
@@ -338,19 +348,23 @@ class SecAggServer:
         return [(b.key, b.stop - b.start) for b in self.state.plan.blocks_for_shard(self.state.shard)]
 
     def decode(self, rnd: int, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
-        """A masked push's payloads (per key, the kept elements' ring values) as one vector; sizes are
-        checked against the key before anything is allocated."""
+        """A masked push's payloads (per key, the kept elements' ring values, then the key's masked
+        presence flag) as one vector: every key's values, then every key's flag; sizes are checked
+        against the key before anything is allocated."""
         item = self.dtype.itemsize
-        parts = []
+        parts, flags = [], []
         for key, numel in self.layout():
             payload = payloads[key]
             kept = numel if self.settings.randomk_ratio is None else \
                 min(numel, max(1, math.ceil(self.settings.randomk_ratio * numel)))
-            if len(payload) != kept * item:
+            if len(payload) != (kept + 1) * item:
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: masked payload of {len(payload)} bytes, expected "
-                                                 f"{kept} ring elements of {self.settings.bits} bits")
-            parts.append(np.frombuffer(payload, dtype=self.dtype))
-        return {"ring": np.concatenate(parts) if len(parts) > 1 else parts[0]}
+                                                 f"{kept} ring elements and a presence element of "
+                                                 f"{self.settings.bits} bits")
+            ring = np.frombuffer(payload, dtype=self.dtype)
+            parts.append(ring[:kept])
+            flags.append(ring[kept:])
+        return {"ring": np.concatenate(parts + flags)}
 
     # ------------------------------------------------------------ unmask
     def unmask_request(self, worker_id: str, rnd: int, timeout_s: float):

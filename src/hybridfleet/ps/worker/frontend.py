@@ -90,13 +90,14 @@ class ParameterServerHandle(ABC):
             self.rounds = LocalRounds(self.session, optimizer,
                                       InnerState.from_env(self.framework))
         # The job's model is saved by global rank 0 from the parameters it pulled, which in
-        # BSP are bit-identical on every worker (see summary.json's params_sha256).
+        # BSP are bit-identical on every worker (see summary.json's params_sha256). Periodic and
+        # best saves are written in the background, so a step does not wait for the disk.
         self._model_ckpt = None
         self._site_buffers_saved = False
         if self.config.rank == 0 and not self.session.local:
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
-            self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework)
+            self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework, background=True)
 
     def _refuse_sparse_gradients(self) -> None:
         """Raise SpecError, before joining, naming each parameter whose gradient would be sparse.
@@ -194,7 +195,12 @@ class ParameterServerHandle(ABC):
 
         ``samples``: how many samples this step's buffer statistics saw (the weight of this
         worker's BatchNorm statistics under ``ps.buffers: average``); default: the batch sizes
-        of the training-mode forward passes since the last step."""
+        of the training-mode forward passes since the last step.
+
+        On the worker that saves the job's model, a model checkpoint whose background write
+        failed is raised here (CheckpointError) before anything of this step is sent."""
+        if self._model_ckpt is not None:
+            self._model_ckpt.raise_failed_write()
         if self.rounds is not None:
             self._step_script_optimizer()
             new = self.rounds.after_inner_step(
@@ -279,7 +285,8 @@ class ParameterServerHandle(ABC):
         """Record metrics (loss, accuracy, ...) with the worker's byte counters.
 
         On the worker that saves the job's model, a new best of ``checkpoint.keep_best``
-        is checkpointed, and ``final=True`` saves the final model with these metrics.
+        is checkpointed (written in the background), and ``final=True`` saves the final model
+        with these metrics and returns once every model checkpoint is written.
         """
         self.session.report(step=self.step_count, **metrics)
         if metrics.get("final"):
@@ -297,11 +304,16 @@ class ParameterServerHandle(ABC):
 
     def close(self) -> None:
         """Leave the job (so synchronous rounds stop waiting for this worker); saves the final
-        model first when no ``report(final=True)`` did."""
-        if self._model_ckpt is not None and not self._model_ckpt.final_saved:
-            self._model_ckpt.final(self.step_count, self.model)
-        self._save_site_buffers()
-        self.session.close()
+        model first when no ``report(final=True)`` did, and waits until every model checkpoint is
+        written. A checkpoint that failed to write is raised (CheckpointError) after leaving."""
+        try:
+            if self._model_ckpt is not None:
+                if not self._model_ckpt.final_saved:
+                    self._model_ckpt.final(self.step_count, self.model)
+                self._model_ckpt.close()
+        finally:
+            self._save_site_buffers()
+            self.session.close()
 
     def _save_site_buffers(self) -> None:
         """Under ``ps.buffers: local`` the site's first worker saves its site's buffers next to the

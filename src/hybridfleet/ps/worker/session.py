@@ -1,9 +1,16 @@
 """Framework-agnostic worker session: numpy gradients in, numpy parameters out.
 
 The torch and paddle adapters (`hybridfleet.torch`, `hybridfleet.paddle`) turn
-tensors into numpy arrays and back; everything else (joining, initialising,
-encoding with error feedback, pushing, waiting per the consistency mode,
-pulling, accounting) happens here, identically for both frameworks.
+tensors into numpy arrays and back; everything else happens here, identically for
+both frameworks, one role per module:
+
+- `hybridfleet.ps.worker.config`: where the worker sits (``HFLEET_*`` variables);
+- this module: joining, initialising, local training and the order of a step
+  (checks -> site reduce -> clip/noise -> exchange);
+- `hybridfleet.ps.worker.site_path`: the site leader's reduce and a follower's link;
+- `hybridfleet.ps.worker.exchange`: encoding with error feedback, pushing, waiting per
+  the consistency mode, pulling and applying;
+- `hybridfleet.ps.worker.reporting`: byte counters, egress scan, metrics records.
 
 Without servers (``HFLEET_SERVERS`` unset) the session trains locally with the
 same optimizer the shards use, so a single-site baseline and a joint run differ
@@ -13,95 +20,30 @@ only in where the update is computed.
 from __future__ import annotations
 
 import os
-import sys
 import time
-from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from hybridfleet.codec.advice import sparse_advice
-from hybridfleet.errors import ProtocolError, install_excepthook
+from hybridfleet.errors import install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
-from hybridfleet.obs.scalars import record_report
-from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
-from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
-from hybridfleet.spec.models import JobSpec
+from hybridfleet.ps.worker.client import PSClient
+from hybridfleet.ps.worker.config import WorkerConfig, client_security_from_env
+from hybridfleet.ps.worker.egress import EgressCapture
+from hybridfleet.ps.worker.exchange import DTYPE, ShardExchange
+from hybridfleet.ps.worker.reporting import SessionReporting
+from hybridfleet.ps.worker.site_path import SitePath
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
+
+__all__ = ["DTYPE", "PSSession", "WorkerConfig", "client_security_from_env"]
 
 log = get_logger("ps.worker")
 
-DTYPE = np.dtype("<f4")
 
-
-@dataclass
-class WorkerConfig:
-    """Where this worker sits and how it reaches the shards (read from ``HFLEET_*`` variables)."""
-
-    job: JobSpec
-    site: str = "local"
-    rank: int = 0
-    site_rank: int = 0
-    servers: list[str] = field(default_factory=list)
-    security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
-    site_hub: str | None = None   # host:port of the site leader when the site aggregates
-    egress_capture: str | None = None  # test mode: keep every sent byte here (see hybridfleet.ps.worker.egress)
-
-    @property
-    def aggregates(self) -> bool:
-        """Whether this worker reduces with its site first (only the site leader talks to the shards)."""
-        return bool(self.site_hub and self.servers and self.job.sites[self.site].workers > 1)
-
-    @property
-    def worker_id(self) -> str:
-        return f"{self.site}-{self.site_rank}"
-
-    @property
-    def initialises(self) -> bool:
-        """Whether this worker pushes the initial values: the first worker of ``ps.init_site`` (default: rank 0),
-        the one worker whose INIT the shards accept."""
-        from hybridfleet.security.credentials import initialising_worker
-
-        return self.worker_id == initialising_worker(self.job)
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
-        """Build the config from ``HFLEET_JOB``, ``HFLEET_SITE``, ``HFLEET_RANK``, ``HFLEET_SERVERS``, ..."""
-        from hybridfleet.spec import load_spec
-
-        env = dict(os.environ if env is None else env)
-        job_path = env.get("HFLEET_JOB")
-        if not job_path:
-            raise ValueError("HFLEET_JOB is not set: run the script with `hfleet run JOB` or `hfleet worker JOB ...`")
-        job = load_spec(job_path)
-        servers = [s for s in env.get("HFLEET_SERVERS", "").split(",") if s]
-        site = env.get("HFLEET_SITE", next(iter(job.sites)))
-        if site not in job.sites:
-            raise ValueError(f"HFLEET_SITE={site!r} is not a site of job {job.name!r} ({', '.join(job.sites)})")
-        return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
-                   site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
-                   security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None,
-                   egress_capture=env.get(CAPTURE_ENV) or None)
-
-
-def client_security_from_env(env: dict[str, str]) -> ClientSecurity:
-    """TLS + token from ``HFLEET_CA_CERT``/``HFLEET_CLIENT_CERT``/``HFLEET_CLIENT_KEY``/``HFLEET_TOKEN``
-    (or ``HFLEET_TOKEN_FILE``, re-read when it changes);
-    plaintext only with ``HFLEET_INSECURE=1``."""
-    token, token_file = env.get("HFLEET_TOKEN") or None, env.get("HFLEET_TOKEN_FILE") or None
-    if env.get("HFLEET_INSECURE") == "1":
-        return ClientSecurity(insecure=True, token=token, token_file=token_file)
-    ca = env.get("HFLEET_CA_CERT")
-    if not ca:
-        return ClientSecurity(insecure=False, token=token, token_file=token_file)
-    cert, key = env.get("HFLEET_CLIENT_CERT"), env.get("HFLEET_CLIENT_KEY")
-    return ClientSecurity.from_files(ca, cert or None, key or None, token=token, token_file=token_file)
-
-
-class PSSession:
+class PSSession(ShardExchange, SitePath, SessionReporting):
     """One worker's training session against the parameter server (or locally without one)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], config: WorkerConfig, framework: str):
@@ -201,43 +143,14 @@ class PSSession:
         self._flat = {k: np.ascontiguousarray(params[k], dtype=DTYPE).reshape(-1).copy() for k in self.shapes}
         self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
         if cfg.aggregates:
-            from hybridfleet.ps.worker.site import SiteHub
-            from hybridfleet.ps.worker.site_security import HubSecurity
-
-            followers = cfg.job.sites[cfg.site].workers - 1
-            self.hub = SiteHub(cfg.site_hub, followers, self._numel(), HubSecurity.from_env(cfg.job, cfg.site))
-            joined = self.hub.wait_for_followers()
-            log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
+            self._start_hub()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
                  resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None,
                  transport=self.client.transport)
         return self.parameters()
 
-    def _shard_digests(self) -> list[str]:
-        from hybridfleet.ps.server.shard import values_digest
-
-        return [values_digest(self._flat[b.param][b.start:b.stop] for b in self.plan.blocks_for_shard(i))
-                for i in range(self.plan.num_shards)]
-
     def _numel(self) -> int:
         return sum(int(np.prod(self.shapes[n])) if self.shapes[n] else 1 for n in self._names)
-
-    def _start_follower(self) -> dict[str, np.ndarray]:
-        from hybridfleet.ps.worker.site import SiteLink
-        from hybridfleet.ps.worker.site_security import LinkSecurity
-
-        cfg = self.config
-        self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel(), LinkSecurity.from_client(cfg.site, cfg.security))
-        self._receive_from_leader()
-        log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, site_follower=True,
-                 resumed_clock=self.step_count)
-        return self.parameters()
-
-    def _receive_from_leader(self) -> None:
-        from hybridfleet.ps.worker.site import unflatten
-
-        self.step_count, vector = self.link.receive()
-        self._flat = {k: v.reshape(-1).copy() for k, v in unflatten(vector, self.shapes, self._names).items()}
 
     def _check_names(self, arrays: dict[str, np.ndarray]) -> None:
         if set(arrays) != set(self.shapes):
@@ -301,227 +214,22 @@ class PSSession:
                 self._local_opt.step(k, self._flat[k], np.asarray(g, dtype=DTYPE).reshape(-1))
             self.step_count += 1
             return self.parameters()
-        if self.link is not None or self.hub is not None or self.secure is not None:
-            # the site's reduce and the masks cover every key: a parameter without a gradient sends zeros
-            grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
         if self.link is not None:  # site follower: the leader reduces and talks to the shards
-            from hybridfleet.ps.worker.site import flatten
-
-            self.link.send(flatten(grads, self._names))
-            self._receive_from_leader()
-            self.timer.mark("wait")
-            return self.parameters()
+            return self._follower_step(grads)
         assert self.client is not None and self.plan is not None
         contributors = 1
         if self.hub is not None:
-            from hybridfleet.ps.worker.site import flatten, unflatten
-
-            self.hub.admit(flatten(self._flat, self._names), self.step_count)
-            total, contributors = self.hub.gather(flatten(grads, self._names))
-            grads = unflatten(total, self.shapes, self._names)
-            self.timer.mark("wait")
+            grads, contributors = self._leader_gather(grads)
         if self.dp is not None and not nonfinite:  # clip and noise what leaves the site, after the site's reduce
             grads = self.dp.apply(grads)
-        payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
-        self.timer.mark("encode")
-        base = list(self.client.versions)
-        wait_round = self.client.sync in ROUND_SYNC_MODES
-        try:
-            try:
-                if self.secure is not None:  # masked: the shard sees only the round's sum
-                    try:
-                        self.secure.push(payloads, base, contributors, optimizer_json)
-                    except grpc.RpcError as err:
-                        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                            raise  # already pushed (a retried push): the round still needs our answer
-                    self.secure.unmask(base)
-                else:
-                    self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
-                                     optimizer_json=optimizer_json, skip_nonfinite=bool(nonfinite))
-                self._settle_feedback(applied=True)
-            except grpc.RpcError as err:
-                # already pushed this round (a retry of this very push): ours is in the round; anything else
-                # (a stale round, an error): not applied, so the residual stays as it was before encoding
-                self._settle_feedback(applied=err.code() == grpc.StatusCode.ALREADY_EXISTS)
-                if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
-                    raise
-                # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
-                wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
-                log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
-            except BaseException:
-                self._settle_feedback(applied=False)
-                raise
-            self.timer.mark("transfer")
-            self.step_count = self.client.clock
-            wait = None
-            if wait_round:
-                shards_with_keys = {b.shard for b in self.plan.blocks}
-                wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
-            try:
-                self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
-                    raise ProtocolError(err.details()) from None
-                raise
-        except ShardRestarted as restarted:
-            # this step's gradient is dropped; train on from the restored shard's values. A residual
-            # committed with a push the restored shard no longer holds is not rolled back (the shard
-            # lost the values it was applied to as well); one still staged is discarded.
-            self._settle_feedback(applied=False)
-            log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
-            self.step_count = self.client.clock
-            self._apply_pulled(self.client.pull(full=True))
-        self.timer.mark("wait")
+        present = set(grads)
+        if self.secure is not None:
+            # the masks cover every key: a parameter without a gradient sends zeros, flagged as absent
+            grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
+        self._exchange(grads, contributors, nonfinite, optimizer_json, present)
         if self.hub is not None:
-            from hybridfleet.ps.worker.site import flatten
-
-            self.hub.broadcast(flatten(self._flat, self._names), self.step_count)
+            self._leader_broadcast()
         return self.parameters()
-
-    def _encode(self, grads: dict[str, np.ndarray]) -> dict[str, bytes]:
-        if self._encoder is None:
-            self._encoder = self._make_encoder()
-        out = {}
-        for name, g in grads.items():
-            dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
-            for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
-                out[key] = buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
-        return out
-
-    def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The update cut into the plan's blocks (key -> float32), unencoded: secure aggregation masks them."""
-        out = {}
-        for name, g in grads.items():
-            out.update(self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)))
-        return out
-
-    def _make_encoder(self):
-        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker,
-        staged until the push is settled (see `_settle_feedback`)."""
-        from hybridfleet.codec import codec_for
-
-        c = self.ps.compression
-        codec = codec_for(c)
-        if c.error_feedback and self.codec_name != "none":
-            from hybridfleet.codec.feedback import ErrorFeedback
-
-            self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
-            return lambda key, block: self.feedback.encode(key, block, stage=True)
-        return lambda key, block: codec.encode(block)
-
-    def _settle_feedback(self, applied: bool) -> None:
-        """Commit the residuals of this push's encoding when the push was applied, else restore
-        them to what they were before it (nothing the codec dropped is lost with a refused push)."""
-        for holder in (self.feedback, self.secure):
-            if holder is not None:
-                holder.commit() if applied else holder.discard()
-
-    def _pull_target(self, key: str, delta_version: int, nbytes: int) -> memoryview | None:
-        """Where a pulled block's values can be received in place: its slice of the parameters."""
-        b = self._blocks().get(key)
-        if b is None or delta_version or nbytes != (b.stop - b.start) * DTYPE.itemsize:
-            return None  # checked (and refused) by _apply_pulled
-        return memoryview(self._flat[b.param][b.start:b.stop]).cast("B")
-
-    def _blocks(self) -> dict:
-        if self._block_index is None or self._block_index[0] is not self.plan:
-            self._block_index = (self.plan, {b.key: b for b in self.plan.blocks})
-        return self._block_index[1]
-
-    def _apply_pulled(self, pulled: list[Pulled]) -> None:
-        """Copy pulled values into place, or add decoded deltas (compressed downlink), in order."""
-        blocks = self._blocks()
-        for entry in pulled:
-            b = blocks.get(entry.key)
-            if b is None:
-                raise ProtocolError(f"pulled unknown key {entry.key!r}")
-            if entry.placed:
-                continue  # received straight into its slice (see _pull_target)
-            dest = self._flat[b.param]
-            if entry.delta_version:
-                codec = buffers.dense_codec() if buffers.is_buffer(b.param) else self._downlink_codec()
-                delta = codec.decode(entry.payload()).reshape(-1)
-                if delta.size != b.stop - b.start:
-                    raise ProtocolError(f"pulled a delta of {delta.size} elements for {b.key!r}, "
-                                        f"expected {b.stop - b.start}")
-                dest[b.start:b.stop] += delta
-                continue
-            if entry.nbytes != (b.stop - b.start) * DTYPE.itemsize:
-                raise ProtocolError(f"pulled {entry.nbytes} bytes for {b.key!r}, "
-                                    f"expected {(b.stop - b.start) * DTYPE.itemsize}")
-            for offset, piece in entry.pieces:
-                start = b.start + offset // DTYPE.itemsize
-                arr = np.frombuffer(piece, dtype=DTYPE)
-                dest[start:start + arr.size] = arr
-
-    def _downlink_codec(self):
-        if self._down_codec is None:
-            from hybridfleet.codec import get_codec
-
-            self._down_codec = get_codec(self.codec_name)
-        return self._down_codec
-
-    # --------------------------------------------------------------- metrics
-    def bytes_moved(self) -> dict[str, int]:
-        """Bytes this worker's client sent and received, in total and by kind of message."""
-        lan = {"site_lan_bytes": (self.hub or self.link).lan_bytes} if (self.hub or self.link) else {}
-        if self.client is None:
-            return {"sent": 0, "received": 0, **lan}
-        sent, received = dict(self.client.bytes.sent), dict(self.client.bytes.received)
-        return {"sent": sum(sent.values()), "received": sum(received.values()),
-                **{f"sent_{k}": v for k, v in sent.items()},
-                **{f"received_{k}": v for k, v in received.items()}, **lan}
-
-    def scan_egress(self, rows) -> dict | None:
-        """In the egress test mode, search everything this worker sent so far for each of ``rows``
-        (its training data, one row per first-axis entry); the result also goes into the final
-        metrics record. None when the mode is off (or this worker sent nothing to the shards)."""
-        if self.client is None:
-            return None
-        capture, counted = self.client.bytes.stop_capture()
-        if capture is None:
-            return None
-        from hybridfleet.ps.worker.egress import scan_rows
-
-        self._egress = {**scan_rows(capture.path.read_bytes(), np.asarray(rows)), "bytes_counted": counted}
-        return self._egress
-
-    def params_digest(self) -> str:
-        """sha256 over the parameters (sorted by name): equal digests mean bit-identical models."""
-        import hashlib
-
-        h = hashlib.sha256()
-        for k in sorted(self._flat):
-            h.update(k.encode())
-            h.update(self._flat[k].tobytes())
-        return h.hexdigest()
-
-    def report(self, step: int | None = None, **metrics) -> None:
-        """Log a metrics record (collected into the run's metrics.jsonl by `hfleet run`); a final
-        record (``final=True``) also carries the parameters' digest. ``step`` defaults to the pushes made."""
-        step = self.step_count if step is None else step
-        if self.dp is not None:
-            from hybridfleet.privacy import epsilon_spent
-
-            p = self.ps.privacy
-            metrics.setdefault("dp_epsilon", round(epsilon_spent(p.noise_multiplier, self.step_count, p.delta), 6))
-            metrics.setdefault("dp_delta", p.delta)
-        if self.skipped_nonfinite:
-            metrics.setdefault("rounds_skipped_nonfinite", self.skipped_nonfinite)
-        if metrics.get("final"):
-            metrics.setdefault("params_sha256", self.params_digest())
-            data = sys.modules.get("hybridfleet.data.dataset")  # only when the script read a packed dataset
-            if data is not None and data.opened_digests():
-                metrics.setdefault("datasets", data.opened_digests())
-                if data.cache_stats():
-                    metrics.setdefault("data_cache", data.cache_stats())
-            if self._egress is not None:
-                metrics.setdefault("egress", self._egress)
-        c = self.config
-        record_report(step, metrics, self.framework)
-        log.info("metrics", worker=c.worker_id, site=c.site, rank=c.rank, step=step,
-                 elapsed_s=round(time.monotonic() - self._started, 3), **metrics, **self.bytes_moved(),
-                 phase_s=self.timer.phase_totals())
 
     def close(self) -> None:
         if self.client is not None:

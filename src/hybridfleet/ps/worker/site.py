@@ -21,8 +21,15 @@ arrive within a deadline set by its size (`frame_deadline`).
 Frame: 8-byte little-endian length, then the payload; every length is checked against
 what the job's model needs before anything is allocated. Follower -> leader: ``hello``
 (JSON: site rank, token) once, answered by the leader's JSON verdict (``ok`` or
-``error``), then one gradient per step (float32, parameters in sorted name order).
-Leader -> follower: ``u64 step`` + the parameters, same layout.
+``error``), then one gradient per step (float32, parameters in sorted name order),
+followed, when the hub and link count ``params`` parameters, by one byte per parameter:
+1 when the follower had a gradient for it this step, 0 when not (its values are then
+zeros). Leader -> follower: ``u64 step`` + the parameters, same layout.
+
+A parameter no worker of the site had a gradient for is left out of the site's push, so
+the shards do not step it (as with a direct push); one some workers had a gradient for
+carries their sum, the others counting as zeros (as the shards' mean counts a key a
+contributor left out).
 """
 
 from __future__ import annotations
@@ -121,11 +128,17 @@ class SiteHub:
     replaces its old connection, as after a restart).
     """
 
-    def __init__(self, address: str, expected_followers: int, numel: int, security: HubSecurity):
+    def __init__(self, address: str, expected_followers: int, numel: int, security: HubSecurity,
+                 sizes: list[int] | None = None):
+        """``sizes``: the element count of each parameter in frame order; given, each follower's
+        gradient carries which parameters it had a gradient for (see `gather_present`)."""
         host, port = address.rsplit(":", 1)
         if expected_followers > security.workers - 1:
             raise ValueError(f"site {security.site!r} has {security.workers - 1} followers, not {expected_followers}")
+        if sizes is not None and sum(sizes) != numel:
+            raise ValueError(f"parameter sizes add up to {sum(sizes)} elements, not {numel}")
         self.numel = numel
+        self.sizes = list(sizes or [])
         self.expected_followers = expected_followers
         self.security = security
         self._server = socket.create_server((host, int(port)), reuse_port=False)
@@ -251,24 +264,49 @@ class SiteHub:
 
     def gather(self, own: np.ndarray) -> tuple[np.ndarray, int]:
         """Sum the leader's gradient with every follower's; returns (sum, contributors)."""
+        total, _, contributors = self.gather_present(own, np.ones(len(self.sizes), np.uint8))
+        return total, contributors
+
+    def gather_present(self, own: np.ndarray, own_present: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Sum the leader's gradient with every follower's; returns (sum, present, contributors):
+        ``present[i]`` is True when some worker of the site had a gradient for parameter ``i``."""
         total = own.astype(DTYPE, copy=True)
+        present = np.asarray(own_present, dtype=bool).copy()
+        if present.size != len(self.sizes):
+            raise ValueError(f"{present.size} presence flags for {len(self.sizes)} parameters")
         alive = []
         for wid, conn in self._followers:
             try:
-                g = np.frombuffer(_recv(conn, self.numel * DTYPE.itemsize), dtype=DTYPE)
-                if g.size != self.numel:
-                    raise ProtocolError(f"follower sent {g.size} gradient values, expected {self.numel}")
-                if not np.isfinite(g).all():
-                    raise ProtocolError("follower sent non-finite gradient values")
+                frame = _recv(conn, self.numel * DTYPE.itemsize + len(self.sizes))
+                g, theirs = self._parse_gradient(frame)
                 total += g
-                self.lan_bytes += _LEN.size + g.nbytes
+                present |= theirs
+                self.lan_bytes += _LEN.size + len(frame)
                 alive.append((wid, conn))
             except (OSError, ProtocolError, ssl.SSLError) as err:
                 log.warning("site_follower_dropped", worker=wid, error=str(err))
                 conn.close()
         self._followers = alive
         self._sync_ids()
-        return total, 1 + len(alive)
+        return total, present, 1 + len(alive)
+
+    def _parse_gradient(self, frame: bytearray) -> tuple[np.ndarray, np.ndarray]:
+        """A follower's (gradient, presence flags), every length and value checked."""
+        expected = self.numel * DTYPE.itemsize + len(self.sizes)
+        if len(frame) != expected:
+            raise ProtocolError(f"follower sent {len(frame)} gradient bytes, expected {expected}")
+        g = np.frombuffer(frame, dtype=DTYPE, count=self.numel)
+        flags = np.frombuffer(frame, dtype=np.uint8, offset=self.numel * DTYPE.itemsize)
+        if not np.isfinite(g).all():
+            raise ProtocolError("follower sent non-finite gradient values")
+        if (flags > 1).any():
+            raise ProtocolError("follower sent presence flags other than 0 and 1")
+        offset = 0
+        for size, flag in zip(self.sizes, flags):
+            if not flag and g[offset:offset + size].any():
+                raise ProtocolError("follower sent values for a parameter it had no gradient for")
+            offset += size
+        return g, flags.astype(bool)
 
     def broadcast(self, params: np.ndarray, step: int) -> None:
         payload = _LEN.pack(step) + params.tobytes()
@@ -296,10 +334,12 @@ class SiteLink:
     """A follower's side: proves it is a worker of the site, sends gradients, receives parameters."""
 
     def __init__(self, address: str, site_rank: int, numel: int, security: LinkSecurity,
-                 timeout_s: float = CONNECT_TIMEOUT_S):
-        """Raises `AuthError` with the leader's reason when the leader refuses this worker."""
+                 timeout_s: float = CONNECT_TIMEOUT_S, params: int = 0):
+        """Raises `AuthError` with the leader's reason when the leader refuses this worker.
+        ``params``: how many parameters each gradient carries a presence flag for (the hub's ``sizes``)."""
         host, port = address.rsplit(":", 1)
         self.numel = numel
+        self.params = params
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -337,9 +377,14 @@ class SiteLink:
         self.lan_bytes += _LEN.size + len(frame)
         return step, params
 
-    def send(self, grads: np.ndarray) -> None:
-        self.sock.settimeout(frame_deadline(grads.size * DTYPE.itemsize))
-        self.lan_bytes += _send(self.sock, grads.astype(DTYPE, copy=False).tobytes())
+    def send(self, grads: np.ndarray, present: np.ndarray | None = None) -> None:
+        """Send this step's gradient; ``present``: one flag per parameter (all set when None)."""
+        flags = np.ones(self.params, np.uint8) if present is None else np.asarray(present, dtype=np.uint8)
+        if flags.size != self.params:
+            raise ValueError(f"{flags.size} presence flags for {self.params} parameters")
+        payload = grads.astype(DTYPE, copy=False).tobytes() + flags.tobytes()
+        self.sock.settimeout(frame_deadline(len(payload)))
+        self.lan_bytes += _send(self.sock, payload)
 
     def close(self) -> None:
         self.sock.close()

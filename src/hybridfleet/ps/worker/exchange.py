@@ -1,0 +1,169 @@
+"""The exchange with the shards: encode (with error feedback), push, wait per the consistency mode,
+pull, and apply the pulled values or deltas in place.
+
+`ShardExchange` is one part of `hybridfleet.ps.worker.session.PSSession`; it works on the
+session's parameters (``_flat``), plan and client.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from hybridfleet.errors import ProtocolError
+from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.wire import buffers
+from hybridfleet.ps.worker.client import Pulled, ShardRestarted
+from hybridfleet.spec.rules import ROUND_SYNC_MODES
+
+log = get_logger("ps.worker")
+
+DTYPE = np.dtype("<f4")
+
+
+class ShardExchange:
+    """Push a step's update to the shards and bring back the parameters to train on next."""
+
+    def _shard_digests(self) -> list[str]:
+        from hybridfleet.ps.server.shard import values_digest
+
+        return [values_digest(self._flat[b.param][b.start:b.stop] for b in self.plan.blocks_for_shard(i))
+                for i in range(self.plan.num_shards)]
+
+    def _exchange(self, grads: dict[str, np.ndarray], contributors: int, nonfinite: list[str],
+                  optimizer_json: str, present: set[str] | None = None) -> None:
+        """Push ``grads`` (the sum of ``contributors`` workers' gradients), wait as the consistency mode
+        says and apply the pulled parameters; a restarted shard's values replace ours. ``present``:
+        under secure aggregation, the parameters that had a gradient (the others carry zeros)."""
+        payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
+        self.timer.mark("encode")
+        base = list(self.client.versions)
+        wait_round = self.client.sync in ROUND_SYNC_MODES
+        try:
+            try:
+                if self.secure is not None:  # masked: the shard sees only the round's sum
+                    try:
+                        self.secure.push(payloads, base, contributors, optimizer_json, present)
+                    except grpc.RpcError as err:
+                        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise  # already pushed (a retried push): the round still needs our answer
+                    self.secure.unmask(base)
+                else:
+                    self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
+                                     optimizer_json=optimizer_json, skip_nonfinite=bool(nonfinite))
+                self._settle_feedback(applied=True)
+            except grpc.RpcError as err:
+                # already pushed this round (a retry of this very push): ours is in the round; anything else
+                # (a stale round, an error): not applied, so the residual stays as it was before encoding
+                self._settle_feedback(applied=err.code() == grpc.StatusCode.ALREADY_EXISTS)
+                if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                    raise
+                # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
+                wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
+                log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            except BaseException:
+                self._settle_feedback(applied=False)
+                raise
+            self.timer.mark("transfer")
+            self.step_count = self.client.clock
+            wait = None
+            if wait_round:
+                shards_with_keys = {b.shard for b in self.plan.blocks}
+                wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
+            try:
+                self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
+                    raise ProtocolError(err.details()) from None
+                raise
+        except ShardRestarted as restarted:
+            # this step's gradient is dropped; train on from the restored shard's values. A residual
+            # committed with a push the restored shard no longer holds is not rolled back (the shard
+            # lost the values it was applied to as well); one still staged is discarded.
+            self._settle_feedback(applied=False)
+            log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
+            self.step_count = self.client.clock
+            self._apply_pulled(self.client.pull(full=True))
+        self.timer.mark("wait")
+    def _encode(self, grads: dict[str, np.ndarray]) -> dict[str, bytes]:
+        if self._encoder is None:
+            self._encoder = self._make_encoder()
+        out = {}
+        for name, g in grads.items():
+            dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
+            for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
+                out[key] = buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
+        return out
+
+    def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The update cut into the plan's blocks (key -> float32), unencoded: secure aggregation masks them."""
+        out = {}
+        for name, g in grads.items():
+            out.update(self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)))
+        return out
+
+    def _make_encoder(self):
+        """``encode(key, block) -> bytes``; with error feedback the residual stays here, on the worker,
+        staged until the push is settled (see `_settle_feedback`)."""
+        from hybridfleet.codec import codec_for
+
+        c = self.ps.compression
+        codec = codec_for(c)
+        if c.error_feedback and self.codec_name != "none":
+            from hybridfleet.codec.feedback import ErrorFeedback
+
+            self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
+            return lambda key, block: self.feedback.encode(key, block, stage=True)
+        return lambda key, block: codec.encode(block)
+
+    def _settle_feedback(self, applied: bool) -> None:
+        """Commit the residuals of this push's encoding when the push was applied, else restore
+        them to what they were before it (nothing the codec dropped is lost with a refused push)."""
+        for holder in (self.feedback, self.secure):
+            if holder is not None:
+                holder.commit() if applied else holder.discard()
+
+    def _pull_target(self, key: str, delta_version: int, nbytes: int) -> memoryview | None:
+        """Where a pulled block's values can be received in place: its slice of the parameters."""
+        b = self._blocks().get(key)
+        if b is None or delta_version or nbytes != (b.stop - b.start) * DTYPE.itemsize:
+            return None  # checked (and refused) by _apply_pulled
+        return memoryview(self._flat[b.param][b.start:b.stop]).cast("B")
+
+    def _blocks(self) -> dict:
+        if self._block_index is None or self._block_index[0] is not self.plan:
+            self._block_index = (self.plan, {b.key: b for b in self.plan.blocks})
+        return self._block_index[1]
+
+    def _apply_pulled(self, pulled: list[Pulled]) -> None:
+        """Copy pulled values into place, or add decoded deltas (compressed downlink), in order."""
+        blocks = self._blocks()
+        for entry in pulled:
+            b = blocks.get(entry.key)
+            if b is None:
+                raise ProtocolError(f"pulled unknown key {entry.key!r}")
+            if entry.placed:
+                continue  # received straight into its slice (see _pull_target)
+            dest = self._flat[b.param]
+            if entry.delta_version:
+                codec = buffers.dense_codec() if buffers.is_buffer(b.param) else self._downlink_codec()
+                delta = codec.decode(entry.payload()).reshape(-1)
+                if delta.size != b.stop - b.start:
+                    raise ProtocolError(f"pulled a delta of {delta.size} elements for {b.key!r}, "
+                                        f"expected {b.stop - b.start}")
+                dest[b.start:b.stop] += delta
+                continue
+            if entry.nbytes != (b.stop - b.start) * DTYPE.itemsize:
+                raise ProtocolError(f"pulled {entry.nbytes} bytes for {b.key!r}, "
+                                    f"expected {(b.stop - b.start) * DTYPE.itemsize}")
+            for offset, piece in entry.pieces:
+                start = b.start + offset // DTYPE.itemsize
+                arr = np.frombuffer(piece, dtype=DTYPE)
+                dest[start:start + arr.size] = arr
+
+    def _downlink_codec(self):
+        if self._down_codec is None:
+            from hybridfleet.codec import get_codec
+
+            self._down_codec = get_codec(self.codec_name)
+        return self._down_codec
