@@ -147,8 +147,10 @@ def test_charlm_joint_bpc_beats_each_site_alone_with_the_scripts_schedule(tmp_pa
     assert summary["status"] == "completed", summary
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = {r["process"]: r for r in records if r.get("final")}
-    joint = final["worker-hospital-0"]["test_bpc"]
-    alone = {site: final[f"baseline-{site}"]["test_bpc"] for site in ("hospital", "cloud")}
+    joint = summary["joint_metrics"]["test_bpc"]  # the saved model's (rank 0's final report)
+    alone = {site: m["test_bpc"] for site, m in summary["site_alone_metrics"].items()}
+    assert joint == final["worker-hospital-0"]["test_bpc"] and set(alone) == {"hospital", "cloud"}
+    assert summary["test_accuracy"] is None and summary["test_accuracy_by_worker"] == {}  # no accuracy reported
     assert joint < 0.75 * 8.0  # an untrained byte model is at about 8 bits per character
     assert all(joint < a for a in alone.values()), (joint, alone)
     assert final["worker-cloud-0"]["test_bpc"] == pytest.approx(joint, rel=1e-6)  # BSP: one model
