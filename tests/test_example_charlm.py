@@ -160,3 +160,98 @@ def test_charlm_joint_bpc_beats_each_site_alone_with_the_scripts_schedule(tmp_pa
     for r in reported:
         assert r["lr"] == pytest.approx(LR * charlm_optim.lr_factor(r["step"] - 1, STEPS, WARMUP, MIN_RATIO))
     assert "script_optimizer_overridden" not in (run_dir / "logs" / "worker-hospital-0.log").read_text()
+
+
+# ------------------------------------------------------------------------------- the script's optimizer on the shards
+K = 12  # steps: past the warmup, into the cosine
+
+
+def _train(framework: str, ps_connect=None, shards=None, probe=None):
+    """The script's recipe (charlm_optim) for K steps on fixed batches of the site-a text; with ``ps_connect``
+    ``ps.step()`` replaces ``optimizer.step()``. ``probe(step, shards)`` runs after each step."""
+    rows = charlm_data.split_rows("charlm:site-a", 20000, 33)
+    rng = np.random.default_rng(0)
+    batches = [charlm_data.sample_batch(rows, 4, 32, rng) for _ in range(K)]
+    if framework == "torch":
+        import torch
+        import torch.nn.functional as F
+
+        model = charlm_model.build_torch(**TINY, heads=2)
+        opt = charlm_optim.torch_optimizer(model, LR, 0.1)
+        sched = charlm_optim.torch_schedule(opt, K, WARMUP, MIN_RATIO)
+        ps = ps_connect(model, opt) if ps_connect else None
+        for step, b in enumerate(batches):
+            b = torch.from_numpy(b)
+            F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()).backward()
+            ps.step() if ps else opt.step()
+            opt.zero_grad()
+            sched.step()
+            if probe:
+                probe(step, shards)
+        values = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    else:
+        import paddle
+        import paddle.nn.functional as F
+
+        model = charlm_model.build_paddle(**TINY, heads=2)
+        opt = charlm_optim.paddle_optimizer(model, LR, 0.1)
+        ps = ps_connect(model, opt) if ps_connect else None
+        sched = charlm_optim.paddle_schedule(LR, K, WARMUP, MIN_RATIO)
+        opt.set_lr_scheduler(sched)
+        for step, b in enumerate(batches):
+            b = paddle.to_tensor(b)
+            F.cross_entropy(model(b[:, :-1]).reshape([-1, 256]), b[:, 1:].reshape([-1])).backward()
+            ps.step() if ps else opt.step()
+            opt.clear_grad()
+            sched.step()
+            if probe:
+                probe(step, shards)
+        # the layout of the torch twin, so one reference serves both (Linear weights transposed back)
+        values = {n: (p.numpy().T if charlm_model.decayed(n) else p.numpy()).copy() for n, p in model.named_parameters()}
+    if ps:
+        ps.close()
+    return values
+
+
+def _applied(framework: str, shards) -> list[tuple[float, dict[str, float]]]:
+    """What the shard's optimizer applied on its last step, per group: (lr, {param: weight decay}).
+    Reads the shard's own optimizer object (internal state: there is no public view of it)."""
+    state = shards.servers[0].state
+    runner = state.script_optimizer._runner
+    block_param = {b.key: b.param for b in state.plan.blocks}
+    if framework == "torch":
+        by_tensor = {id(t): block_param[k] for k, t in runner.tensors.items()}
+        return [(g["lr"], {by_tensor[id(t)]: g["weight_decay"] for t in g["params"]}) for g in runner.opt.param_groups]
+    decays = runner.opt._apply_decay_param_fun
+    coeff = runner.opt._weight_decay
+    return [(runner.opt.get_lr(), {block_param[k]: coeff if decays(t.name) else 0.0 for k, t in runner.tensors.items()})]
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_the_shard_applies_the_scripts_adamw_groups_and_schedule_like_the_plain_script(tmp_path, framework):
+    import importlib
+
+    import script_optim_helpers as h
+
+    hf = importlib.import_module(f"hybridfleet.{framework}")
+    # Prepare: the plain script, and the same recipe through one real TLS shard
+    want = _train(framework)
+    shards = h.start_shards(tmp_path, h.job(framework))
+    seen: dict[int, list] = {}
+    try:
+        # Execute
+        got = _train(framework, lambda m, o: hf.connect(m, o, config=shards.config(0)), shards,
+                     probe=lambda step, s: seen.__setitem__(step, _applied(framework, s)))
+        keys = set(shards.servers[0].state.plan.params)
+    finally:
+        shards.stop()
+    # Assert: step for step the plain script's parameters
+    h.assert_close(got, want)
+    assert keys == set(charlm_model.shapes(**TINY))  # the tied embedding is one key, tok.weight
+    assert sorted(seen) == list(range(K))
+    for step, groups in seen.items():
+        rate = LR * charlm_optim.lr_factor(step, K, WARMUP, MIN_RATIO)
+        assert all(lr == pytest.approx(rate, rel=1e-6, abs=1e-12) for lr, _ in groups), (step, groups)
+        decay = {name: wd for _, params in groups for name, wd in params.items()}
+        assert decay == {n: (0.1 if charlm_model.decayed(n) else 0.0) for n in keys}
