@@ -72,7 +72,8 @@ def _print_summary(summary: dict) -> None:
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("status", summary["status"])
-    table.add_row("joint test accuracy", f"{summary['test_accuracy']}")
+    if summary["test_accuracy"] is not None or not summary.get("joint_metrics"):
+        table.add_row("joint test accuracy", f"{summary['test_accuracy']}")
     for site, acc in summary["site_alone_accuracy"].items():
         table.add_row(f"{site} alone", "-" if acc is None else f"{acc:.4f}")
     for key, value in summary.get("joint_metrics", {}).items():  # metrics other than accuracy (test_bpc, ...)
