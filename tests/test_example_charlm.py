@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from hybridfleet.cli.run import _print_summary
 from hybridfleet.launch.psjob import run_ps_job
 from hybridfleet.spec import load_spec
 from tests.examples import example_job
@@ -135,7 +136,7 @@ def _job(tmp_path: Path, example: str, packed: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["charlm-hybrid.yaml", "charlm-hybrid-paddle.yaml"])
-def test_charlm_joint_bpc_beats_each_site_alone_with_the_scripts_schedule(tmp_path, packed, example):
+def test_charlm_joint_bpc_beats_each_site_alone_with_the_scripts_schedule(tmp_path, packed, example, capsys):
     # Prepare
     job = _job(tmp_path, example, packed)
     spec = load_spec(job)
@@ -160,6 +161,11 @@ def test_charlm_joint_bpc_beats_each_site_alone_with_the_scripts_schedule(tmp_pa
     for r in reported:
         assert r["lr"] == pytest.approx(LR * charlm_optim.lr_factor(r["step"] - 1, STEPS, WARMUP, MIN_RATIO))
     assert "script_optimizer_overridden" not in (run_dir / "logs" / "worker-hospital-0.log").read_text()
+    # the run's table shows the joint and per-site bpc, and no accuracy row for a job that reports none
+    _print_summary(summary)
+    table = capsys.readouterr().out
+    assert "joint test_bpc" in table and f"{joint:.4f}" in table and f"{alone['cloud']:.4f}" in table
+    assert "joint test accuracy" not in table
 
 
 # ------------------------------------------------------------------------------- the script's optimizer on the shards
