@@ -127,6 +127,7 @@ def _job(tmp_path: Path, example: str, packed: Path) -> Path:
     data["sites"]["cloud"]["data"] = str(packed / "site-b")
     data["args"] = TINY_ARGS
     data["ps"]["shards"] = 1
+    data["ps"]["heartbeat_timeout_s"] = 120  # a worker starved of CPU on a busy machine must not leave the quorum
     data["train"] = {"steps": STEPS, "batch_size": 16, "seed": 0, "eval_every_steps": 20, "site_baselines": True}
     data["checkpoint"] = {"every_steps": 1000, "keep_last": 1, "keep_best": "test_bpc:min"}
     path = tmp_path / "job.yaml"

@@ -12,12 +12,12 @@ rate of its warmup + cosine schedule. The metric is held-out bits per character
 Started without a parameter server (no HFLEET_SERVERS), the same script trains alone.
 """
 
-import argparse
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from charlm_args import parse_args
 from charlm_data import load_site, load_test, sample_batch
 from charlm_model import build_torch
 from charlm_optim import torch_optimizer, torch_schedule
@@ -26,17 +26,7 @@ import hybridfleet.torch as hf
 
 torch.set_num_threads(1)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--d-model", type=int, default=256)
-parser.add_argument("--heads", type=int, default=4)
-parser.add_argument("--context", type=int, default=128)
-parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
-parser.add_argument("--weight-decay", type=float, default=0.1)
-parser.add_argument("--warmup-steps", type=int, default=20)
-parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine ends at this fraction of --lr")
-parser.add_argument("--test-bytes", type=int, default=65536, help="bytes of held-out text the bpc is measured on")
-args = parser.parse_args()
+args = parse_args()  # charlm_args.py: --layers --d-model --heads --context, optimizer and eval sizes
 
 # -- the model and its optimizer -----------------------------------------------------------
 model = build_torch(args.layers, args.d_model, args.context, args.heads)  # every worker: the same seeded weights
