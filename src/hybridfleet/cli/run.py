@@ -72,9 +72,15 @@ def _print_summary(summary: dict) -> None:
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("status", summary["status"])
-    table.add_row("joint test accuracy", f"{summary['test_accuracy']}")
+    if summary["test_accuracy"] is not None or not summary.get("joint_metrics"):
+        table.add_row("joint test accuracy", f"{summary['test_accuracy']}")
     for site, acc in summary["site_alone_accuracy"].items():
         table.add_row(f"{site} alone", "-" if acc is None else f"{acc:.4f}")
+    for key, value in summary.get("joint_metrics", {}).items():  # metrics other than accuracy (test_bpc, ...)
+        if key != "test_accuracy":
+            table.add_row(f"joint {key}", f"{value:.4f}")
+            for site, alone in summary.get("site_alone_metrics", {}).items():
+                table.add_row(f"{site} alone {key}", "-" if key not in alone else f"{alone[key]:.4f}")
     for site, n in summary["bytes_sent_by_site"].items():
         table.add_row(f"bytes sent by {site}", f"{n:,}")
     for site, scan in summary.get("egress_scan", {}).items():

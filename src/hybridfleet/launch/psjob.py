@@ -417,6 +417,12 @@ def _saved_model_accuracy(workers: dict[str, dict]) -> tuple[float | None, str |
     return None, None
 
 
+def test_metrics(rec: dict) -> dict[str, float]:
+    """The held-out metrics of one report: its numeric ``test_*`` values (test_accuracy, test_bpc, ...)."""
+    return {k: v for k, v in sorted(rec.items())
+            if k.startswith("test_") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, codes: dict[str, int],
               sup: Supervisor, wall_s: float) -> dict:
     """summary.json: joint accuracy, each site's accuracy alone, bytes per site, restarts."""
@@ -458,8 +464,11 @@ def summarize(spec: JobSpec, layout: RunLayout, collector: MetricsCollector, cod
         "untrained_sites": {site: first_error_line(layout.run_dir, site, codes) for site in untrained},
         "test_accuracy": round(joint, 5) if joint is not None else None,  # the saved model's
         "test_accuracy_source": joint_source,
-        "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items())},
+        "test_accuracy_by_worker": {n: r["test_accuracy"] for n, r in sorted(workers.items()) if "test_accuracy" in r},
         "site_alone_accuracy": {s: r.get("test_accuracy") for s, r in sorted(baselines.items())},
+        # every held-out metric (test_bpc as well as test_accuracy): the saved model's, and each site alone
+        "joint_metrics": next((test_metrics(r) for _, r in sorted(workers.items()) if r.get("rank") == 0), {}),
+        "site_alone_metrics": {s: test_metrics(r) for s, r in sorted(baselines.items())},
         **({"train_rows": sum(rows_by_site.values()), "train_rows_by_site": rows_by_site}
            if any(rows_by_site.values()) else {}),
         "bytes_sent_by_site": by_site_sent, "bytes_received_by_site": by_site_received,
