@@ -1,0 +1,109 @@
+"""What a shard sends back: pulls that wait per the consistency mode, values or encoded deltas.
+
+Methods of `hybridfleet.ps.server.shard.ShardState` (mixed in). With a compressed
+downlink (codec != none) workers hold ``broadcast``; each applied version encodes
+``params - broadcast`` once into the delta log, shared by every puller.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S
+from hybridfleet.ps.wire import buffers
+from hybridfleet.ps.wire.protocol import CHUNK_BYTES
+from hybridfleet.ps.wire.reject import Reject
+
+# Compressed downlink: how many versions of encoded deltas a shard keeps so a
+# worker a few versions behind still gets deltas; further behind, it gets values.
+DELTA_LOG_VERSIONS = 64
+
+
+class Downlink:
+    """Pull and the compressed downlink's delta log of one shard."""
+
+    def _encode_deltas(self, keys: list[str]) -> None:
+        job_codec, dense = self.codec(), buffers.dense_codec()
+        deltas = {}
+        for key in keys:
+            codec = dense if buffers.is_buffer(key) else job_codec
+            payload = codec.encode(self.params[key] - self.broadcast[key])
+            self.broadcast[key] += codec.decode(payload)
+            deltas[key] = _pieces(payload)
+            self.downlink_dense_bytes += self.params[key].nbytes
+            self.downlink_encoded_bytes += len(payload)
+        self.delta_log.append((self.version, deltas))
+
+    # -------------------------------------------------------------------- pull
+    def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
+             timeout_s: float, init_digest: str = "") -> tuple[int, list[tuple[str, list[bytes], int, int]]]:
+        """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
+        values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
+        downlink, the encoded deltas of each later version in order."""
+        deadline = self._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
+        with self.cond:
+            self._member(worker_id)
+            while not self._pull_ready(worker_id, wait_for_version, worker_clock):
+                if self.secagg is not None and self.secagg.failed:
+                    raise Reject("ABORTED", self.secagg.failed)
+                left = deadline - self._now()
+                if left <= 0:
+                    raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
+                self.cond.wait(min(left, 0.5))
+                self._maybe_finish_rounds()
+            if since_version < 0 and init_digest and init_digest == self.init_digest:
+                since_version = 0  # the caller holds the initial values already
+            if self.compress_down:
+                return self.version, self._pull_compressed(since_version)
+            out = [(k, self._wire_chunks(k), self.params[k].nbytes, 0)
+                   for k in self.keys if self.key_version[k] > since_version]
+            return self.version, out
+
+    def _pull_compressed(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
+        """Encoded deltas since ``since_version`` in order, or the broadcast values when the log
+        does not reach back that far (a new, rejoining or far-behind worker)."""
+        if since_version >= 0 and since_version >= self.version:
+            return []
+        logged = [(v, d) for v, d in self.delta_log if v > since_version]
+        if since_version >= 0 and logged and logged[0][0] == since_version + 1:
+            return [(k, pieces, sum(len(p) for p in pieces), v) for v, d in logged for k, pieces in d.items()]
+        return [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in self.keys]
+
+    def _wire_chunks(self, key: str) -> list[bytes]:
+        """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""
+        cached = self._wire_cache.get(key)
+        if cached is not None and cached[0] == self.key_version[key]:
+            return cached[1]
+        chunks = _pieces((self.broadcast if self.compress_down else self.params)[key])
+        self._wire_cache[key] = (self.key_version[key], chunks)
+        return chunks
+
+    def _pull_ready(self, worker_id: str, wait_for_version: int, worker_clock: int) -> bool:
+        if not self.is_initialized():
+            return False
+        if wait_for_version >= 0 and self.version < wait_for_version:
+            return False
+        if self.sync == "ssp":
+            live = [m.clock for m in self.members.values() if m.alive and m.worker_id != worker_id]
+            if live and worker_clock - min(live) > self.spec.staleness_bound:
+                return False
+        return True
+
+    def _wait_reason(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str:
+        if not self.is_initialized():
+            return "parameters not initialized yet"
+        if self.version < wait_for_version:
+            rnd = self.rounds.get(self.version)
+            have = sorted(rnd.contributors) if rnd else []
+            return f"round {self.version} waits for {sorted(self.live_members() - set(have))}"
+        return f"worker {worker_id} at clock {worker_clock} is more than {self.spec.staleness_bound} steps ahead"
+
+
+def _pieces(data: np.ndarray | bytes) -> list[bytes]:
+    """``data`` cut into wire-sized pieces (one copy)."""
+    if isinstance(data, np.ndarray):
+        step = CHUNK_BYTES // data.itemsize
+        return [data[i:i + step].tobytes() for i in range(0, max(data.size, 1), step)]
+    return [data[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]
+
+
