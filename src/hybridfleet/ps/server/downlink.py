@@ -7,6 +7,8 @@ downlink (codec != none) workers hold ``broadcast``; each applied version encode
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S
@@ -39,25 +41,76 @@ class Downlink:
              timeout_s: float, init_digest: str = "") -> tuple[int, list[tuple[str, list[bytes], int, int]]]:
         """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
         values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
-        downlink, the encoded deltas of each later version in order."""
+        downlink, the encoded deltas of each later version in order.
+
+        A waiting pull sleeps on its own condition, registered under what it waits for (the
+        initial values, a version, or in ssp the other workers' clocks); only the event that
+        can make it ready wakes it (counted in ``status()["pull_wakeups"]``), so a push that
+        does not finish a round wakes no puller."""
         deadline = self._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
         with self.cond:
             self._member(worker_id)
-            while not self._pull_ready(worker_id, wait_for_version, worker_clock):
+            while (blocked := self._pull_blocked(worker_id, wait_for_version, worker_clock)) is not None:
                 if self.secagg is not None and self.secagg.failed:
                     raise Reject("ABORTED", self.secagg.failed)
                 left = deadline - self._now()
                 if left <= 0:
                     raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
-                self.cond.wait(min(left, 0.5))
+                waiter = threading.Condition(self._lock)
+                waiting = self._pull_waiters.setdefault(blocked, set())
+                waiting.add(waiter)
+                try:
+                    waiter.wait(min(left, 0.5))  # the timeout also closes a round only waiting for the clock
+                finally:
+                    waiting.discard(waiter)
+                    if not waiting and self._pull_waiters.get(blocked) is waiting:
+                        del self._pull_waiters[blocked]
                 self._maybe_finish_rounds()
             if since_version < 0 and init_digest and init_digest == self.init_digest:
                 since_version = 0  # the caller holds the initial values already
             if self.compress_down:
                 return self.version, self._pull_compressed(since_version)
+            return self.version, self._changed_since(since_version)
+
+    def _changed_since(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
+        """The values of the keys changed since ``since_version``, worked out once per version and
+        caller version (every puller of a bsp round asks the same)."""
+        if self._changed_cache[0] != self.version:
+            self._changed_cache = (self.version, {})
+        out = self._changed_cache[1].get(since_version)
+        if out is None:
             out = [(k, self._wire_chunks(k), self.params[k].nbytes, 0)
                    for k in self.keys if self.key_version[k] > since_version]
-            return self.version, out
+            self._changed_cache[1][since_version] = out
+        return out
+
+    def _pull_blocked(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str | int | None:
+        """What a pull waits for: ``"init"``, a version, ``"clock"`` (ssp), or None when it is ready."""
+        if not self.is_initialized():
+            return "init"
+        if wait_for_version >= 0 and self.version < wait_for_version:
+            return wait_for_version
+        if self.sync == "ssp":
+            live = [m.clock for m in self.members.values() if m.alive and m.worker_id != worker_id]
+            if live and worker_clock - min(live) > self.spec.staleness_bound:
+                return "clock"
+        return None
+
+    def _wake_pullers(self, *events: str, every: bool = False) -> None:
+        """Wake the pulls waiting for ``events`` (``"init"``, ``"clock"``) and for any version up
+        to the shard's (``every``: all waiting pulls); each waiter is woken once and registers
+        again if it must wait on."""
+        due = [w for w in self._pull_waiters
+               if every or w in events or (isinstance(w, int) and w <= self.version)]
+        for what in due:
+            for waiter in self._pull_waiters.pop(what):
+                self.pull_wakeups += 1
+                waiter.notify()
+
+    def wake_all_pullers(self) -> None:
+        """Wake every waiting pull (e.g. secure aggregation stopped: each is answered with the reason)."""
+        with self.cond:
+            self._wake_pullers(every=True)
 
     def _pull_compressed(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
         """Encoded deltas since ``since_version`` in order, or the broadcast values when the log
@@ -77,17 +130,6 @@ class Downlink:
         chunks = _pieces((self.broadcast if self.compress_down else self.params)[key])
         self._wire_cache[key] = (self.key_version[key], chunks)
         return chunks
-
-    def _pull_ready(self, worker_id: str, wait_for_version: int, worker_clock: int) -> bool:
-        if not self.is_initialized():
-            return False
-        if wait_for_version >= 0 and self.version < wait_for_version:
-            return False
-        if self.sync == "ssp":
-            live = [m.clock for m in self.members.values() if m.alive and m.worker_id != worker_id]
-            if live and worker_clock - min(live) > self.spec.staleness_bound:
-                return False
-        return True
 
     def _wait_reason(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str:
         if not self.is_initialized():

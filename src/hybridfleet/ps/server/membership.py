@@ -82,7 +82,9 @@ class Membership:
             member.joins += 1
             log.info("worker_joined", shard=self.shard, worker=worker_id, site=site, rejoin=rejoined,
                      live=len(self.live_members()))
-            self.cond.notify_all()
+            self._maybe_finish_rounds()
+            self._wake_pullers("clock")  # ssp: the slowest live clock may have changed
+            self.cond.notify_all()  # secure aggregation's roster waiters
             return {"plan": self.plan, "version": self.version, "initialized": self.is_initialized(),
                     "worker_clock": member.clock, "live": sorted(self.live_members())}
 
@@ -134,6 +136,7 @@ class Membership:
             member.alive = False
             log.info("worker_left", shard=self.shard, worker=worker_id)
             self._maybe_finish_rounds()
+            self._wake_pullers("clock")
             self.cond.notify_all()
 
     def reap(self) -> list[str]:
@@ -147,6 +150,7 @@ class Membership:
                 log.warning("worker_timed_out", shard=self.shard, worker=w,
                             silent_s=round(now - self.members[w].last_seen, 2))
             if self._maybe_finish_rounds() or dropped:
+                self._wake_pullers("clock")
                 self.cond.notify_all()
             return dropped
 

@@ -149,7 +149,9 @@ class Rounds:
             else:
                 self._apply({k: g / weight if weight > 1 else g for k, g in grads.items()}, desc)
                 applied = True
-            self.cond.notify_all()
+            if self.sync == "ssp":
+                self._wake_pullers("clock")  # this worker's clock moved
+            self.cond.notify_all()  # secure aggregation's own waiters (roster, unmasking)
             return self.version, applied
 
     def _push_init(self, worker_id: str, payloads: dict[str, bytes]) -> tuple[int, bool]:
@@ -168,6 +170,8 @@ class Rounds:
         if fresh and self.is_initialized() and self.version == 0:
             self.init_digest = values_digest(self.params[k] for k in self.keys)
         log.info("params_initialized", shard=self.shard, worker=worker_id, keys=fresh)
+        if fresh and self.is_initialized():
+            self._wake_pullers("init")
         self.cond.notify_all()
         return self.version, fresh > 0
 
@@ -267,6 +271,7 @@ class Rounds:
         self.skipped_rounds += 1
         if self.compress_down:
             self._encode_deltas([])  # the delta log stays contiguous: this version changed nothing
+        self._wake_pullers()
         if self.on_applied is not None:
             self.on_applied()
 
@@ -312,6 +317,7 @@ class Rounds:
         self.applied_pushes += 1
         if self.compress_down:
             self._encode_deltas(list(grads))
+        self._wake_pullers()
         if self.on_applied is not None:
             self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 

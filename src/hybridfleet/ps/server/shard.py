@@ -75,7 +75,14 @@ class ShardState(Membership, Rounds, Downlink):
         self.on_applied: Callable[[], None] | None = None  # called after each applied version, lock held
         self._first_join: float | None = None
         self._now = clock
-        self.cond = threading.Condition()
+        # one lock; `cond` wakes secure aggregation's waiters, each waiting pull has its own
+        # condition on the same lock (see `Downlink.pull`)
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)
+        self._pull_waiters: dict[str | int, set[threading.Condition]] = {}
+        self.pull_wakeups = 0  # waiting pulls woken by an event that could make them ready
+        self._changed_cache: tuple[int, dict[int, list]] = (-1, {})  # version -> since -> pull items
+        self._keys_of: tuple[ShardingPlan | None, list[str]] = (None, [])
         self._codec = None
         # compressed downlink (codec != none): workers hold `broadcast`, not `params`;
         # each applied version sends codec(params - broadcast) and adds its decoding to
@@ -98,7 +105,10 @@ class ShardState(Membership, Rounds, Downlink):
     # ----------------------------------------------------------------- helpers
     @property
     def keys(self) -> list[str]:
-        return [b.key for b in self.plan.blocks_for_shard(self.shard)] if self.plan else []
+        """This shard's keys in plan order (worked out once per plan; do not modify the list)."""
+        if self._keys_of[0] is not self.plan:
+            self._keys_of = (self.plan, [b.key for b in self.plan.blocks_for_shard(self.shard)] if self.plan else [])
+        return self._keys_of[1]
 
     def codec(self):
         if self._codec is None:
@@ -124,6 +134,8 @@ class ShardState(Membership, Rounds, Downlink):
                 "skipped_rounds": self.skipped_rounds, "skipped_pushes": self.skipped_pushes,
                 "downlink_dense_bytes": self.downlink_dense_bytes,
                 "downlink_encoded_bytes": self.downlink_encoded_bytes,
+                "pull_wakeups": self.pull_wakeups,
+                "pull_waiters": sum(len(w) for w in self._pull_waiters.values()),
                 **({"secure_aggregation": self.secagg.status()} if self.secagg is not None else {}),
             }
 

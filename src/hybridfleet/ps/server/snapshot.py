@@ -70,6 +70,8 @@ def restore(state: ShardState, tensors: dict[str, np.ndarray], meta: dict) -> No
         state.key_version = {k: int(v) for k, v in meta["key_version"].items()}
         state.initialized = set(meta["initialized"])
         state.applied_pushes = int(meta["applied_pushes"])
+        state._wire_cache.clear()
+        state._changed_cache = (-1, {})
         now = state._now()
         state.members = {w: Member(w, m["site"], now, clock=int(m["clock"])) for w, m in meta["members"].items()}
         state._first_join = now
