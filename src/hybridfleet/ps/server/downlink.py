@@ -11,30 +11,41 @@ import threading
 
 import numpy as np
 
-from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, delta_log_bound
 from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
 
-# Compressed downlink: how many versions of encoded deltas a shard keeps so a
-# worker a few versions behind still gets deltas; further behind, it gets values.
-DELTA_LOG_VERSIONS = 64
 
 
 class Downlink:
     """Pull and the compressed downlink's delta log of one shard."""
 
+    @property
+    def delta_log_bound_bytes(self) -> int:
+        """The most bytes the compressed downlink's delta log holds (what it holds counts against
+        the shard's memory budget; 0 without a compressed downlink or before the plan is fixed)."""
+        if not self.compress_down or self.plan is None:
+            return 0
+        return delta_log_bound(self.slice_bytes, self.spec.memory_budget_bytes)
+
     def _encode_deltas(self, keys: list[str]) -> None:
+        """Encode this version's change of ``keys`` once into the delta log, dropping the oldest
+        versions while the log holds more than its bound."""
         job_codec, dense = self.codec(), buffers.dense_codec()
-        deltas = {}
+        deltas, sizes = {}, {}
         for key in keys:
             codec = dense if buffers.is_buffer(key) else job_codec
             payload = codec.encode(self.params[key] - self.broadcast[key])
             self.broadcast[key] += codec.decode(payload)
-            deltas[key] = _pieces(payload)
+            deltas[key], sizes[key] = _pieces(payload), len(payload)
             self.downlink_dense_bytes += self.params[key].nbytes
             self.downlink_encoded_bytes += len(payload)
-        self.delta_log.append((self.version, deltas))
+        self.delta_log.append((self.version, deltas, sizes))
+        self.delta_log_bytes += sum(sizes.values())
+        bound = self.delta_log_bound_bytes
+        while self.delta_log and self.delta_log_bytes > bound:
+            self.delta_log_bytes -= sum(self.delta_log.popleft()[2].values())
 
     # -------------------------------------------------------------------- pull
     def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
@@ -113,14 +124,24 @@ class Downlink:
             self._wake_pullers(every=True)
 
     def _pull_compressed(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
-        """Encoded deltas since ``since_version`` in order, or the broadcast values when the log
-        does not reach back that far (a new, rejoining or far-behind worker)."""
+        """Encoded deltas since ``since_version`` in order, except for a key whose pending deltas
+        are larger than its values: that key's broadcast values instead (so a pull never moves
+        more than the dense bytes); every key's values when the log does not reach back that far
+        (a new, rejoining or far-behind worker)."""
         if since_version >= 0 and since_version >= self.version:
             return []
-        logged = [(v, d) for v, d in self.delta_log if v > since_version]
-        if since_version >= 0 and logged and logged[0][0] == since_version + 1:
-            return [(k, pieces, sum(len(p) for p in pieces), v) for v, d in logged for k, pieces in d.items()]
-        return [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in self.keys]
+        logged = [entry for entry in self.delta_log if entry[0] > since_version]
+        if not (since_version >= 0 and logged and logged[0][0] == since_version + 1):
+            return [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in self.keys]
+        pending: dict[str, int] = {}
+        for _, _, sizes in logged:
+            for key, nbytes in sizes.items():
+                pending[key] = pending.get(key, 0) + nbytes
+        dense = {key for key, nbytes in pending.items() if nbytes > self.broadcast[key].nbytes}
+        out = [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in pending if k in dense]
+        out += [(k, pieces, sizes[k], v) for v, deltas, sizes in logged for k, pieces in deltas.items()
+                if k not in dense]
+        return out
 
     def _wire_chunks(self, key: str) -> list[bytes]:
         """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""

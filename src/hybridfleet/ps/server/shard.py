@@ -18,7 +18,7 @@ import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.aggregate import RoundAggregator
-from hybridfleet.ps.server.downlink import DELTA_LOG_VERSIONS, Downlink
+from hybridfleet.ps.server.downlink import Downlink
 from hybridfleet.ps.server.groups import ScriptOptimizer
 from hybridfleet.ps.server.membership import Member, Membership
 from hybridfleet.ps.server.rounds import STEP_WINDOW, Rounds, values_digest  # noqa: F401  (re-exported)
@@ -82,7 +82,7 @@ class ShardState(Membership, Rounds, Downlink):
         self._pull_waiters: dict[str | int, set[threading.Condition]] = {}
         self.pull_wakeups = 0  # waiting pulls woken by an event that could make them ready
         self._changed_cache: tuple[int, dict[int, list]] = (-1, {})  # version -> since -> pull items
-        self._keys_of: tuple[ShardingPlan | None, list[str]] = (None, [])
+        self._keys_of: tuple[ShardingPlan | None, list[str], int] = (None, [], 0)
         self._codec = None
         # compressed downlink (codec != none): workers hold `broadcast`, not `params`;
         # each applied version sends codec(params - broadcast) and adds its decoding to
@@ -90,8 +90,10 @@ class ShardState(Membership, Rounds, Downlink):
         # later (error feedback on the server), and every worker holds the same values.
         self.compress_down = self.codec_name != "none"
         self.broadcast: dict[str, np.ndarray] = {}
-        # (version, key -> encoded delta cut into wire pieces once, shared by every puller)
-        self.delta_log: deque[tuple[int, dict[str, list[bytes]]]] = deque(maxlen=DELTA_LOG_VERSIONS)
+        # (version, key -> encoded delta cut into wire pieces once, shared by every puller,
+        # key -> its encoded bytes); at most `delta_log_bound_bytes` in all, oldest dropped first
+        self.delta_log: deque[tuple[int, dict[str, list[bytes]], dict[str, int]]] = deque()
+        self.delta_log_bytes = 0
         self.downlink_dense_bytes = 0
         self.downlink_encoded_bytes = 0
         if (spec.secure_aggregation is None) != (secagg is None):
@@ -106,9 +108,19 @@ class ShardState(Membership, Rounds, Downlink):
     @property
     def keys(self) -> list[str]:
         """This shard's keys in plan order (worked out once per plan; do not modify the list)."""
+        return self._plan_facts()[1]
+
+    @property
+    def slice_bytes(self) -> int:
+        """The float32 bytes of this shard's slice of the parameters (0 before the plan is fixed)."""
+        return self._plan_facts()[2]
+
+    def _plan_facts(self) -> tuple[ShardingPlan | None, list[str], int]:
         if self._keys_of[0] is not self.plan:
-            self._keys_of = (self.plan, [b.key for b in self.plan.blocks_for_shard(self.shard)] if self.plan else [])
-        return self._keys_of[1]
+            blocks = self.plan.blocks_for_shard(self.shard) if self.plan else []
+            self._keys_of = (self.plan, [b.key for b in blocks],
+                             sum((b.stop - b.start) * DTYPE.itemsize for b in blocks))
+        return self._keys_of
 
     def codec(self):
         if self._codec is None:
@@ -134,6 +146,8 @@ class ShardState(Membership, Rounds, Downlink):
                 "skipped_rounds": self.skipped_rounds, "skipped_pushes": self.skipped_pushes,
                 "downlink_dense_bytes": self.downlink_dense_bytes,
                 "downlink_encoded_bytes": self.downlink_encoded_bytes,
+                "delta_log_versions": len(self.delta_log), "delta_log_bytes": self.delta_log_bytes,
+                "delta_log_bound_bytes": self.delta_log_bound_bytes,
                 "pull_wakeups": self.pull_wakeups,
                 "pull_waiters": sum(len(w) for w in self._pull_waiters.values()),
                 **({"secure_aggregation": self.secagg.status()} if self.secagg is not None else {}),
