@@ -13,6 +13,7 @@ import numpy as np
 
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, delta_log_bound
 from hybridfleet.ps.wire import buffers
+from hybridfleet.ps.wire.buffers import DTYPE
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
 
@@ -49,7 +50,7 @@ class Downlink:
 
     # -------------------------------------------------------------------- pull
     def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
-             timeout_s: float, init_digest: str = "") -> tuple[int, list[tuple[str, list[bytes], int, int]]]:
+             timeout_s: float, init_digest: str = "") -> tuple[int, list[tuple[str, list[memoryview], int, int]]]:
         """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
         values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
         downlink, the encoded deltas of each later version in order.
@@ -83,7 +84,7 @@ class Downlink:
                 return self.version, self._pull_compressed(since_version)
             return self.version, self._changed_since(since_version)
 
-    def _changed_since(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
+    def _changed_since(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
         """The values of the keys changed since ``since_version``, worked out once per version and
         caller version (every puller of a bsp round asks the same)."""
         if self._changed_cache[0] != self.version:
@@ -123,7 +124,7 @@ class Downlink:
         with self.cond:
             self._wake_pullers(every=True)
 
-    def _pull_compressed(self, since_version: int) -> list[tuple[str, list[bytes], int, int]]:
+    def _pull_compressed(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
         """Encoded deltas since ``since_version`` in order, except for a key whose pending deltas
         are larger than its values: that key's broadcast values instead (so a pull never moves
         more than the dense bytes); every key's values when the log does not reach back that far
@@ -143,14 +144,24 @@ class Downlink:
                 if k not in dense]
         return out
 
-    def _wire_chunks(self, key: str) -> list[bytes]:
-        """The key's current values as wire-sized pieces, copied once per version and shared by every puller."""
+    def _wire_chunks(self, key: str) -> list[memoryview]:
+        """The key's current values as wire-sized pieces of one copy, made once per version and
+        shared by every puller (and by a snapshot, see `wire_values`)."""
+        return self._wire_copy(key)[1]
+
+    def wire_values(self, key: str) -> np.ndarray:
+        """The key's current values (``broadcast`` with a compressed downlink, else ``params``) as a
+        read-only array over the per-version wire copy: pullers and snapshots share one copy."""
+        return np.frombuffer(self._wire_copy(key)[0], dtype=DTYPE)
+
+    def _wire_copy(self, key: str) -> tuple[bytes, list[memoryview]]:
         cached = self._wire_cache.get(key)
         if cached is not None and cached[0] == self.key_version[key]:
-            return cached[1]
-        chunks = _pieces((self.broadcast if self.compress_down else self.params)[key])
-        self._wire_cache[key] = (self.key_version[key], chunks)
-        return chunks
+            return cached[1], cached[2]
+        whole = (self.broadcast if self.compress_down else self.params)[key].tobytes()
+        pieces = _pieces(whole)
+        self._wire_cache[key] = (self.key_version[key], whole, pieces)
+        return whole, pieces
 
     def _wait_reason(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str:
         if not self.is_initialized():
@@ -162,11 +173,7 @@ class Downlink:
         return f"worker {worker_id} at clock {worker_clock} is more than {self.spec.staleness_bound} steps ahead"
 
 
-def _pieces(data: np.ndarray | bytes) -> list[bytes]:
-    """``data`` cut into wire-sized pieces (one copy)."""
-    if isinstance(data, np.ndarray):
-        step = CHUNK_BYTES // data.itemsize
-        return [data[i:i + step].tobytes() for i in range(0, max(data.size, 1), step)]
-    return [data[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]
-
-
+def _pieces(data: bytes) -> list[memoryview]:
+    """``data`` cut into wire-sized pieces without copying (views that keep ``data`` alive)."""
+    view = memoryview(data)
+    return [view[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]

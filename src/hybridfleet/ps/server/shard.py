@@ -61,7 +61,7 @@ class ShardState(Membership, Rounds, Downlink):
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
         self.key_version: dict[str, int] = {}
-        self._wire_cache: dict[str, tuple[int, list[bytes]]] = {}
+        self._wire_cache: dict[str, tuple[int, bytes, list[memoryview]]] = {}  # key -> (key version, values, pieces)
         self.initialized: set[str] = set()
         self.version = 0
         self.init_digest = ""   # sha256 of the initial values (see values_digest)
@@ -92,7 +92,7 @@ class ShardState(Membership, Rounds, Downlink):
         self.broadcast: dict[str, np.ndarray] = {}
         # (version, key -> encoded delta cut into wire pieces once, shared by every puller,
         # key -> its encoded bytes); at most `delta_log_bound_bytes` in all, oldest dropped first
-        self.delta_log: deque[tuple[int, dict[str, list[bytes]], dict[str, int]]] = deque()
+        self.delta_log: deque[tuple[int, dict[str, list[memoryview]], dict[str, int]]] = deque()
         self.delta_log_bytes = 0
         self.downlink_dense_bytes = 0
         self.downlink_encoded_bytes = 0
