@@ -108,6 +108,17 @@ class Downlink:
                 return "clock"
         return None
 
+    def _drop_wire_copies(self, keys) -> None:
+        """Forget the wire copies of ``keys``, about to change (each is freed once no pull still sends it)."""
+        for key in keys:
+            self._wire_cache.pop(key, None)
+        self._changed_cache = (-1, {})
+
+    def _published(self, changed: list[str]) -> None:
+        """A new version is in place: nothing cut for the last one is kept; wake the pulls it makes ready."""
+        self._drop_wire_copies(changed)
+        self._wake_pullers()
+
     def _wake_pullers(self, *events: str, every: bool = False) -> None:
         """Wake the pulls waiting for ``events`` (``"init"``, ``"clock"``) and for any version up
         to the shard's (``every``: all waiting pulls); each waiter is woken once and registers

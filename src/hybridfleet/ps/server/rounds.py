@@ -271,7 +271,7 @@ class Rounds:
         self.skipped_rounds += 1
         if self.compress_down:
             self._encode_deltas([])  # the delta log stays contiguous: this version changed nothing
-        self._wake_pullers()
+        self._published([])
         if self.on_applied is not None:
             self.on_applied()
 
@@ -298,6 +298,7 @@ class Rounds:
     def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
         or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics."""
+        self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
         params = {}
         for key, grad in grads.items():
             if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)
@@ -317,7 +318,7 @@ class Rounds:
         self.applied_pushes += 1
         if self.compress_down:
             self._encode_deltas(list(grads))
-        self._wake_pullers()
+        self._published(list(grads))
         if self.on_applied is not None:
             self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 
