@@ -223,7 +223,8 @@ class Rounds:
                     raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "
                                                      f"{header.shape}, expected {expected} elements of float32 "
                                                      f"in shape ({expected},)")
-                arr = codec.decode(payload, expected_numel=expected)
+                # a raw frame's values stay in the push's own buffer (the round may adopt it), not a copy
+                arr = codec.decode(payload, expected_numel=expected, view=True)
             except ValueError as err:  # ProtocolError subclasses ValueError
                 raise Reject("INVALID_ARGUMENT", f"key {key!r}: {err}") from None
             if arr.dtype != DTYPE:
