@@ -2,6 +2,7 @@
 
 import json
 import os
+import resource
 import sys
 import time
 
@@ -30,7 +31,9 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     moved = session.bytes_moved()
     session.close()
-    print(json.dumps({"rank": rank, "round_s": times[1:], "sent": moved["sent"], "received": moved["received"]}))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"rank": rank, "round_s": times[1:], "sent": moved["sent"], "received": moved["received"],
+                      "peak_rss_bytes": peak_rss}))
 
 
 if __name__ == "__main__":

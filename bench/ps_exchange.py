@@ -4,6 +4,7 @@
     python bench/ps_exchange.py --quick    # 16 MB, 3 rounds (under a minute)
     python bench/ps_exchange.py --grpc     # also over gRPC
     python bench/ps_exchange.py --python-tls   # also with Python's ssl module instead of the C record loop
+    python bench/ps_exchange.py --mb 1024 --shards 4 --optimizer adam   # a large model's memory bounds
 
 Two workers push a dense fp32 gradient of the whole parameter set and pull the
 updated parameters (BSP, server-side SGD) through ONE shard on its bulk data plane
@@ -19,6 +20,11 @@ The last line is JSON: ps_s and gloo_s are median seconds per round,
 ratio = ps_s / gloo_s, wire_efficiency = (bytes through the shard / ps_s) /
 raw TCP bytes per second. ``native_tls`` says whether the bulk plane's TLS ran in the
 C extension (hybridfleet.ps.wire.tls) or in Python's ssl module.
+
+Memory (TLS run): ``shard_rss_over_slice`` is the largest shard's peak RSS over its slice
+of the parameters, ``shard_rss_over_target`` its peak RSS over 1.25 x (slice + optimizer
+slots) + 128 MiB, ``worker_rss_over_model`` a worker's peak RSS over the model's bytes (the
+worker holds its parameters and gradients besides what the session keeps).
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ from pathlib import Path
 import yaml
 
 from hybridfleet.launch.preflight import free_port
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.tls import ENV_SWITCH, native_available
 
 HERE = Path(__file__).resolve().parent
 TENSORS = 16
+BLOCK_BYTES = 64 << 20
+SLOTS = {"sgd": 0, "adam": 2}  # optimizer state arrays shaped like the parameters
 
 
 def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
@@ -80,13 +89,28 @@ def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
     return received[0] / elapsed
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """A running process's peak resident set (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def slice_bytes(numel: int, shards: int) -> list[int]:
+    """Each shard's float32 bytes of the bench's parameter set."""
+    params = [ParamSpec(f"layer{i}.weight", (numel // TENSORS,)) for i in range(TENSORS)]
+    plan = ShardingPlan.build(params, shards, BLOCK_BYTES)
+    return [sum((b.stop - b.start) * 4 for b in plan.blocks_for_shard(i)) for i in range(shards)]
+
+
 def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: str = "auto",
-           native_tls: bool = True) -> dict:
+           native_tls: bool = True, shards: int = 1, optimizer: str = "sgd") -> dict:
     job = {
         "name": "bench-ps-exchange", "framework": "torch", "entrypoint": "unused.py",
         "sites": {"w0": {"workers": 1}, "w1": {"workers": 1}},
-        "ps": {"shards": 1, "sync": "bsp", "optimizer": {"name": "sgd", "lr": 0.01},
-               "block_size_bytes": 64 << 20, "heartbeat_timeout_s": 60, "transport": transport},
+        "ps": {"shards": shards, "sync": "bsp", "optimizer": {"name": optimizer, "lr": 0.01},
+               "block_size_bytes": BLOCK_BYTES, "heartbeat_timeout_s": 60, "transport": transport},
         "security": {"tls": "off" if plaintext else "auto", "tokens": "off" if plaintext else "auto"},
     }
     job_path = workdir / "job.yaml"
@@ -96,21 +120,24 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
 
     spec = load_spec(job_path)
     layout = prepare_security(spec, workdir)
-    port_file = workdir / "shard.port"
-    argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", "0", "--port", "0",
-            "--port-file", str(port_file), "--expected-workers", "2"]
-    argv += ["--insecure-plaintext", "--no-auth"] if plaintext else ["--certs", str(layout.certs_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HFLEET_LOG_LEVEL="warning")
     if not native_tls:
         env[ENV_SWITCH] = "0"
-    shard = subprocess.Popen(argv, env=env)
+    shard_procs, port_files = [], []
+    for i in range(shards):
+        port_file = workdir / f"shard-{i}.port"
+        argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(i), "--port", "0",
+                "--port-file", str(port_file), "--expected-workers", "2"]
+        argv += ["--insecure-plaintext", "--no-auth"] if plaintext else ["--certs", str(layout.certs_dir)]
+        shard_procs.append(subprocess.Popen(argv, env=env))
+        port_files.append(port_file)
     try:
         deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if time.monotonic() > deadline or shard.poll() is not None:
+        while not all(f.exists() for f in port_files):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in shard_procs):
                 raise RuntimeError("shard did not start")
             time.sleep(0.05)
-        layout.shard_addresses = [port_file.read_text().strip()]
+        layout.shard_addresses = [f.read_text().strip() for f in port_files]
         procs = []
         for rank, site in enumerate(spec.sites):
             wenv = dict(env, **worker_env(spec, job_path, layout, site, rank, 0))
@@ -118,11 +145,20 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
                                            str(rank), str(rounds), str(numel), str(TENSORS)],
                                           env=wenv, stdout=subprocess.PIPE, text=True))
         results = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+        shard_rss = [peak_rss_bytes(p.pid) for p in shard_procs]
     finally:
-        shard.terminate()
-        shard.wait(10)
+        for p in shard_procs:
+            p.terminate()
+        for p in shard_procs:
+            p.wait(10)
     per_round = [max(a, b) for a, b in zip(results[0]["round_s"], results[1]["round_s"])]
-    return {"round_s": per_round, "median_s": statistics.median(per_round)}
+    slices = slice_bytes(numel, shards)
+    slots = SLOTS[optimizer]
+    return {"round_s": per_round, "median_s": statistics.median(per_round),
+            "shard_rss_bytes": max(shard_rss), "worker_rss_bytes": max(r["peak_rss_bytes"] for r in results),
+            "shard_rss_over_slice": max(r / s for r, s in zip(shard_rss, slices)),
+            "shard_rss_over_target": max(r / (1.25 * s * (1 + slots) + (128 << 20)) for r, s in zip(shard_rss, slices)),
+            "worker_rss_over_model": max(r["peak_rss_bytes"] for r in results) / (numel * 4)}
 
 
 def run_gloo(numel: int, rounds: int) -> dict:
@@ -142,6 +178,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--python-tls", action="store_true", help="also measure TLS in Python's ssl module")
     ap.add_argument("--grpc", action="store_true", help="also measure Push/Pull over gRPC instead of the bulk data plane")
+    ap.add_argument("--shards", type=int, default=1, help="shard processes (default 1)")
+    ap.add_argument("--optimizer", choices=sorted(SLOTS), default="sgd", help="the shards' optimizer (default sgd)")
     args = ap.parse_args()
     from _anchors import require  # bench/ is sys.path[0] when a bench runs
 
@@ -151,9 +189,9 @@ def main() -> None:
     numel = mb * (1 << 20) // 4
     tensor_bytes = numel * 4
     with tempfile.TemporaryDirectory() as tmp:
-        ps = run_ps(numel, rounds, False, Path(tmp))
+        ps = run_ps(numel, rounds, False, Path(tmp), shards=args.shards, optimizer=args.optimizer)
     with tempfile.TemporaryDirectory() as tmp:
-        ps_plain = run_ps(numel, rounds, True, Path(tmp))
+        ps_plain = run_ps(numel, rounds, True, Path(tmp), shards=args.shards, optimizer=args.optimizer)
     ps_pytls = None
     if args.python_tls:
         with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +205,8 @@ def main() -> None:
     tcp = raw_tcp_bytes_per_s(shard_bytes)
     ratio = ps["median_s"] / gloo["median_s"]
     eff = (shard_bytes / ps["median_s"]) / tcp
-    print(f"parameter set: {mb} MB in {TENSORS} tensors, 2 workers, 1 shard, {rounds} rounds (median)")
+    print(f"parameter set: {mb} MB in {TENSORS} tensors, 2 workers, {args.shards} shard(s), {args.optimizer}, "
+          f"{rounds} rounds (median)")
     print(f"{'side':<44}{'s/round':>10}{'GB/s through shard':>22}")
     tls_kind = "C record loop" if native_available() else "Python ssl"
     print(f"{f'hybridfleet PS (TLS + tokens, {tls_kind})':<44}{ps['median_s']:>10.3f}"
@@ -187,6 +226,14 @@ def main() -> None:
               "ps_plaintext_s": round(ps_plain["median_s"], 4),
               "ratio_plaintext": round(ps_plain["median_s"] / gloo["median_s"], 3),
               "wire_efficiency_plaintext": round((shard_bytes / ps_plain["median_s"]) / tcp, 3)}
+    result.update({"shards": args.shards, "optimizer": args.optimizer,
+                   "shard_rss_mib": round(ps["shard_rss_bytes"] / (1 << 20), 1),
+                   "worker_rss_mib": round(ps["worker_rss_bytes"] / (1 << 20), 1),
+                   **{k: round(ps[k], 3) for k in ("shard_rss_over_slice", "shard_rss_over_target",
+                                                    "worker_rss_over_model")}})
+    print(f"peak RSS: shard {result['shard_rss_mib']} MiB ({result['shard_rss_over_slice']} x its slice, "
+          f"{result['shard_rss_over_target']} x 1.25 (slice + slots) + 128 MiB), worker {result['worker_rss_mib']} "
+          f"MiB ({result['worker_rss_over_model']} x the model)")
     if ps_pytls:
         result["ps_python_tls_s"] = round(ps_pytls["median_s"], 4)
         result["python_tls_vs_plaintext"] = round(ps_pytls["median_s"] / ps_plain["median_s"], 3)

@@ -127,15 +127,15 @@ class _BulkHarness:
     response and checks each is a well-formed frame and none is INTERNAL."""
 
     def __init__(self) -> None:
-        import hybridfleet.ps.server.shard as shard_mod
+        import hybridfleet.ps.server.downlink as downlink_mod
         from hybridfleet.ps.server.bulk_server import BulkServer
         from hybridfleet.ps.server.service import ShardServicer
         from hybridfleet.ps.server.shard import ShardState
         from hybridfleet.ps.wire.sharding import ParamSpec
         from hybridfleet.spec.models import PSSpec
 
-        self._ceiling = (shard_mod, _PULL_WAIT_CEILING_S)
-        shard_mod.PULL_WAIT_CEILING_S = 0.0  # a fuzzed pull never waits for a round (restored by close)
+        self._ceiling = (downlink_mod, _PULL_WAIT_CEILING_S)
+        downlink_mod.PULL_WAIT_CEILING_S = 0.0  # a fuzzed pull never waits for a round (restored by close)
         spec = PSSpec(heartbeat_timeout_s=1e9, heartbeat_interval_s=1.0)
         self.state = ShardState(0, spec, sites={"a": 2})
         params = [ParamSpec("w", (4, 3)), ParamSpec("b", (4,))]

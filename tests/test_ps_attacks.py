@@ -311,9 +311,9 @@ def test_push_fields_contributors_step_and_sizes_are_validated(tmp_path, transpo
 
 # ----------------------------------------------------------------- bounded resources (item 3)
 def test_pulls_cannot_pin_the_shard_and_their_wait_is_capped(tmp_path, monkeypatch):
-    import hybridfleet.ps.server.shard as shard_mod
+    import hybridfleet.ps.server.downlink as downlink_mod
 
-    monkeypatch.setattr(shard_mod, "PULL_WAIT_CEILING_S", 2.0)
+    monkeypatch.setattr(downlink_mod, "PULL_WAIT_CEILING_S", 2.0)
     cluster = start_cluster(tmp_path, transport="grpc", sites=ATTACKER)
     job = LegitJob(cluster)
     try:

@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 
 from hybridfleet.codec import ErrorFeedback, get_codec
-from tests.ps_helpers import PARAMS, join_and_init, start_cluster
+from hybridfleet.ps.wire.sharding import ParamSpec
+from tests.ps_helpers import PARAMS, start_cluster
 from tests.test_ps_run import _job
 
 
-def _session_values(client, pulled, flat):
+def _session_values(client, pulled, flat, codec_name: str = "topk"):
     """Apply a pull's entries to ``flat`` (param -> flat array) the way a worker does."""
     from hybridfleet.ps.worker.session import PSSession
 
     session = PSSession.__new__(PSSession)
-    session.plan, session._flat, session._down_codec, session.codec_name = client.plan, flat, None, "topk"
+    session.plan, session._flat, session._down_codec, session.codec_name = client.plan, flat, None, codec_name
     session._block_index = None
     session._apply_pulled(pulled)
     return flat
@@ -42,34 +43,38 @@ def test_unknown_or_other_codec_is_refused_at_join_with_a_message(topk_cluster):
 
 
 def test_compressed_downlink_deltas_rebuild_the_same_values_as_a_full_pull(topk_cluster):
-    # Prepare: two workers; one follows every version's delta, the other pulls values at the end
+    # Prepare: two workers; one follows every version's delta, the other pulls values at the end.
+    # Keys of 256 and 64 elements: their top-k frames are smaller than their values, so deltas are sent
+    wide = [ParamSpec("fc.weight", (64, 4)), ParamSpec("fc.bias", (64,))]
     a, b = topk_cluster.client("a"), topk_cluster.client("b")
-    join_and_init(topk_cluster, a)
-    join_and_init(topk_cluster, b, init=False)
-    flat = {p.name: np.zeros(int(np.prod(p.shape)), np.float32) for p in PARAMS}
+    for c in (a, b):
+        c.join(wide, topk_cluster.spec.ps.block_size_bytes, "topk", "torch")
+    a.push({p.name: np.linspace(-1, 1, int(np.prod(p.shape)), dtype=np.float32).tobytes() for p in wide},
+           codec="none", kind="INIT")
+    flat = {p.name: np.zeros(int(np.prod(p.shape)), np.float32) for p in wide}
     _session_values(a, a.pull(full=True), flat)
     feedback = ErrorFeedback(get_codec("topk", ratio=0.25))
     rng = np.random.default_rng(0)
     # Execute: 10 sparse pushes, a pulling deltas after each
     for _ in range(10):
         payloads = {}
-        for p in PARAMS:
+        for p in wide:
             for key, part in a.plan.split(p.name, rng.standard_normal(int(np.prod(p.shape))).astype(np.float32)).items():
                 payloads[key] = feedback.encode(key, part)
         a.push(payloads, codec="topk")
         pulled = a.pull()
         assert all(e.delta_version > 0 for e in pulled)  # deltas, not values
         _session_values(a, pulled, flat)
-    full = {p.name: np.zeros(int(np.prod(p.shape)), np.float32) for p in PARAMS}
+    full = {p.name: np.zeros(int(np.prod(p.shape)), np.float32) for p in wide}
     _session_values(b, b.pull(full=True), full)
     # Assert: bit-identical to the shard's broadcast values, and to the full pull
     state = topk_cluster.servers[0].state
-    for p in PARAMS:
+    for p in wide:
         np.testing.assert_array_equal(flat[p.name], full[p.name])
         np.testing.assert_array_equal(flat[p.name], state.broadcast[p.name])
-    # accounting: what `a` received after its two full pulls (16 values each) is exactly the encoded deltas
+    # accounting: what `a` received after its full pull (320 values) is exactly the encoded deltas
     status = state.status()
-    assert a.bytes.received["params"] == 2 * 16 * 4 + status["downlink_encoded_bytes"]
+    assert a.bytes.received["params"] == 320 * 4 + status["downlink_encoded_bytes"]
     a.close()
     b.close()
 

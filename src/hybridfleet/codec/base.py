@@ -65,8 +65,10 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r} computes in {flat.dtype}; the gradient holds values beyond its range")
         return pack_frame(self.name, array.dtype, shape, self._encode_fields(flat))
 
-    def decode(self, payload: bytes, expected_numel: int | None = None) -> np.ndarray:
-        """The dense tensor in `payload`, with its original shape and dtype (a new, writable array).
+    def decode(self, payload: bytes, expected_numel: int | None = None, *, view: bool = False) -> np.ndarray:
+        """The dense tensor in `payload`, with its original shape and dtype (a new, writable array;
+        with ``view`` it may instead share `payload`'s memory, writable only if `payload` is, so a
+        caller that owns the payload decodes a raw frame without copying it).
 
         Raises ProtocolError if the payload is malformed or not this codec's, or, with
         `expected_numel`, when its shape holds another number of elements: checked before
@@ -74,8 +76,10 @@ class Codec(ABC):
         caller expects.
         """
         frame = _expect(unpack_frame(payload, self.name, self.num_fields), expected_numel)
-        flat = self._decode_fields(frame)
-        return _finite(flat.astype(frame.header.dtype, copy=False), self.name).reshape(frame.header.shape)
+        flat = self._decode_fields(frame).astype(frame.header.dtype, copy=False)
+        if not view and np.may_share_memory(flat, np.frombuffer(payload, np.uint8)):
+            flat = flat.copy()
+        return _finite(flat, self.name).reshape(frame.header.shape)
 
     def decode_sparse(self, payload: bytes, expected_numel: int | None = None) -> SparseTensor:
         """The update in `payload` as (indices, values, shape), without densifying sparse codecs.

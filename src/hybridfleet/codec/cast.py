@@ -25,7 +25,7 @@ class NoneCodec(Codec):
 
     def _decode_fields(self, frame: Frame) -> np.ndarray:
         dtype = frame.header.dtype.newbyteorder("<")
-        return frame.array(0, dtype, frame.header.numel, "values").astype(frame.header.dtype)
+        return frame.array(0, dtype, frame.header.numel, "values").astype(frame.header.dtype, copy=False)
 
 
 class Fp16Codec(Codec):

@@ -136,7 +136,8 @@ class PSSpec(_Strict):
     max_tensors: int = Field(10_000, ge=1, description="a Join declaring more tensors is refused")
     max_model_bytes: int = Field(2 << 30, ge=1024, description="a Join declaring a larger model is refused")
     memory_budget_bytes: int = Field(
-        2 << 30, ge=1 << 20, description="push bytes a shard holds in flight at once, all peers together")
+        2 << 30, ge=1 << 20, description="push bytes a shard holds in flight at once, all peers together, "
+                                         "plus its compressed downlink's delta log (at most half of it)")
     init_site: str | None = Field(
         None, description="the site whose first worker pushes the initial values to the shards (default: the "
                           "first site), e.g. the site next to the shards, so they never cross a slow link")

@@ -112,6 +112,7 @@ class SecAggServer:
             self.failed = f"secure aggregation stopped at shard {self.state.shard}: {message}"
             log.error("secagg_failed", shard=self.state.shard, reason=self.failed)
         self.state.cond.notify_all()
+        self.state.wake_all_pullers()
 
     def _caller(self, worker_id: str):
         member = self.state.members.get(worker_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from hybridfleet.ps.wire.reject import Reject
 
@@ -30,6 +30,13 @@ _FRAME_OVERHEAD = 512
 def max_encoded_bytes(numel: int) -> int:
     """An upper bound on the encoded size of a block of ``numel`` float32 elements."""
     return _FRAME_BYTES_PER_ELEMENT * numel + _FRAME_OVERHEAD
+
+
+def delta_log_bound(slice_bytes: int, memory_budget_bytes: int) -> int:
+    """Bytes a shard's compressed-downlink delta log may hold: no more than the slice's dense
+    values (a pull needing more gets values instead), and at most half the shard's memory
+    budget, which counts what the log holds (`ByteBudget`), so pushes always keep the other half."""
+    return min(slice_bytes, memory_budget_bytes // 2)
 
 
 def server_threads(num_workers: int) -> int:
@@ -74,12 +81,15 @@ class ByteBudget:
 
     A push waits (up to ``wait_s``) for its worker's previous push and for room in the budget,
     so legitimate workers queue instead of failing; each identity holds at most one push, so
-    no peer can take more than its own push's share.
+    no peer can take more than its own push's share. ``reserved()``: bytes of the budget the
+    shard holds itself now (its compressed downlink's delta log, at most half the budget, see
+    `delta_log_bound`), not available to pushes.
     """
 
-    def __init__(self, total: int, wait_s: float = 30.0):
+    def __init__(self, total: int, wait_s: float = 30.0, reserved: Callable[[], int] | None = None):
         self.total = total
         self.wait_s = wait_s
+        self._reserved = reserved or (lambda: 0)
         self._held: dict[str, int] = {}
         self._cond = threading.Condition()
 
@@ -87,17 +97,20 @@ class ByteBudget:
     def hold(self, identity: str, nbytes: int) -> Iterator[None]:
         """Reserve ``nbytes`` for ``identity``'s push while the block runs; Reject when it cannot."""
         with self._cond:
-            if nbytes > self.total:
+            reserved = self._reserved()
+            room = self.total - reserved
+            if nbytes > room:
+                held = f" less the {reserved} bytes its compressed downlink's delta log holds" if reserved else ""
                 raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes exceeds the shard's memory budget of "
-                                                   f"{self.total} bytes (ps.memory_budget_bytes)")
+                                                   f"{self.total} bytes{held} (ps.memory_budget_bytes)")
             # a worker's previous push may still be ending (e.g. on a connection it just dropped)
             if not self._cond.wait_for(lambda: identity not in self._held, self.wait_s):
                 raise Reject("RESOURCE_EXHAUSTED", f"worker {identity} already has a push in flight on this shard; "
                                                    "one at a time")
-            if not self._cond.wait_for(lambda: sum(self._held.values()) + nbytes <= self.total, self.wait_s):
+            if not self._cond.wait_for(lambda: sum(self._held.values()) + nbytes <= room, self.wait_s):
                 used = sum(self._held.values())
                 raise Reject("RESOURCE_EXHAUSTED", f"push of {nbytes} bytes would exceed the shard's memory budget "
-                                                   f"({used} of {self.total} bytes in flight for {self.wait_s:g} s); "
+                                                   f"({used} of {room} bytes in flight for {self.wait_s:g} s); "
                                                    "retry")
             self._held[identity] = nbytes
         try:

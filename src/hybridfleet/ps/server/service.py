@@ -52,7 +52,8 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self.state = state
         self.max_push_bytes = max_push_bytes
         self.gate = CallGate()
-        self.budget = ByteBudget(state.spec.memory_budget_bytes)
+        # what the compressed downlink's delta log holds counts against the budget
+        self.budget = ByteBudget(state.spec.memory_budget_bytes, reserved=lambda: state.delta_log_bytes)
         self._cache: dict[tuple, tuple[list[bytes], list[bytes]]] = {}
         self._cache_version = -1
         self._cache_lock = threading.Lock()

@@ -4,7 +4,8 @@ A snapshot is an ordinary hybridfleet checkpoint (safetensors + state JSON +
 manifest written last) under ``<checkpoint.store>/ps/shard-<i>``: parameters,
 the broadcast copy of a compressed downlink, optimizer slots, and a JSON state
 with the version, sharding plan and each worker's clock (so replays stay
-rejected after a restart). Copies are taken under the shard's lock (memcpy);
+rejected after a restart). Copies are taken under the shard's lock (memcpy), one of
+each thing: the values pullers are sent are shared with them, not copied again;
 the write runs in a background thread, at most one in flight.
 """
 
@@ -31,9 +32,12 @@ def snapshot_url(store: str, shard: int) -> str:
 def capture(state: ShardState) -> tuple[int, dict[str, np.ndarray], dict]:
     """(version, tensors, json state) copied under the shard's lock."""
     with state.cond:
-        tensors = {f"param/{k}": v.copy() for k, v in state.params.items()}
-        tensors.update({f"broadcast/{k}": v.copy() for k, v in state.broadcast.items()})
-        tensors.update({f"opt/{k}": np.array(v, copy=True) for k, v in state.optimizer.state_dict().items()})
+        # one copy of each thing: the values pullers are sent (params, or the broadcast copy of a
+        # compressed downlink) are the per-version wire copy, shared; state_dict() is a copy already
+        tensors = {f"param/{k}": v.copy() if state.compress_down else state.wire_values(k)
+                   for k, v in state.params.items()}
+        tensors.update({f"broadcast/{k}": state.wire_values(k) for k in state.broadcast})
+        tensors.update({f"opt/{k}": v for k, v in state.optimizer.state_dict().items()})
         if state.script_optimizer is not None:  # the script's optimizer (hybridfleet.ps.server.groups)
             tensors.update({f"script/{k}": v for k, v in state.script_optimizer.state_dict().items()})
         meta = {
@@ -70,6 +74,8 @@ def restore(state: ShardState, tensors: dict[str, np.ndarray], meta: dict) -> No
         state.key_version = {k: int(v) for k, v in meta["key_version"].items()}
         state.initialized = set(meta["initialized"])
         state.applied_pushes = int(meta["applied_pushes"])
+        state._wire_cache.clear()
+        state._changed_cache = (-1, {})
         now = state._now()
         state.members = {w: Member(w, m["site"], now, clock=int(m["clock"])) for w, m in meta["members"].items()}
         state._first_join = now

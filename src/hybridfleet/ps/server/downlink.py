@@ -1,0 +1,190 @@
+"""What a shard sends back: pulls that wait per the consistency mode, values or encoded deltas.
+
+Methods of `hybridfleet.ps.server.shard.ShardState` (mixed in). With a compressed
+downlink (codec != none) workers hold ``broadcast``; each applied version encodes
+``params - broadcast`` once into the delta log, shared by every puller.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, delta_log_bound
+from hybridfleet.ps.wire import buffers
+from hybridfleet.ps.wire.buffers import DTYPE
+from hybridfleet.ps.wire.protocol import CHUNK_BYTES
+from hybridfleet.ps.wire.reject import Reject
+
+
+
+class Downlink:
+    """Pull and the compressed downlink's delta log of one shard."""
+
+    @property
+    def delta_log_bound_bytes(self) -> int:
+        """The most bytes the compressed downlink's delta log holds (what it holds counts against
+        the shard's memory budget; 0 without a compressed downlink or before the plan is fixed)."""
+        if not self.compress_down or self.plan is None:
+            return 0
+        return delta_log_bound(self.slice_bytes, self.spec.memory_budget_bytes)
+
+    def _encode_deltas(self, keys: list[str]) -> None:
+        """Encode this version's change of ``keys`` once into the delta log, dropping the oldest
+        versions while the log holds more than its bound."""
+        job_codec, dense = self.codec(), buffers.dense_codec()
+        deltas, sizes = {}, {}
+        for key in keys:
+            codec = dense if buffers.is_buffer(key) else job_codec
+            payload = codec.encode(self.params[key] - self.broadcast[key])
+            self.broadcast[key] += codec.decode(payload)
+            deltas[key], sizes[key] = _pieces(payload), len(payload)
+            self.downlink_dense_bytes += self.params[key].nbytes
+            self.downlink_encoded_bytes += len(payload)
+        self.delta_log.append((self.version, deltas, sizes))
+        self.delta_log_bytes += sum(sizes.values())
+        bound = self.delta_log_bound_bytes
+        while self.delta_log and self.delta_log_bytes > bound:
+            self.delta_log_bytes -= sum(self.delta_log.popleft()[2].values())
+
+    # -------------------------------------------------------------------- pull
+    def pull(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
+             timeout_s: float, init_digest: str = "") -> tuple[int, list[tuple[str, list[memoryview], int, int]]]:
+        """Wait per the consistency mode, then return ``(version, [(key, chunks, total_bytes, delta_version)])``:
+        values (delta_version 0) of the keys changed since ``since_version``, or, with a compressed
+        downlink, the encoded deltas of each later version in order.
+
+        A waiting pull sleeps on its own condition, registered under what it waits for (the
+        initial values, a version, or in ssp the other workers' clocks); only the event that
+        can make it ready wakes it (counted in ``status()["pull_wakeups"]``), so a push that
+        does not finish a round wakes no puller."""
+        deadline = self._now() + min(max(0.0, timeout_s), PULL_WAIT_CEILING_S)
+        with self.cond:
+            self._member(worker_id)
+            while (blocked := self._pull_blocked(worker_id, wait_for_version, worker_clock)) is not None:
+                if self.secagg is not None and self.secagg.failed:
+                    raise Reject("ABORTED", self.secagg.failed)
+                left = deadline - self._now()
+                if left <= 0:
+                    raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
+                waiter = threading.Condition(self._lock)
+                waiting = self._pull_waiters.setdefault(blocked, set())
+                waiting.add(waiter)
+                try:
+                    waiter.wait(min(left, 0.5))  # the timeout also closes a round only waiting for the clock
+                finally:
+                    waiting.discard(waiter)
+                    if not waiting and self._pull_waiters.get(blocked) is waiting:
+                        del self._pull_waiters[blocked]
+                self._maybe_finish_rounds()
+            if since_version < 0 and init_digest and init_digest == self.init_digest:
+                since_version = 0  # the caller holds the initial values already
+            if self.compress_down:
+                return self.version, self._pull_compressed(since_version)
+            return self.version, self._changed_since(since_version)
+
+    def _changed_since(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
+        """The values of the keys changed since ``since_version``, worked out once per version and
+        caller version (every puller of a bsp round asks the same)."""
+        if self._changed_cache[0] != self.version:
+            self._changed_cache = (self.version, {})
+        out = self._changed_cache[1].get(since_version)
+        if out is None:
+            out = [(k, self._wire_chunks(k), self.params[k].nbytes, 0)
+                   for k in self.keys if self.key_version[k] > since_version]
+            self._changed_cache[1][since_version] = out
+        return out
+
+    def _pull_blocked(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str | int | None:
+        """What a pull waits for: ``"init"``, a version, ``"clock"`` (ssp), or None when it is ready."""
+        if not self.is_initialized():
+            return "init"
+        if wait_for_version >= 0 and self.version < wait_for_version:
+            return wait_for_version
+        if self.sync == "ssp":
+            live = [m.clock for m in self.members.values() if m.alive and m.worker_id != worker_id]
+            if live and worker_clock - min(live) > self.spec.staleness_bound:
+                return "clock"
+        return None
+
+    def _drop_wire_copies(self, keys) -> None:
+        """Forget the wire copies of ``keys``, about to change (each is freed once no pull still sends it)."""
+        for key in keys:
+            self._wire_cache.pop(key, None)
+        self._changed_cache = (-1, {})
+
+    def _published(self, changed: list[str]) -> None:
+        """A new version is in place: nothing cut for the last one is kept; wake the pulls it makes ready."""
+        self._drop_wire_copies(changed)
+        self._wake_pullers()
+
+    def _wake_pullers(self, *events: str, every: bool = False) -> None:
+        """Wake the pulls waiting for ``events`` (``"init"``, ``"clock"``) and for any version up
+        to the shard's (``every``: all waiting pulls); each waiter is woken once and registers
+        again if it must wait on."""
+        due = [w for w in self._pull_waiters
+               if every or w in events or (isinstance(w, int) and w <= self.version)]
+        for what in due:
+            for waiter in self._pull_waiters.pop(what):
+                self.pull_wakeups += 1
+                waiter.notify()
+
+    def wake_all_pullers(self) -> None:
+        """Wake every waiting pull (e.g. secure aggregation stopped: each is answered with the reason)."""
+        with self.cond:
+            self._wake_pullers(every=True)
+
+    def _pull_compressed(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
+        """Encoded deltas since ``since_version`` in order, except for a key whose pending deltas
+        are larger than its values: that key's broadcast values instead (so a pull never moves
+        more than the dense bytes); every key's values when the log does not reach back that far
+        (a new, rejoining or far-behind worker)."""
+        if since_version >= 0 and since_version >= self.version:
+            return []
+        logged = [entry for entry in self.delta_log if entry[0] > since_version]
+        if not (since_version >= 0 and logged and logged[0][0] == since_version + 1):
+            return [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in self.keys]
+        pending: dict[str, int] = {}
+        for _, _, sizes in logged:
+            for key, nbytes in sizes.items():
+                pending[key] = pending.get(key, 0) + nbytes
+        dense = {key for key, nbytes in pending.items() if nbytes > self.broadcast[key].nbytes}
+        out = [(k, self._wire_chunks(k), self.broadcast[k].nbytes, 0) for k in pending if k in dense]
+        out += [(k, pieces, sizes[k], v) for v, deltas, sizes in logged for k, pieces in deltas.items()
+                if k not in dense]
+        return out
+
+    def _wire_chunks(self, key: str) -> list[memoryview]:
+        """The key's current values as wire-sized pieces of one copy, made once per version and
+        shared by every puller (and by a snapshot, see `wire_values`)."""
+        return self._wire_copy(key)[1]
+
+    def wire_values(self, key: str) -> np.ndarray:
+        """The key's current values (``broadcast`` with a compressed downlink, else ``params``) as a
+        read-only array over the per-version wire copy: pullers and snapshots share one copy."""
+        return np.frombuffer(self._wire_copy(key)[0], dtype=DTYPE)
+
+    def _wire_copy(self, key: str) -> tuple[bytes, list[memoryview]]:
+        cached = self._wire_cache.get(key)
+        if cached is not None and cached[0] == self.key_version[key]:
+            return cached[1], cached[2]
+        whole = (self.broadcast if self.compress_down else self.params)[key].tobytes()
+        pieces = _pieces(whole)
+        self._wire_cache[key] = (self.key_version[key], whole, pieces)
+        return whole, pieces
+
+    def _wait_reason(self, worker_id: str, wait_for_version: int, worker_clock: int) -> str:
+        if not self.is_initialized():
+            return "parameters not initialized yet"
+        if self.version < wait_for_version:
+            rnd = self.rounds.get(self.version)
+            have = sorted(rnd.contributors) if rnd else []
+            return f"round {self.version} waits for {sorted(self.live_members() - set(have))}"
+        return f"worker {worker_id} at clock {worker_clock} is more than {self.spec.staleness_bound} steps ahead"
+
+
+def _pieces(data: bytes) -> list[memoryview]:
+    """``data`` cut into wire-sized pieces without copying (views that keep ``data`` alive)."""
+    view = memoryview(data)
+    return [view[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]
