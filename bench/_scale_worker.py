@@ -165,10 +165,13 @@ def main() -> None:
         seen.setdefault(key, {})[int(version)] = {int(i): float(v) for i, v in zip(idx, vals) if v != 0}
 
     pool_exec = ThreadPoolExecutor(max_workers=min(64, max(1, len(sims))))
+    # joins and first full pulls (the whole model each) a few at a time: all at once, a thousand of
+    # them starve the shards past the clients' deadlines on a small host
+    connect_exec = ThreadPoolExecutor(max_workers=cfg.get("connect_concurrency", 4))
     live: set[str] = set()
 
-    def run_all(fn, ids):
-        errors = [f.exception() for f in [pool_exec.submit(fn, sims[w]) for w in ids]]
+    def run_all(fn, ids, executor=pool_exec):
+        errors = [f.exception() for f in [executor.submit(fn, sims[w]) for w in ids]]
         bad = [e for e in errors if e is not None]
         if bad:
             raise bad[0]
@@ -236,8 +239,8 @@ def main() -> None:
             for w in ids:  # a rejoining worker comes back on a new connection
                 if sims[w].client is not None:
                     sims[w].client.close(leave=False)
-            run_all(connect, [w for w in ids if w == cfg["initialiser"]])
-            run_all(connect, [w for w in ids if w != cfg["initialiser"]])
+            run_all(connect, [w for w in ids if w == cfg["initialiser"]], connect_exec)
+            run_all(connect, [w for w in ids if w != cfg["initialiser"]], connect_exec)
             live |= set(ids)
         elif op == "round":
             ids = sorted(live)

@@ -83,7 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     from _anchors import require
 
-    require("bench/tls_cost.py", {"torch": "PyTorch"})
+    require("bench/tls_cost.py",
+            {"cryptography.hazmat.primitives.ciphers.aead": "cryptography (AES-GCM, the cipher's own cost)"})
     mb = args.mb or (16 if args.quick else 64)
     rounds = args.rounds or (3 if args.quick else 5)
     numel = mb * (1 << 20) // 4
