@@ -5,7 +5,7 @@ One encode is one step of subspace iteration, the same math as PyTorch's
 
     M   = the tensor viewed as a (rows, cols) matrix
     Q   = previous Q (warm start) or a seeded standard normal (cols, r) matrix
-    P   = orthonormalise(M Q)          # (rows, r), Gram-Schmidt
+    P   = orthonormalise(M Q)          # (rows, r), Gram-Schmidt (re-orthogonalised once)
     Q   = M^T P                        # (cols, r)
     M~  = P Q^T                        # what the decoder rebuilds
 
@@ -39,6 +39,7 @@ from hybridfleet.errors import ProtocolError
 
 _PARAMS = struct.Struct("<III")
 MAX_RANK = 1024
+DEPENDENT = 1e-4  # float32 eps (1.2e-7) times a margin for the rounding of M Q
 
 
 def near_square_rows(numel: int) -> int:
@@ -50,18 +51,22 @@ def near_square_rows(numel: int) -> int:
 
 
 def orthonormalise(matrix: np.ndarray) -> np.ndarray:
-    """Gram-Schmidt on the columns of `matrix`, in place (the hook's procedure, epsilon 0);
-    a column that vanishes becomes zero instead of NaN. Returns `matrix`."""
+    """Orthonormalise the columns of `matrix` in place and return it: Gram-Schmidt (the hook's
+    procedure) with one re-orthogonalisation pass, which float32 needs once a column is nearly
+    dependent on the previous ones; such a column (left with under `DEPENDENT` of its norm)
+    becomes zero instead of a normalised rounding error (or NaN)."""
     for i in range(matrix.shape[1]):
         col = matrix[:, i]
+        before = np.linalg.norm(col)
+        if i:
+            done = matrix[:, :i]
+            for _ in range(2):
+                col -= done @ (done.T @ col)
         norm = np.linalg.norm(col)
-        if norm > 0:
+        if norm > DEPENDENT * before:
             col /= norm
         else:
             col[:] = 0
-        if i + 1 < matrix.shape[1]:
-            rest = matrix[:, i + 1:]
-            rest -= np.outer(col, col @ rest)
     return matrix
 
 

@@ -21,7 +21,7 @@ from hybridfleet.ps.aggregate import RoundAggregator, make_round
 from hybridfleet.ps.server.groups import ScriptOptimizer, differences, parse_description
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, max_encoded_bytes
 from hybridfleet.ps.wire import buffers
-from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan, matrix_rows
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.spec.models import PSSpec
@@ -101,6 +101,7 @@ class ShardState:
         # later (error feedback on the server), and every worker holds the same values.
         self.compress_down = self.codec_name != "none"
         self.broadcast: dict[str, np.ndarray] = {}
+        self._down_q: dict[str, np.ndarray | None] = {}  # a warm-start codec's Q per key (powersgd downlink)
         # (version, key -> encoded delta cut into wire pieces once, shared by every puller)
         self.delta_log: deque[tuple[int, dict[str, list[bytes]]]] = deque(maxlen=DELTA_LOG_VERSIONS)
         self.downlink_dense_bytes = 0
@@ -545,7 +546,12 @@ class ShardState:
         deltas = {}
         for key in keys:
             codec = dense if buffers.is_buffer(key) else job_codec
-            payload = codec.encode(self.params[key] - self.broadcast[key])
+            if getattr(codec, "warm_start", False):  # powersgd: the block in its parameter's rows, Q warm-started
+                payload, self._down_q[key] = codec.encode_warm(self.params[key] - self.broadcast[key],
+                                                               self._down_q.get(key),
+                                                               rows=matrix_rows(self.plan, key))
+            else:
+                payload = codec.encode(self.params[key] - self.broadcast[key])
             self.broadcast[key] += codec.decode(payload)
             deltas[key] = _pieces(payload)
             self.downlink_dense_bytes += self.params[key].nbytes

@@ -28,7 +28,7 @@ from hybridfleet.obs.scalars import record_report
 from hybridfleet.ps.worker.egress import CAPTURE_ENV, EgressCapture
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient, Pulled, ShardRestarted
 from hybridfleet.ps.wire import buffers
-from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan, matrix_rows
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
 
@@ -406,6 +406,9 @@ class PSSession:
             from hybridfleet.codec.feedback import ErrorFeedback
 
             self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
+            if getattr(codec, "warm_start", False):  # powersgd: each block in its parameter's own rows
+                return lambda key, block: self.feedback.encode(key, block, stage=True,
+                                                               rows=matrix_rows(self.plan, key))
             return lambda key, block: self.feedback.encode(key, block, stage=True)
         return lambda key, block: codec.encode(block)
 
