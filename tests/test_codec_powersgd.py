@@ -386,3 +386,42 @@ def test_local_mode_round_through_real_shards_carries_rank_r_pseudo_gradients_ex
         for s in sessions.values():
             s.close()
         cluster.stop()
+
+
+def test_bsp_step_through_a_real_shard_applies_the_factors_and_a_refused_push_keeps_q(tmp_path):
+    # Prepare: one worker, one shard, server-side SGD lr 0.5, a rank-1 gradient (exact at rank 2)
+    from hybridfleet.ps.worker.client import ClientSecurity
+    from hybridfleet.ps.worker.session import PSSession, WorkerConfig
+    from hybridfleet.security import load_pki
+    from tests.ps_helpers import start_cluster
+
+    cluster = start_cluster(tmp_path, sites={"a": {"workers": 1}},
+                            compression={"codec": "powersgd", "rank": 2, "error_feedback": True})
+    rng = np.random.default_rng(9)
+    init = {"fc.weight": rng.standard_normal((40, 30)).astype(np.float32), "fc.bias": np.zeros(40, np.float32)}
+    grad = {"fc.weight": np.outer(rng.standard_normal(40), rng.standard_normal(30)).astype(np.float32),
+            "fc.bias": rng.standard_normal(40).astype(np.float32)}
+    sec = ClientSecurity.from_files(str(load_pki(cluster.certs).ca_cert), token=cluster.token("a"))
+    session = PSSession({k: v.shape for k, v in init.items()},
+                        WorkerConfig(job=cluster.spec, site="a", servers=cluster.addresses, security=sec), "torch")
+    try:
+        session.start(init)
+
+        # Execute: one applied step, then a stale one the shard refuses
+        session.step(grad)
+        q_after_applied = session.feedback.state_dict()["q/fc.weight"]
+        shard_after_applied = cluster.params()
+        session.client.versions = [v - 1 for v in session.client.versions]
+        session.step({k: v * 3 for k, v in grad.items()})
+
+        # Assert: the shard applied lr x the gradient (rank 1: the factors are exact); the refused push
+        # changed neither the shard nor the warm-start Q
+        for k in init:
+            np.testing.assert_allclose(shard_after_applied[k].reshape(init[k].shape), init[k] - 0.5 * grad[k],
+                                       rtol=0, atol=1e-4 * np.abs(init[k]).max())
+            assert np.array_equal(cluster.params()[k], shard_after_applied[k]), k
+        np.testing.assert_array_equal(session.feedback.state_dict()["q/fc.weight"], q_after_applied)
+        assert "q/fc.bias" not in session.feedback.state_dict()  # the bias travels dense
+    finally:
+        session.close()
+        cluster.stop()
