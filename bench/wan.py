@@ -477,15 +477,15 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
           f"local; target {metric} {'>=' if wl.higher_is_better else '<='} {args.target}; {args.job_steps} steps; "
           f"local: H={min(args.local_steps, args.job_steps)}, outer Nesterov SGD lr 0.7; PowerSGD rank {args.rank}; "
           f"shards initialised by the other site")
-    print(f"{'variant':<42}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'link MB':>9}"
-          f"{'final ' + metric[5:]:>11}{'wall s':>9}")
+    print(f"{'variant':<42}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'link MB':>10}"
+          f"{'final ' + metric[5:]:>16}{'wall s':>9}")
     for name, r in results.items():
         t = "not reached" if r["time_s"] is None else f"{r['time_s']:.1f}{'~' if r.get('estimated') else ''}"
         step = "-" if r["step"] is None else str(r["step"])
         mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}"
         link_mb = "-" if r["link_bytes"] is None else f"{r['link_bytes'] / 1e6:.2f}"
         acc = "-" if r["final_acc"] is None else f"{r['final_acc']:.4f}{'*' if r.get('final_uncapped') else ''}"
-        print(f"{VARIANTS[name][0]:<42}{t:>17}{step:>9}{mb:>18}{link_mb:>9}{acc:>11}{r['wall_s']:>9.1f}")
+        print(f"{VARIANTS[name][0]:<42}{t:>17}{step:>9}{mb:>18}{link_mb:>10}{acc:>16}{r['wall_s']:>9.1f}")
     print("(* final metric of the same BSP job run to the end without the cap; its capped run stopped at the target)")
     for name in DENSE_ROWS:
         r = results[name]
