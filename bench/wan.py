@@ -3,7 +3,7 @@ per-worker row), top-k BSP, and local SGD / DiLoCo (dense, int8, int4, PowerSGD)
 
     sudo python bench/wan.py                          # digits, torch, 20 Mbit/s, target 0.93
     sudo python bench/wan.py --framework paddle
-    sudo python bench/wan.py --quick                  # 100 Mbit/s, target 0.85, about 4 minutes
+    sudo python bench/wan.py --quick                  # 100 Mbit/s, target 0.85, a few minutes on a quiet machine
     sudo python bench/wan.py --rate-mbit 50
     sudo python bench/wan.py --workload fashion --estimate-dense   # the examples' CNN; dense timed per step
     sudo python bench/wan.py --workload charlm --estimate-dense    # the character transformer, test_bpc
