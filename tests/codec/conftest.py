@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -68,6 +69,15 @@ def assert_within_bound(codec, x: np.ndarray, payload: bytes) -> None:
         for xc, yc in zip(_chunks(x, codec.chunk_size), _chunks(y, codec.chunk_size)):
             np.testing.assert_allclose(np.abs(yc), np.abs(xc).mean(), rtol=1e-5)
             assert (np.sign(yc[xc != 0]) == np.sign(xc[xc != 0])).all()
+    elif codec.name == "powersgd":
+        # a projection P P^T M onto an orthonormal P: never larger than the input; dense frames are exact
+        from hybridfleet.codec.frame import unpack_frame
+
+        rank = struct.unpack("<III", unpack_frame(payload, "powersgd", 4).fields[0])[2]
+        if rank == 0:
+            np.testing.assert_array_equal(y, x.astype(np.float32))
+        else:
+            assert np.linalg.norm(y - x) <= np.linalg.norm(x) * (1 + 1e-5)
     else:
         raise AssertionError(f"no bound written for codec {codec.name!r}")
 

@@ -214,7 +214,7 @@ def _state(rng):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda s: s.update({"bias": np.zeros(2)}), r"unknown entry 'bias' \(expected residual/, velocity/ or step/<key>\)"),
+        (lambda s: s.update({"bias": np.zeros(2)}), r"unknown entry 'bias' \(expected residual/, velocity/, q/ or step/<key>\)"),
         (lambda s: s.update({"residual/w": [0.0]}), r"'residual/w' must be a numpy array \(got list\)"),
         (lambda s: s.pop("step/w"), r"step/w must be a non-negative int64 array of shape \(1,\)"),
         (lambda s: s.pop("residual/w"), r"(velocity|step)/w has no residual/w"),

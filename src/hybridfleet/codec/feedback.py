@@ -25,6 +25,10 @@ apart until `commit` (the push was applied) or `discard` (it was refused or lost
 stale round or a restarted shard), so a refused push leaves every residual exactly as it
 was before encoding and the next push still carries it.
 
+A codec with a warm start (powersgd) also keeps one more array per key here, the Q factor
+its last encoding returned, passed back to the next encoding of that key; it is staged,
+committed, discarded and saved (``q/<key>``) with the residual.
+
 Not thread-safe for one key; different keys may be encoded from different threads.
 """
 
@@ -35,7 +39,7 @@ import numpy as np
 from hybridfleet.codec.base import Codec, check_gradient
 from hybridfleet.codec.cast import FP16_MAX
 
-_KINDS = ("residual", "velocity", "step")
+_KINDS = ("residual", "velocity", "step", "q")
 
 
 class ErrorFeedback:
@@ -57,7 +61,8 @@ class ErrorFeedback:
         self._residuals: dict[str, np.ndarray] = {}
         self._velocities: dict[str, np.ndarray] = {}
         self._steps: dict[str, int] = {}
-        self._staged: dict[str, tuple[np.ndarray, np.ndarray | None, int]] = {}
+        self._warm: dict[str, np.ndarray] = {}  # key -> the warm-start Q of a codec that has one
+        self._staged: dict[str, tuple[np.ndarray, np.ndarray | None, int, np.ndarray | None]] = {}
 
     def ratio_at(self, step: int) -> float | None:
         """The kept fraction used at a key's `step` (None for codecs without a ratio)."""
@@ -66,9 +71,10 @@ class ErrorFeedback:
             return ratio
         return ratio ** (step / self.warmup_steps)
 
-    def encode(self, key: str, grad: np.ndarray, *, stage: bool = False) -> bytes:
+    def encode(self, key: str, grad: np.ndarray, *, stage: bool = False, rows: int | None = None) -> bytes:
         """The payload for `grad` corrected by the residual of `key`; updates that residual
         (with ``stage=True`` only once `commit` is called; `discard` drops the update).
+        `rows` goes to a codec with a matrix layout (powersgd: the row count to view `grad` with).
 
         The payload has grad's shape and dtype. On any error (bad key, dtype,
         shape, NaN) the state of every key is unchanged.
@@ -89,7 +95,11 @@ class ErrorFeedback:
         ratio = self.ratio_at(step)
         if ratio is not None and ratio != codec.ratio:
             codec = codec.with_ratio(ratio)
-        payload = codec.encode(_to_wire_dtype(corrected, grad.dtype))
+        q = None
+        if getattr(codec, "warm_start", False):
+            payload, q = codec.encode_warm(_to_wire_dtype(corrected, grad.dtype), self._warm.get(key), rows=rows)
+        else:
+            payload = codec.encode(_to_wire_dtype(corrected, grad.dtype))
 
         if codec.sparse:
             sent = codec.decode_sparse(payload)
@@ -100,22 +110,27 @@ class ErrorFeedback:
             corrected -= codec.decode(payload).astype(work_dtype)
 
         if stage:
-            self._staged[key] = (corrected, velocity, step + 1)
+            self._staged[key] = (corrected, velocity, step + 1, q)
         else:
-            self._store(key, corrected, velocity, step + 1)
+            self._store(key, corrected, velocity, step + 1, q)
         return payload
 
-    def _store(self, key: str, residual: np.ndarray, velocity: np.ndarray | None, step: int) -> None:
+    def _store(self, key: str, residual: np.ndarray, velocity: np.ndarray | None, step: int,
+               q: np.ndarray | None = None) -> None:
         self._residuals[key] = residual
         if velocity is not None:
             self._velocities[key] = velocity
         self._steps[key] = step
+        if q is None:
+            self._warm.pop(key, None)
+        else:
+            self._warm[key] = q
 
     def commit(self) -> list[str]:
         """Keep the state staged by ``encode(..., stage=True)`` (its push was applied); returns the keys."""
         keys = list(self._staged)
-        for key, (residual, velocity, step) in self._staged.items():
-            self._store(key, residual, velocity, step)
+        for key, (residual, velocity, step, q) in self._staged.items():
+            self._store(key, residual, velocity, step, q)
         self._staged.clear()
         return keys
 
@@ -142,7 +157,7 @@ class ErrorFeedback:
 
     def reset(self, key: str | None = None) -> None:
         """Forget the state of `key` (or of every key)."""
-        for table in (self._residuals, self._velocities, self._steps, self._staged):
+        for table in (self._residuals, self._velocities, self._steps, self._warm, self._staged):
             if key is None:
                 table.clear()
             else:
@@ -150,13 +165,16 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The state as a flat dict of numpy arrays (safetensors-ready): ``residual/<key>``,
-        ``velocity/<key>`` (with momentum) and ``step/<key>`` (int64, shape (1,))."""
+        ``velocity/<key>`` (with momentum), ``q/<key>`` (warm-start codecs) and ``step/<key>``
+        (int64, shape (1,))."""
         state: dict[str, np.ndarray] = {}
         for key, residual in self._residuals.items():
             state[f"residual/{key}"] = residual.copy()
             state[f"step/{key}"] = np.array([self._steps[key]], dtype=np.int64)
             if key in self._velocities:
                 state[f"velocity/{key}"] = self._velocities[key].copy()
+            if key in self._warm:
+                state[f"q/{key}"] = self._warm[key].copy()
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -169,18 +187,18 @@ class ErrorFeedback:
         for name, value in state.items():
             kind, sep, key = name.partition("/")
             if not sep or kind not in tables or not key:
-                raise ValueError(f"error-feedback state: unknown entry {name!r} (expected residual/, velocity/ or step/<key>)")
+                raise ValueError(f"error-feedback state: unknown entry {name!r} (expected residual/, velocity/, q/ or step/<key>)")
             if not isinstance(value, np.ndarray):
                 raise ValueError(f"error-feedback state: {name!r} must be a numpy array (got {type(value).__name__})")
             tables[kind][key] = value
-        residuals, velocities, steps = tables["residual"], tables["velocity"], tables["step"]
+        residuals, velocities, steps, warm = tables["residual"], tables["velocity"], tables["step"], tables["q"]
         for key, residual in residuals.items():
             if residual.dtype not in (np.float32, np.float64) or not np.isfinite(residual).all():
                 raise ValueError(f"error-feedback state: residual/{key} must be finite float32 or float64 (got {residual.dtype})")
             step = steps.get(key)
             if step is None or step.shape != (1,) or step.dtype.kind not in "iu" or step[0] < 0:
                 raise ValueError(f"error-feedback state: step/{key} must be a non-negative int64 array of shape (1,)")
-        for kind, table in (("velocity", velocities), ("step", steps)):
+        for kind, table in (("velocity", velocities), ("step", steps), ("q", warm)):
             for key in table.keys() - residuals.keys():
                 raise ValueError(f"error-feedback state: {kind}/{key} has no residual/{key}")
         if velocities and not self.momentum:
@@ -191,6 +209,13 @@ class ErrorFeedback:
                     f"error-feedback state: velocity/{key} {velocity.dtype}{list(velocity.shape)} does not match "
                     f"residual/{key} {residuals[key].dtype}{list(residuals[key].shape)}"
                 )
+        if warm and not getattr(self.codec, "warm_start", False):
+            raise ValueError(f"error-feedback state holds warm-start Q factors but codec {self.codec.name!r} has none")
+        for key, q in warm.items():
+            if q.dtype != np.float32 or q.ndim != 2 or not np.isfinite(q).all():
+                raise ValueError(f"error-feedback state: q/{key} must be a finite 2-D float32 array "
+                                 f"(got {q.dtype}{list(q.shape)})")
+        self._warm = {key: np.array(value, order="C") for key, value in warm.items()}
         self._residuals = {key: np.array(value, order="C") for key, value in residuals.items()}
         self._velocities = {key: np.array(value, order="C") for key, value in velocities.items()}
         self._steps = {key: int(value[0]) for key, value in steps.items()}

@@ -10,13 +10,14 @@ from hybridfleet.codec.cast import Bf16Codec, Fp16Codec, NoneCodec
 from hybridfleet.codec.frame import CODEC_IDS
 from hybridfleet.codec.int4 import Int4Codec
 from hybridfleet.codec.int8 import Int8Codec
+from hybridfleet.codec.powersgd import PowerSGDCodec
 from hybridfleet.codec.randomk import RandomKCodec
 from hybridfleet.codec.sign import SignCodec
 from hybridfleet.codec.topk import TopKCodec
 
 _CLASSES: dict[str, type[Codec]] = {
     cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec, SignCodec,
-                Int4Codec)
+                Int4Codec, PowerSGDCodec)
 }
 assert set(_CLASSES) == set(CODEC_IDS), "every codec needs a wire id in frame.CODEC_IDS"
 
@@ -50,11 +51,14 @@ def get_codec(name: str, **options: Any) -> Codec:
 def codec_for(compression: Any) -> Codec:
     """The codec for a job's `ps.compression` spec (anything with `.codec` and `.ratio`).
 
-    `ratio` (and `value_dtype`) go only to the codecs that keep a fraction of the elements.
+    `ratio` (and `value_dtype`) go only to the codecs that keep a fraction of the elements,
+    `rank` only to powersgd.
     """
     options = {}
     if compression.codec in SPARSE_CODECS:
         options = {"ratio": compression.ratio, "value_dtype": getattr(compression, "value_dtype", "float32")}
+    elif compression.codec == "powersgd":
+        options = {"rank": compression.rank}
     return get_codec(compression.codec, **options)
 
 

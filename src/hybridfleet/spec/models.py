@@ -45,13 +45,15 @@ class OptimizerSpec(_Strict):
 class CompressionSpec(_Strict):
     """How workers compress what they push (agreed with the server at join)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign", "int4"] = "none"
+    codec: Literal["none", "fp16", "bf16", "int8", "topk", "randomk", "sign", "int4", "powersgd"] = "none"
     ratio: float = Field(0.01, gt=0, le=1, description="fraction of elements kept by topk/randomk")
     value_dtype: Literal["float32", "float16"] = Field("float32", description="topk/randomk: how kept values travel")
     error_feedback: bool = True
     momentum: float = Field(0.0, ge=0, lt=1, description="topk/randomk: DGC momentum correction on the worker "
                                                          "(use with server-side plain SGD)")
     warmup_steps: int = Field(0, ge=0, description="topk/randomk: density falls from dense to ratio over these steps")
+    rank: int = Field(4, ge=1, le=1024, description="powersgd: the rank of each matrix's factors "
+                                                   "(min(rank, rows, cols); dense where factors would not save bytes)")
 
     @model_validator(mode="after")
     def _sparse_only_options(self) -> "CompressionSpec":
@@ -60,6 +62,10 @@ class CompressionSpec(_Strict):
                 raise ValueError(f"{name}: only applies to codec topk or randomk (codec is {self.codec!r})")
         if (self.momentum or self.warmup_steps) and not self.error_feedback:
             raise ValueError("error_feedback: momentum correction and warm-up need error_feedback: true")
+        if "rank" in self.model_fields_set and self.codec != "powersgd":
+            raise ValueError(f"rank: only applies to codec powersgd (codec is {self.codec!r})")
+        if self.codec == "powersgd" and not self.error_feedback:
+            raise ValueError("error_feedback: powersgd is biased and needs error_feedback: true")
         return self
 
 

@@ -15,8 +15,9 @@ LOCAL_STEPS_DEFAULT = 50
 # coordinate every step, so sparse (or sign-only) parameter deltas lag further behind the
 # shard's values each step. Measured on the digits job (bench/compression.py --optimizer adam):
 # Adam + top-k 1% oscillated between 0.75 and 0.92 test accuracy while dense Adam reached 0.975.
-# int4 (15 levels per chunk) has not been measured with a server-side Adam: refused until it is.
-ADAPTIVE_UNSAFE_CODECS = ("topk", "randomk", "sign", "int4")
+# int4 (15 levels per chunk) and powersgd (rank-r factors) have not been measured with a
+# server-side Adam: refused until they are.
+ADAPTIVE_UNSAFE_CODECS = ("topk", "randomk", "sign", "int4", "powersgd")
 ADAPTIVE_OPTIMIZERS = ("adam", "adamw")
 
 

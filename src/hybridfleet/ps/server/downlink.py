@@ -16,6 +16,7 @@ from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.buffers import DTYPE
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
 from hybridfleet.ps.wire.reject import Reject
+from hybridfleet.ps.wire.sharding import matrix_rows
 
 
 
@@ -37,7 +38,12 @@ class Downlink:
         deltas, sizes = {}, {}
         for key in keys:
             codec = dense if buffers.is_buffer(key) else job_codec
-            payload = codec.encode(self.params[key] - self.broadcast[key])
+            if getattr(codec, "warm_start", False):  # powersgd: the block in its parameter's rows, Q warm-started
+                payload, self._down_q[key] = codec.encode_warm(self.params[key] - self.broadcast[key],
+                                                               self._down_q.get(key),
+                                                               rows=matrix_rows(self.plan, key))
+            else:
+                payload = codec.encode(self.params[key] - self.broadcast[key])
             self.broadcast[key] += codec.decode(payload)
             deltas[key], sizes[key] = _pieces(payload), len(payload)
             self.downlink_dense_bytes += self.params[key].nbytes

@@ -90,6 +90,7 @@ class ShardState(Membership, Rounds, Downlink):
         # later (error feedback on the server), and every worker holds the same values.
         self.compress_down = self.codec_name != "none"
         self.broadcast: dict[str, np.ndarray] = {}
+        self._down_q: dict[str, np.ndarray | None] = {}  # a warm-start codec's Q per key (powersgd downlink)
         # (version, key -> encoded delta cut into wire pieces once, shared by every puller,
         # key -> its encoded bytes); at most `delta_log_bound_bytes` in all, oldest dropped first
         self.delta_log: deque[tuple[int, dict[str, list[memoryview]], dict[str, int]]] = deque()

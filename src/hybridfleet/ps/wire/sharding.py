@@ -89,6 +89,25 @@ class Block:
         return self.stop - self.start
 
 
+def matrix_rows(plan: "ShardingPlan", key: str) -> int | None:
+    """The rows block ``key`` spans when its parameter is viewed as ``(shape[0], rest)``: 1 for a
+    vector or scalar parameter, None when the block cuts through a row (or ``key`` is unknown).
+
+    A low-rank codec (powersgd) encodes the block as that matrix; None leaves it its own layout.
+    """
+    try:
+        block = plan.block(key)
+    except ValueError:
+        return None
+    shape = plan.params[block.param].shape
+    if len(shape) <= 1:
+        return 1
+    cols = math.prod(shape[1:])
+    if cols == 0 or block.start % cols or block.stop % cols:
+        return None
+    return max(1, block.numel // cols)
+
+
 def _cut(spec: ParamSpec, block_size_bytes: int) -> list[tuple[str, int, int]]:
     """(key, start, stop) of each block of ``spec``: whole, or near-equal contiguous pieces."""
     if spec.nbytes <= block_size_bytes:

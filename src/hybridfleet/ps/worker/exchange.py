@@ -13,6 +13,7 @@ import numpy as np
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire import buffers
+from hybridfleet.ps.wire.sharding import matrix_rows
 from hybridfleet.ps.worker.client import Pulled, ShardRestarted
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
 
@@ -113,6 +114,9 @@ class ShardExchange:
             from hybridfleet.codec.feedback import ErrorFeedback
 
             self.feedback = ErrorFeedback(codec, momentum=c.momentum, warmup_steps=c.warmup_steps)
+            if getattr(codec, "warm_start", False):  # powersgd: each block in its parameter's own rows
+                return lambda key, block: self.feedback.encode(key, block, stage=True,
+                                                               rows=matrix_rows(self.plan, key))
             return lambda key, block: self.feedback.encode(key, block, stage=True)
         return lambda key, block: codec.encode(block)
 
