@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -188,9 +189,16 @@ def run_alone(workload: Workload, framework: str, all_rows: Path, s: dict, tmp: 
     return _metric_records(done.stderr.splitlines()), wall_s
 
 
+def _free_port() -> int:
+    """A port free now on 127.0.0.1: the rendezvous must not meet another job's process group on the default."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_ddp(workload: Workload, framework: str, all_rows: Path, s: dict, nproc: int, tmp: Path) -> tuple[list[dict], float]:
     cmd = [sys.executable, "-m", "hybridfleet.cli.app", "launch", "--framework", framework, "--nproc-per-node",
-           str(nproc), "--device", "cpu", "--log-dir", str(tmp / f"launch-{framework}"),
+           str(nproc), "--device", "cpu", "--master", f"127.0.0.1:{_free_port()}", "--log-dir", str(tmp / f"launch-{framework}"),
            str(REPO / "bench" / "_zoo_ddp.py"), workload.name, framework, str(all_rows),
            *(str(s[k]) for k in ("steps", "batch_size", "eval_every", "seed"))]
     done, wall_s = _run(cmd, _env())
