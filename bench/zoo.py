@@ -14,7 +14,7 @@ excluded; evaluation included, alike in every mode). Time to target: seconds fro
 of training (model joined and initialised) to the first evaluation that reaches the target.
 
     python bench/zoo.py                 # every example, torch and paddle, 4 processes
-    python bench/zoo.py --quick         # digits only, few steps: under a minute or two on 2 cores
+    python bench/zoo.py --quick         # digits only, 60 steps: a few minutes (six jobs start)
     python bench/zoo.py --workloads digits --frameworks torch --nproc 2 --steps 6 --eval-every 2
 
 An example whose files are not in this checkout is a ``skipped`` row naming them. Ends with
