@@ -4,8 +4,10 @@ A script reports whatever it measures (``ps.report(loss=..., test_accuracy=...)`
 classifier, ``test_bpc`` for a character model); the report and the UI draw one plot for
 each metric key found in the run's ``metrics.jsonl`` whose name says which way is better:
 
-* higher is better: names with ``acc``, ``f1``, ``auc``, ``precision``, ``recall``, ``iou``;
-* lower is better: names with ``loss``, ``bpc``, ``perplexity``, ``ppl``, ``error``, ``mse``, ``mae``.
+* higher is better: a word of the name (split at ``_`` and ``.``) is ``acc``, ``accuracy``, ``f1``,
+  ``auc``, ``precision``, ``recall`` or ``iou`` (``test_accuracy``, ``val_f1``);
+* lower is better: a word is ``loss``, ``bpc``, ``bpb``, ``perplexity``, ``ppl``, ``error``, ``mse``,
+  ``mae``, ``rmse``, ``wer`` or ``cer`` (``loss``, ``test_bpc``).
 
 Other numbers in a record (steps, bytes, seconds, privacy budgets) are bookkeeping, not
 plotted here. Each plot shows the joint model (the mean over every worker at a step), one
@@ -25,8 +27,8 @@ from hybridfleet.obs.runinfo import RunData
 ACCURACY_KEYS = ("test_accuracy", "val_accuracy", "accuracy")
 ACCURACY_SECTION = "accuracy"  # the accuracy family shares one plot (and its historic URL)
 DEFAULT_METRICS = ("loss", ACCURACY_SECTION)  # plotted (as "no data") for a run that reported no metric yet
-HIGHER_IS_BETTER = ("acc", "f1", "auc", "precision", "recall", "iou")
-LOWER_IS_BETTER = ("loss", "bpc", "perplexity", "ppl", "error", "mse", "mae")
+HIGHER_IS_BETTER = frozenset({"acc", "accuracy", "f1", "auc", "precision", "recall", "iou"})
+LOWER_IS_BETTER = frozenset({"loss", "bpc", "bpb", "perplexity", "ppl", "error", "mse", "mae", "rmse", "wer", "cer"})
 LABELS = {"loss": "training loss", "test_bpc": "held-out bits per character", "val_bpc": "validation bits per character",
           "test_accuracy": "test accuracy", "val_accuracy": "validation accuracy", "accuracy": "accuracy",
           "test_loss": "test loss", "val_loss": "validation loss", "test_perplexity": "test perplexity"}
@@ -35,10 +37,10 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.]{0,63}$")
 
 def lower_is_better(key: str) -> bool | None:
     """True / False when the name of metric ``key`` says lower / higher is better; None when it says neither."""
-    name = key.lower()
-    if any(word in name for word in LOWER_IS_BETTER):
+    words = set(re.split(r"[_.]", key.lower()))
+    if words & LOWER_IS_BETTER:
         return True
-    if any(word in name for word in HIGHER_IS_BETTER):
+    if words & HIGHER_IS_BETTER:
         return False
     return None
 
