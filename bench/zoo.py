@@ -301,6 +301,10 @@ def main() -> None:
                     rows.append({"workload": name, "framework": framework,
                                  "skipped": f"not in this checkout: {', '.join(missing)}"})
                     continue
+                if not workload.glue_ready:
+                    rows.append({"workload": name, "framework": framework, "skipped": "the collective runner's "
+                                 "glue (model, optimizer, loss, metric) is not written: GLUE in bench/_zoo_workloads.py"})
+                    continue
                 rows.extend(bench_one(workload, framework, args, Path(tmp)))
 
     print(f"examples alone, collective DDP ({args.nproc} processes, gloo) and PS BSP ({args.nproc} workers, "
