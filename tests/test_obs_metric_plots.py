@@ -155,3 +155,23 @@ def test_the_ui_run_page_of_a_bpc_run_shows_the_drawn_bpc_plot_in_chromium(charl
     assert len(widths) == 6 and all(w == 800 for w in widths), widths
     assert pixel_stddev(bpc_plot) > 10
     assert "joint held-out bits per character (test_bpc)\t2" in summary
+
+
+def test_compare_overlays_bits_per_character_when_no_run_reports_an_accuracy(charlm_run):
+    # Prepare: a second bpc run, and a digits run with an accuracy beside them
+    from hybridfleet.ui.compare import compared_metric
+
+    root, first = charlm_run
+    second = write_run(root, "charlm", "r2-bpc", summary=_charlm_summary("charlm"), metrics=_charlm_metrics())
+    digits = write_run(root, "digits", "r3-acc", summary=completed_summary("digits"))
+
+    # Execute
+    bpc_only = compared_metric([load_run(first), load_run(second)])
+    mixed = compared_metric([load_run(first), load_run(digits)])
+    with in_process_ui(root) as url:
+        plot = httpx.get(url + "/compare.png?run=charlm/r1-bpc&run=charlm/r2-bpc")
+
+    # Assert
+    assert bpc_only == "test_bpc" and mixed == "accuracy"
+    assert plot.status_code == 200 and plot.headers["content-type"] == "image/png"
+    assert pixel_stddev(plot.content) > 10
