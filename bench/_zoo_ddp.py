@@ -5,7 +5,7 @@ Started by ``hfleet launch --framework F --nproc-per-node N --device cpu`` with
 1/N of ``DATA`` (a packed dataset) with the batches the example's script draws
 (``seed + 1000 * rank``), from the same weights (seeded 0); gradients are averaged by
 the framework's collective (gloo). Rank 0 prints one ``ZOO {...}`` JSON line per
-evaluation with the step, the seconds since training started and the metric.
+evaluation with the step, the wall-clock time, the seconds since training started and the metric.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def main() -> None:
         final = step + 1 == steps
         if rank == 0 and (final or (eval_every and (step + 1) % eval_every == 0)):
             value = workload.evaluate(framework, model, x_test, y_test)
-            print("ZOO " + json.dumps({"step": step + 1, "elapsed_s": round(time.monotonic() - started, 4),
+            print("ZOO " + json.dumps({"step": step + 1, "ts": time.time(),
+                                       "elapsed_s": round(time.monotonic() - started, 4),
                                        workload.metric: value, "final": final}), flush=True)
     if framework == "torch":
         dist.barrier()

@@ -10,8 +10,9 @@ train the same model with the same optimizer, batch per worker, steps and seeds:
   2 shards, dense BSP on 127.0.0.1, each site on its own rows.
 
 Step time: seconds per step between the first and the last evaluation of rank 0 (startup
-excluded; evaluation included, alike in every mode). Time to target: seconds from the start
-of training (model joined and initialised) to the first evaluation that reaches the target.
+excluded; evaluation included, alike in every mode). Time to target: wall-clock seconds from
+starting the command (launcher, imports, rendezvous or joining the shards included, as a user
+waits for them) to the first evaluation of rank 0 that reaches the target.
 
     python bench/zoo.py                 # every example, torch and paddle, 4 processes
     python bench/zoo.py --quick         # digits only, 60 steps: a few minutes (six jobs start)
@@ -160,12 +161,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
-    started = time.monotonic()
+def _run(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``cmd``; returns its result, its wall time in seconds and the wall-clock time it was started."""
+    started_ts, started = time.time(), time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
-    return done, time.monotonic() - started
+    return done, time.monotonic() - started, started_ts
 
 
 def _metric_records(lines: list[str]) -> list[dict]:
@@ -181,12 +183,13 @@ def _metric_records(lines: list[str]) -> list[dict]:
     return out
 
 
-def run_alone(workload: Workload, framework: str, all_rows: Path, s: dict, tmp: Path) -> tuple[list[dict], float]:
+def run_alone(workload: Workload, framework: str, all_rows: Path, s: dict,
+              tmp: Path) -> tuple[list[dict], float, float]:
     job = tmp / f"alone-{framework}.yaml"
     job.write_text(yaml.safe_dump(_alone_job(workload, framework, all_rows, s)))
     env = {**_env(), "HFLEET_JOB": str(job), "HFLEET_SITE": "all"}
-    done, wall_s = _run([sys.executable, str(workload.script(framework)), *workload.script_args], env)
-    return _metric_records(done.stderr.splitlines()), wall_s
+    done, wall_s, started_ts = _run([sys.executable, str(workload.script(framework)), *workload.script_args], env)
+    return _metric_records(done.stderr.splitlines()), wall_s, started_ts
 
 
 def _free_port() -> int:
@@ -196,38 +199,40 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ddp(workload: Workload, framework: str, all_rows: Path, s: dict, nproc: int, tmp: Path) -> tuple[list[dict], float]:
+def run_ddp(workload: Workload, framework: str, all_rows: Path, s: dict, nproc: int,
+            tmp: Path) -> tuple[list[dict], float, float]:
     cmd = [sys.executable, "-m", "hybridfleet.cli.app", "launch", "--framework", framework, "--nproc-per-node",
            str(nproc), "--device", "cpu", "--master", f"127.0.0.1:{_free_port()}", "--log-dir", str(tmp / f"launch-{framework}"),
            str(REPO / "bench" / "_zoo_ddp.py"), workload.name, framework, str(all_rows),
            *(str(s[k]) for k in ("steps", "batch_size", "eval_every", "seed"))]
-    done, wall_s = _run(cmd, _env())
+    done, wall_s, started_ts = _run(cmd, _env())
     text = done.stdout + "\n" + "\n".join(p.read_text(errors="replace") for p in (tmp / f"launch-{framework}").rglob("*")
                                           if p.is_file())
     records = [json.loads(line.split("ZOO ", 1)[1]) for line in text.splitlines() if "ZOO {" in line]
     unique = {r["step"]: r for r in records}  # a launcher may echo rank 0's lines into its own log too
-    return [unique[k] for k in sorted(unique)], wall_s
+    return [unique[k] for k in sorted(unique)], wall_s, started_ts
 
 
 def run_ps(workload: Workload, framework: str, sites: dict[str, Path], s: dict, nproc: int, shards: int,
-           tmp: Path) -> tuple[list[dict], float, dict]:
+           tmp: Path) -> tuple[list[dict], float, float, dict]:
     spec = _ps_job(workload, framework, sites, s, nproc, shards)
     job = tmp / f"ps-{framework}.yaml"
     job.write_text(yaml.safe_dump(spec))
     runs = tmp / f"runs-{framework}"
     cmd = [sys.executable, "-m", "hybridfleet.cli.app", "run", str(job), "--quiet", "--no-baselines", "--no-metrics",
            "--scalars", "off", "--run-root", str(runs)]
-    _, wall_s = _run(cmd, _env())
+    _, wall_s, started_ts = _run(cmd, _env())
     (metrics,) = runs.rglob("metrics.jsonl")
     records = [r for r in _metric_records(metrics.read_text().splitlines()) if r.get("rank") == 0]
     aggregate = any(site.get("aggregate") for site in spec["sites"].values())
-    return records, wall_s, {"site_aggregation": aggregate, "workers": {k: v["workers"] for k, v in spec["sites"].items()}}
+    return records, wall_s, started_ts, {"site_aggregation": aggregate, "workers": {k: v["workers"] for k, v in spec["sites"].items()}}
 
 
 # -- figures -------------------------------------------------------------------------------------------
 
-def figures(workload: Workload, records: list[dict], target: float) -> dict:
-    """Step time, time to target and final metric of one run's rank-0 metric records."""
+def figures(workload: Workload, records: list[dict], target: float, started_ts: float) -> dict:
+    """Step time, time to target (from ``started_ts``, when the command started) and final metric of one run's
+    rank-0 metric records."""
     evals: dict[int, dict] = {}
     for rec in records:
         evals.setdefault(int(rec["step"]), rec)  # the first record of a step: a final one repeats the last step
@@ -241,7 +246,7 @@ def figures(workload: Workload, records: list[dict], target: float) -> dict:
     finals = [r for r in records if r.get("final")]
     final_value = float((finals[-1] if finals else evals[steps[-1]])[workload.metric])
     reached = [evals[k] for k in steps if workload.metric in evals[k] and workload.reached(float(evals[k][workload.metric]), target)]
-    return {"step_s": step_s, "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
+    return {"step_s": step_s, "time_to_target_s": reached[0]["ts"] - started_ts if reached else None,
             "steps_to_target": int(reached[0]["step"]) if reached else None, workload.metric: final_value,
             "evaluations": len(steps)}
 
@@ -253,14 +258,15 @@ def bench_one(workload: Workload, framework: str, args: argparse.Namespace, tmp:
     base = {"workload": workload.name, "framework": framework, "metric": workload.metric, "target": s["target"],
             "steps": s["steps"], "batch_size": s["batch_size"]}
     rows = []
-    records, wall_s = run_alone(workload, framework, all_rows, s, tmp)
-    rows.append({**base, "mode": "alone", "processes": 1, "wall_s": wall_s, **figures(workload, records, s["target"])})
-    records, wall_s = run_ddp(workload, framework, all_rows, s, args.nproc, tmp)
+    records, wall_s, started_ts = run_alone(workload, framework, all_rows, s, tmp)
+    rows.append({**base, "mode": "alone", "processes": 1, "wall_s": wall_s,
+                 **figures(workload, records, s["target"], started_ts)})
+    records, wall_s, started_ts = run_ddp(workload, framework, all_rows, s, args.nproc, tmp)
     rows.append({**base, "mode": "ddp", "processes": args.nproc, "wall_s": wall_s,
-                 **figures(workload, records, s["target"])})
-    records, wall_s, extra = run_ps(workload, framework, sites, s, args.nproc, args.shards, tmp)
+                 **figures(workload, records, s["target"], started_ts)})
+    records, wall_s, started_ts, extra = run_ps(workload, framework, sites, s, args.nproc, args.shards, tmp)
     rows.append({**base, "mode": "ps", "processes": args.nproc, "shards": args.shards, "wall_s": wall_s, **extra,
-                 **figures(workload, records, s["target"])})
+                 **figures(workload, records, s["target"], started_ts)})
     return rows
 
 
