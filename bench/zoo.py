@@ -225,7 +225,8 @@ def run_ps(workload: Workload, framework: str, sites: dict[str, Path], s: dict, 
     (metrics,) = runs.rglob("metrics.jsonl")
     records = [r for r in _metric_records(metrics.read_text().splitlines()) if r.get("rank") == 0]
     aggregate = any(site.get("aggregate") for site in spec["sites"].values())
-    return records, wall_s, started_ts, {"site_aggregation": aggregate, "workers": {k: v["workers"] for k, v in spec["sites"].items()}}
+    workers = {site: site_spec["workers"] for site, site_spec in spec["sites"].items()}
+    return records, wall_s, started_ts, {"site_aggregation": aggregate, "workers": workers}
 
 
 # -- figures -------------------------------------------------------------------------------------------
@@ -245,7 +246,8 @@ def figures(workload: Workload, records: list[dict], target: float, started_ts: 
         step_s = (last["elapsed_s"] - first["elapsed_s"]) / (steps[-1] - steps[0])
     finals = [r for r in records if r.get("final")]
     final_value = float((finals[-1] if finals else evals[steps[-1]])[workload.metric])
-    reached = [evals[k] for k in steps if workload.metric in evals[k] and workload.reached(float(evals[k][workload.metric]), target)]
+    reached = [evals[k] for k in steps
+               if workload.metric in evals[k] and workload.reached(float(evals[k][workload.metric]), target)]
     return {"step_s": step_s, "time_to_target_s": reached[0]["ts"] - started_ts if reached else None,
             "steps_to_target": int(reached[0]["step"]) if reached else None, workload.metric: final_value,
             "evaluations": len(steps)}
