@@ -139,6 +139,9 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("local_rounds.py", ["--local-steps", "x"], "--local-steps: comma-separated integers (got 'x')"),
     ("local_rounds.py", ["--codecs", "int4,topk"], "--codecs: unknown topk (choose from none, int8, int4, sign)"),
     ("serve.py", ["--requests", "5"], "--requests: must be >= 10 (got 5)"),
+    ("zoo.py", ["--nproc", "1"], "--nproc: must be >= 2 (got 1)"),
+    ("zoo.py", ["--workloads", "digits,mnist"], "--workloads: unknown mnist (choose from digits, fashion, charlm)"),
+    ("zoo.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
     ("serve.py", ["--canary-requests", "50"], "--canary-requests: must be >= 100 (got 50)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
@@ -260,3 +263,63 @@ def test_bench_without_its_anchor_names_it_and_the_install_command(tmp_path, scr
     assert f"bench/{script}: missing {what} (`{module}`)" in proc.stderr
     assert "pip install -e '.[bench]'" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def _zoo_smoke(framework: str) -> None:
+    # Prepare / Execute: digits, 2 processes (1 worker per site on the PS), a few steps, a target met at once
+    proc = run_bench("zoo.py", "--workloads", "digits", "--frameworks", framework, "--nproc", "2", "--steps", "6",
+                     "--eval-every", "2", "--target", "0", timeout_s=600)
+
+    # Assert: every mode ran, trained the same steps and reported the metric; the keys derive from the rows
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "zoo" and result["nproc"] == 2 and result["shards"] == 2
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"alone", "ddp", "ps"}
+    for mode, row in rows.items():
+        assert (row["workload"], row["framework"], row["steps"]) == ("digits", framework, 6), mode
+        assert row["evaluations"] == 3 and row["step_s"] > 0, mode
+        assert 0.0 <= row["test_accuracy"] <= 1.0, mode
+        assert row["steps_to_target"] == 2, mode  # target 0: the first evaluation
+        assert 0 < row["time_to_target_s"] < row["wall_s"], mode  # from the start of the command
+    assert rows["ps"]["workers"] == {"hospital": 1, "cloud": 1} and rows["ps"]["site_aggregation"] is False
+    assert result["ps_vs_ddp"] == pytest.approx(rows["ps"]["step_s"] / rows["ddp"]["step_s"], rel=1e-3)
+    alone, joint = rows["alone"]["test_accuracy"], rows["ps"]["test_accuracy"]
+    assert result["joint_vs_alone"] == pytest.approx((alone - joint) / alone, abs=1e-4)
+    # fashion and charlm: not asked for here, so no row at all
+    assert {r["workload"] for r in result["rows"]} == {"digits"}
+
+
+@pytest.mark.slow
+@pytest.mark.torch  # the zoo bench trains the torch digits example in its three modes
+def test_zoo_bench_runs_digits_alone_ddp_and_ps_with_torch_and_reports_the_worst_ratios():
+    _zoo_smoke("torch")
+
+
+@pytest.mark.slow
+@pytest.mark.paddle  # the paddle twin: paddle.DataParallel against the paddle parameter-server job
+def test_zoo_bench_runs_digits_alone_ddp_and_ps_with_paddle_and_reports_the_worst_ratios():
+    _zoo_smoke("paddle")
+
+
+def test_zoo_bench_names_every_file_an_example_missing_from_the_checkout_lacks():
+    # Prepare: a workload whose files are absent, named by the shared example layout
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from _zoo_workloads import WORKLOADS, Workload
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    ghost = Workload("no-such-example", "ghost_model", "ghost_data", "test_bpc", False, target=2.0,
+                     quick_target=4.0, batch_size=4, steps=4, eval_every=2,
+                     jobs={"torch": "no-such-example.yaml", "paddle": "no-such-example-paddle.yaml"})
+
+    # Execute
+    missing = ghost.missing("torch")
+
+    # Assert: every file the bench would need is named, repository-relative; digits has all of them
+    assert missing == ["examples/no-such-example/train_torch.py", "examples/no-such-example.yaml",
+                       "examples/no-such-example/pack_sites.py", "examples/no-such-example/ghost_model.py",
+                       "examples/no-such-example/ghost_data.py"]
+    assert WORKLOADS["digits"].missing("torch") == [] and WORKLOADS["digits"].missing("paddle") == []
+    assert WORKLOADS["digits"].glue_ready and not WORKLOADS["charlm"].glue_ready  # charlm: filled in with its example
+    assert ghost.gap(joint=2.2, alone=2.0) == pytest.approx(0.1) and ghost.reached(1.9, 2.0)

@@ -1,7 +1,8 @@
 """`hfleet report RUN_DIR`: one self-contained HTML page (and PNGs) for a run.
 
-Plots, each from the run's own files: loss and accuracy against step per site, the
-joint model against each site alone, bytes per site and direction, where a step's
+Plots, each from the run's own files: every metric the scripts reported (training loss,
+accuracy, bits per character, ...; `hybridfleet.obs.metric_plots`) against step, the
+joint model beside each site and each site alone, bytes per site and direction, where a step's
 time goes (compute, encode, transfer, wait), stragglers (steps against time per
 worker) and restarts and other events on the time axis. The PNGs are embedded as
 data URIs, so ``report.html`` can be mailed or attached to a ticket as one file. A
@@ -24,41 +25,21 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from markupsafe import Markup
 
 from hybridfleet.errors import ReportError
+from hybridfleet.obs.metric_plots import (
+    ACCURACY_SECTION, DEFAULT_METRICS, draw_metric, final_values, joint_series, metric_label, reported_sections, section_title,
+)
 from hybridfleet.obs.runinfo import RunData, load_run
 from hybridfleet.store.file import FileStore
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "report"
 PHASES = ("compute", "encode", "transfer", "wait")
-ACCURACY_KEYS = ("test_accuracy", "val_accuracy", "accuracy")
 _EVENT_STYLE = {"start": ("tab:green", "^"), "exit": ("tab:gray", "v"), "restart": ("tab:orange", "o"),
                 "gave_up": ("tab:red", "X"), "stop": ("black", "s")}
 
 
 def _workers(run: RunData) -> list[dict]:
     return [r for r in run.metrics if str(r.get("process", "")).startswith("worker-")]
-
-
-def _baselines(run: RunData) -> list[dict]:
-    return [r for r in run.metrics if str(r.get("process", "")).startswith("baseline-")]
-
-
-def _accuracy(rec: dict) -> float | None:
-    for key in ACCURACY_KEYS:
-        if isinstance(rec.get(key), (int, float)):
-            return float(rec[key])
-    return None
-
-
-def _by_site_step(records: list[dict], value: Callable[[dict], float | None]) -> dict[str, list[tuple[int, float]]]:
-    """site -> [(step, mean over the site's workers)] sorted by step."""
-    acc: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        v = value(r)
-        if v is None or not isinstance(r.get("step"), int):
-            continue
-        acc[str(r.get("site", "?"))][r["step"]].append(v)
-    return {site: sorted((s, sum(vs) / len(vs)) for s, vs in steps.items()) for site, steps in sorted(acc.items())}
 
 
 def _last_per_process(records: list[dict]) -> dict[str, dict]:
@@ -68,33 +49,14 @@ def _last_per_process(records: list[dict]) -> dict[str, dict]:
     return last
 
 
-# ---------------------------------------------------------------------------------- plots
-# Each returns False when the run has no data for it (the section then says so).
-
-def _plot_loss(ax, run: RunData) -> bool:
-    series = _by_site_step(_workers(run), lambda r: r.get("loss") if isinstance(r.get("loss"), (int, float)) else None)
-    for site, points in series.items():
-        ax.plot(*zip(*points), marker=".", label=site)
-    ax.set(xlabel="worker step", ylabel="training loss")
-    return bool(series)
-
-
 def joint_accuracy(run: RunData) -> list[tuple[int, float]]:
     """The joint model's test accuracy against worker step: at each step, the mean over the workers that
     reported one (one model, all sites); empty when no worker reported an accuracy."""
-    return _by_site_step([{**r, "site": "joint"} for r in _workers(run)], _accuracy).get("joint", [])
+    return joint_series(run, ACCURACY_SECTION)
 
 
-def _plot_accuracy(ax, run: RunData) -> bool:
-    joint = joint_accuracy(run)
-    alone = _by_site_step(_baselines(run), _accuracy)
-    if joint:
-        ax.plot(*zip(*joint), marker=".", linewidth=2, label="joint model (all sites)")
-    for site, points in alone.items():
-        ax.plot(*zip(*points), linestyle="--", marker=".", label=f"{site} alone")
-    ax.set(xlabel="worker step", ylabel="test accuracy")
-    return bool(joint or alone)
-
+# ---------------------------------------------------------------------------------- plots
+# Each returns False when the run has no data for it (the section then says so).
 
 def _plot_bytes(ax, run: RunData) -> bool:
     sent: dict[str, float] = defaultdict(float)
@@ -156,14 +118,28 @@ def _plot_events(ax, run: RunData) -> bool:
     return True
 
 
-SECTIONS: list[tuple[str, str, Callable]] = [
-    ("loss", "Loss per site", _plot_loss),
-    ("accuracy", "Accuracy: joint model against each site alone", _plot_accuracy),
+RUN_SECTIONS: list[tuple[str, str, Callable]] = [
     ("bytes", "Bytes per site and direction", _plot_bytes),
     ("phases", "Round time breakdown", _plot_phases),
     ("stragglers", "Stragglers: progress per worker", _plot_stragglers),
     ("events", "Restarts and events", _plot_events),
 ]
+
+
+def metric_section(key: str) -> tuple[str, str, Callable]:
+    """The section of metric ``key`` (see `hybridfleet.obs.metric_plots`): key, title, draw."""
+    return key, section_title(key), draw_metric(key)
+
+
+# The sections of a run that reports a training loss and an accuracy, as the digits examples do.
+SECTIONS: list[tuple[str, str, Callable]] = [*(metric_section(k) for k in DEFAULT_METRICS), *RUN_SECTIONS]
+
+
+def sections_for(run: RunData) -> list[tuple[str, str, Callable]]:
+    """The report's sections for ``run``: one plot per metric it reports (loss, accuracy, bits per character, ...),
+    then bytes, round time, stragglers and events."""
+    metrics = reported_sections(run) or list(DEFAULT_METRICS)
+    return [*(metric_section(k) for k in metrics), *RUN_SECTIONS]
 
 
 def render_plot(draw: Callable, run: RunData) -> bytes | None:
@@ -202,6 +178,12 @@ def _summary_rows(run: RunData) -> list[tuple[str, str]]:
         rows.append(("joint test accuracy", str(s.get("test_accuracy"))))
         for site, acc in (s.get("site_alone_accuracy") or {}).items():
             rows.append((f"{site} alone", "-" if acc is None else f"{acc:.4f}"))
+        for key in reported_sections(run):
+            if key in DEFAULT_METRICS:
+                continue  # the training loss is per batch; the accuracy is the summary's own row above
+            joint, alone = final_values(run, key)
+            rows.append((f"joint {metric_label(key)}", "-" if joint is None else f"{joint:.4f}"))
+            rows += [(f"{site} alone: {key}", f"{v:.4f}") for site, v in alone.items()]
         for site, n in (s.get("bytes_sent_by_site") or {}).items():
             rows.append((f"bytes sent by {site}", f"{n:,}"))
         rows.append(("restarts", str(s.get("restarts"))))
@@ -222,7 +204,8 @@ STYLE_CSP_SOURCE = "'sha256-" + base64.b64encode(hashlib.sha256(STYLE.encode()).
 
 
 def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
-    """The report page for ``run`` with ``plots`` (section key -> PNG bytes, None when no data); every value escaped."""
+    """The report page for ``run`` with ``plots`` (section key -> PNG bytes, None when no data), in the order of
+    `sections_for`; every value escaped."""
     notes = []
     if run.live:
         notes.append("This run is still in progress: the figures show the data written so far.")
@@ -238,7 +221,7 @@ def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
         notes.append(f"{run.bad_lines} unreadable line(s) skipped (half-written?).")
     sections = [{"key": key, "title": title,
                  "png": None if plots.get(key) is None else base64.b64encode(plots[key]).decode()}
-                for key, title, _ in SECTIONS]  # fmt: skip
+                for key, title, _ in sections_for(run)]  # fmt: skip
     return _ENV.get_template("report.html").render(
         style=Markup(STYLE), job=run.job, status=run.status, path=str(run.path), notes=notes,
         summary=_summary_rows(run), sections=sections,
@@ -248,7 +231,7 @@ def render_html(run: RunData, plots: dict[str, bytes | None]) -> str:
 def build_report(run_dir: str | Path) -> tuple[RunData, str, dict[str, bytes | None]]:
     """Load the run and draw every plot; returns (run, html, plots)."""
     run = load_run(run_dir)
-    plots = {key: _render_png(draw, run) for key, _, draw in SECTIONS}
+    plots = {key: _render_png(draw, run) for key, _, draw in sections_for(run)}
     return run, render_html(run, plots), plots
 
 

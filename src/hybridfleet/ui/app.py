@@ -38,7 +38,10 @@ from hybridfleet.errors import (
 )
 from hybridfleet.obs.discovery import read_targets
 from hybridfleet.obs.live import RunView
-from hybridfleet.obs.report import SECTIONS, STYLE_CSP_SOURCE, build_report, render_plot
+from hybridfleet.obs.metric_plots import is_metric_key
+from hybridfleet.obs.report import (
+    RUN_SECTIONS, STYLE_CSP_SOURCE, build_report, metric_section, render_plot, sections_for,
+)
 from hybridfleet.obs.runinfo import list_runs, load_run
 from hybridfleet.ui import compare, pages, runs_view
 from hybridfleet.ui.registry_view import RegistryAccess
@@ -50,7 +53,7 @@ REGISTRY_COOKIE = "hfleet_registry_token"
 _FORM_LIMIT_BYTES = 8192
 LIVE_REFRESH_S = 5
 LOG_LIMIT_BYTES = 2 * 1024 * 1024  # a longer log is served from its last bytes
-_PLOTS = {key: (title, draw) for key, title, draw in SECTIONS}
+_RUN_PLOTS = {key: draw for key, _, draw in RUN_SECTIONS}  # metric plots: any metric key (obs.metric_plots)
 _OPEN_PATHS = ("/login", "/static/ui.css")
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
        "base-uri 'none'")  # fmt: skip
@@ -179,17 +182,17 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
         if run.live:
             view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0)
             sites = view.snapshot().sites
-        plots = [(key, title) for key, (title, _) in _PLOTS.items()]
+        plots = [(key, title) for key, title, _ in sections_for(run)]
         return page(request, "run.html", title=f"Run {run.job} {stamp}",
                     run=runs_view.run_view(f"{job}/{stamp}", run, sites, plots),
                     refresh_s=LIVE_REFRESH_S if run.live else None)  # fmt: skip
 
     @app.get("/runs/{job}/{stamp}/plots/{key}.png")
     def run_plot(job: str, stamp: str, key: str) -> Response:
-        if key not in _PLOTS:
+        if key not in _RUN_PLOTS and not is_metric_key(key):
             raise HTTPException(404, "no such plot")
         run = loaded(job, stamp)
-        png = render_plot(_PLOTS[key][1], run)
+        png = render_plot(_RUN_PLOTS.get(key) or metric_section(key)[2], run)
         if png is None:
             png = render_plot(_no_data, run)
         return Response(png, media_type="image/png")

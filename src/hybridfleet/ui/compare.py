@@ -1,4 +1,5 @@
-"""Compare runs in `hfleet ui`: the joint test accuracy of each run overlaid on one plot, and the job
+"""Compare runs in `hfleet ui`: the joint model's metric of each run overlaid on one plot (the test
+accuracy when any run reports one, else the first other metric they report, e.g. bits per character), and the job
 spec each run recorded (``run.json`` and the summary's job settings) side by side.
 
 The plot is drawn here with matplotlib into a PNG served by the UI itself (the page has no
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hybridfleet.obs.report import joint_accuracy, render_plot
+from hybridfleet.obs.metric_plots import ACCURACY_SECTION, joint_series, lower_is_better, metric_label, reported_sections
+from hybridfleet.obs.report import render_plot
 from hybridfleet.obs.runinfo import RunData
 
 MAX_RUNS = 8
@@ -48,15 +50,27 @@ def spec_diff(runs: list[RunData]) -> list[dict[str, Any]]:
     return rows
 
 
+def compared_metric(runs: list[RunData]) -> str:
+    """The metric the compare plot overlays: the accuracy when any run reports one, else the first metric
+    other than the training loss that any run reports (by name), else the training loss."""
+    reported = {key for run in runs for key in reported_sections(run)}
+    if ACCURACY_SECTION in reported or not reported:
+        return ACCURACY_SECTION
+    others = sorted(reported - {"loss"})
+    return others[0] if others else "loss"
+
+
 def accuracy_png(runs: list[tuple[str, RunData]]) -> bytes:
-    """One PNG: each run's joint test accuracy against worker step (from its metrics.jsonl)."""
+    """One PNG: each run's joint model metric (`compared_metric`) against worker step (from its metrics.jsonl)."""
+    metric = compared_metric([run for _, run in runs])
 
     def draw(ax, _run) -> bool:
         for run_id, run in runs:
-            points = joint_accuracy(run)
+            points = joint_series(run, metric)
             if points:
                 ax.plot(*zip(*points), marker=".", label=run_id.replace("$", r"\$"))
-        ax.set(xlabel="worker step", ylabel="joint test accuracy")
+        better = "lower" if lower_is_better(metric) else "higher"
+        ax.set(xlabel="worker step", ylabel=f"joint {metric_label(metric, runs[0][1])}\n({better} is better)")
         if not ax.get_legend_handles_labels()[0]:
             ax.text(0.5, 0.5, "no run reported a test accuracy yet", ha="center", va="center",
                     transform=ax.transAxes)  # fmt: skip

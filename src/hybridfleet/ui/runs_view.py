@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridfleet.obs.live import SiteState, human_bytes
+from hybridfleet.obs.metric_plots import DEFAULT_METRICS, final_values, metric_label, reported_sections
 from hybridfleet.obs.runinfo import RunData
 from hybridfleet.ui.pages import latest_step, number, status_of, when
 
@@ -185,6 +186,12 @@ def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plot
         alone = summary.get("site_alone_accuracy")
         if isinstance(alone, dict):
             rows += [(f"{k} alone", number(v)) for k, v in alone.items()]
+        for key in reported_sections(run):
+            if key in DEFAULT_METRICS:
+                continue  # the training loss is per batch; the accuracy is the summary's own row above
+            joint, alone_by_site = final_values(run, key)
+            rows.append((f"joint {metric_label(key)}", number(joint)))
+            rows += [(f"{site} alone: {key}", number(v)) for site, v in alone_by_site.items()]
     step, total = latest_step(run), run.info.get("steps")
     missing = [m for m in run.missing if not (run.live and m == "summary.json")]  # written at the end
     return {"id": run_id, "status": status_of(run), "path": str(run.path), "problems": list(run.problems),
