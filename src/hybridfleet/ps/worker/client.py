@@ -298,6 +298,8 @@ class PSClient:
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._hb_stop.wait(interval_s):
             for i, stub in enumerate(self._stubs):
+                if self._hb_stop.is_set():  # closing: its channels may already be closed
+                    return
                 try:
                     beat = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, step=self.clock)
                     self.bytes.add_sent("control", beat)
@@ -306,6 +308,10 @@ class PSClient:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         self._needs_rejoin = True
                     log.debug("heartbeat_failed", shard=i, code=str(err.code()))
+                except ValueError:  # "Cannot invoke RPC on closed channel": close() ran meanwhile
+                    if self._hb_stop.is_set():
+                        return
+                    raise
 
     # ------------------------------------------------------------------ push
     def _push_messages(self, header: ps_pb2.PushHeader, payloads: dict[str, bytes], category: str) -> Iterator:
