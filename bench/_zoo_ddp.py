@@ -16,9 +16,45 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-from _zoo_workloads import WORKLOADS
+from _zoo_workloads import WORKLOADS, Run, Workload
+
+
+def train_loop(workload: Workload, run: Run, model: Any, wrapped: Any, optimizer: Any,
+               schedule_step: Callable[[], None] | None, train: Any, test: Any, batch_size: int, eval_every: int,
+               seed: int, rank: int, report: Callable[[dict], None]) -> None:
+    """The script's loop for ``run.steps`` steps: the batch it draws (seeded ``seed + 1000 * rank``), its loss
+    through ``wrapped`` (DDP / DataParallel, or the model itself), the optimizer's step, then the schedule's.
+    On rank 0, ``report`` gets a record per evaluation (every ``eval_every`` steps and after the last one): the
+    step, the times, the step's loss (rounded as the scripts report it) and the metric."""
+    if run.framework == "torch":
+        import torch
+
+        torch.manual_seed(seed + 1000 * rank)
+    else:
+        import paddle
+
+        paddle.seed(seed + 1000 * rank)
+    rng = np.random.default_rng(seed + 1000 * rank)
+    started = time.monotonic()  # as the PS session's clock: from the joined, initialised model
+    for step in range(run.steps):
+        loss = workload.batch_loss(run, wrapped, train, rng, batch_size)
+        if run.framework == "torch":
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.clear_grad()
+        loss.backward()
+        optimizer.step()
+        if schedule_step is not None:  # as the scripts: the schedule advances once per step, after it
+            schedule_step()
+        final = step + 1 == run.steps
+        if rank == 0 and (final or (eval_every and (step + 1) % eval_every == 0)):
+            value = workload.evaluate(run, model, test)
+            report({"step": step + 1, "ts": time.time(), "elapsed_s": round(time.monotonic() - started, 4),
+                    "loss": round(float(loss), 5), workload.metric: value, "final": final})
 
 
 def main() -> None:
@@ -37,7 +73,6 @@ def main() -> None:
         dist.init_process_group("gloo")
         model, optimizer, schedule_step = workload.build(run)
         wrapped = DistributedDataParallel(model)
-        seed_rng = torch.manual_seed
     else:
         import paddle
         import paddle.distributed as dist
@@ -46,30 +81,11 @@ def main() -> None:
         dist.init_parallel_env()
         model, optimizer, schedule_step = workload.build(run)
         wrapped = paddle.DataParallel(model)
-        seed_rng = paddle.seed
-    started = time.monotonic()  # as the PS session's clock: from the joined, initialised model
 
     train = workload.load_train(run, data, rank, world)
     test = workload.load_test(run)
-    seed = seed + 1000 * rank
-    seed_rng(seed)
-    rng = np.random.default_rng(seed)
-    for step in range(steps):
-        loss = workload.batch_loss(run, wrapped, train, rng, batch_size)
-        if framework == "torch":
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            optimizer.clear_grad()
-        loss.backward()
-        optimizer.step()
-        if schedule_step is not None:  # as the scripts: the schedule advances once per step, after it
-            schedule_step()
-        final = step + 1 == steps
-        if rank == 0 and (final or (eval_every and (step + 1) % eval_every == 0)):
-            value = workload.evaluate(run, model, test)
-            print("ZOO " + json.dumps({"step": step + 1, "ts": time.time(),
-                                       "elapsed_s": round(time.monotonic() - started, 4),
-                                       workload.metric: value, "final": final}), flush=True)
+    train_loop(workload, run, model, wrapped, optimizer, schedule_step, train, test, batch_size, eval_every, seed,
+               rank, lambda record: print("ZOO " + json.dumps(record), flush=True))
     if framework == "torch":
         dist.barrier()
         dist.destroy_process_group()
