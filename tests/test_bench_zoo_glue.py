@@ -120,14 +120,19 @@ def test_glue_trains_the_script_model_on_packed_rows_and_reports_its_metric(tmp_
         assert before == pytest.approx(8.0, abs=0.5) and after < before
 
 
+def _tiny_bench_workload(name: str, tmp_path: Path, steps: int, eval_every: int):
+    """The workload with TINY_ARGS after its job's ``args:``, its packed slice and bench/zoo.py's settings."""
+    workload = dataclasses.replace(WORKLOADS[name], script_args=tuple(TINY_ARGS[name]))
+    settings = {"steps": steps, "batch_size": BATCH, "eval_every": eval_every, "seed": 0}
+    return workload, _packed(name, tmp_path / name), settings
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORK_PARAMS)
 @pytest.mark.parametrize("name", ["fashion", "charlm"])
 def test_runner_loop_ends_at_the_metric_of_the_script_run_alone(tmp_path, name, framework):
     # Prepare: the workload with tiny script arguments (after the job's own), as bench/zoo.py passes them
-    data = _packed(name, tmp_path / name)
-    workload = dataclasses.replace(WORKLOADS[name], script_args=tuple(TINY_ARGS[name]))
-    s = {"steps": 6, "batch_size": BATCH, "eval_every": 3, "seed": 0}
+    workload, data, s = _tiny_bench_workload(name, tmp_path, steps=6, eval_every=3)
 
     # Execute: the real script alone (a subprocess, bench/zoo.py's alone row), then the runner's loop here
     records, _, _ = zoo.run_alone(workload, framework, data, s, tmp_path)
@@ -150,9 +155,7 @@ def test_runner_loop_ends_at_the_metric_of_the_script_run_alone(tmp_path, name, 
 @pytest.mark.parametrize("name", ["fashion", "charlm"])
 def test_collective_runner_trains_under_the_launcher_with_the_script_arguments(tmp_path, name, framework):
     # Prepare: 2 processes on gloo; charlm's 33-byte windows train only if --context 32 reaches every rank
-    data = _packed(name, tmp_path / name)
-    workload = dataclasses.replace(WORKLOADS[name], script_args=tuple(TINY_ARGS[name]))
-    s = {"steps": 4, "batch_size": BATCH, "eval_every": 2, "seed": 0}
+    workload, data, s = _tiny_bench_workload(name, tmp_path, steps=4, eval_every=2)
 
     # Execute: bench/zoo.py's ddp row (hfleet launch, bench/_zoo_ddp.py)
     records, wall_s, _ = zoo.run_ddp(workload, framework, data, s, 2, tmp_path)
