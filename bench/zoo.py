@@ -1,7 +1,8 @@
 """The examples on one machine: the plain script, collective DDP and the parameter server, same settings.
 
 For each example (digits, fashion, charlm; bench/_zoo_workloads.py) and framework, three modes
-train the same model with the same optimizer, batch per worker, steps and seeds:
+train the same model (the script's arguments: the example job's ``args:`` in every mode) with the
+same optimizer and schedule, batch per worker, steps and seeds:
 
 * ``alone``: the example's script run plainly (no parameter server) on all the sites' rows;
 * ``ddp``: ``hfleet launch`` with N processes on gloo, the same model and loop under
@@ -136,6 +137,7 @@ def _ps_job(workload: Workload, framework: str, sites: dict[str, Path], s: dict,
         job["sites"][site].update(workers=nproc // len(names) + (1 if i < nproc % len(names) else 0),
                                   data=str(sites[site]))
     job["entrypoint"] = str(workload.script(framework))
+    job["args"] = workload.args(framework)  # the job's own, as the alone and ddp rows get them
     ps = job.setdefault("ps", {})
     for key in ("optimizer", "compression", "local_steps"):
         ps.pop(key, None)
@@ -188,7 +190,7 @@ def run_alone(workload: Workload, framework: str, all_rows: Path, s: dict,
     job = tmp / f"alone-{framework}.yaml"
     job.write_text(yaml.safe_dump(_alone_job(workload, framework, all_rows, s)))
     env = {**_env(), "HFLEET_JOB": str(job), "HFLEET_SITE": "all"}
-    done, wall_s, started_ts = _run([sys.executable, str(workload.script(framework)), *workload.script_args], env)
+    done, wall_s, started_ts = _run([sys.executable, str(workload.script(framework)), *workload.args(framework)], env)
     return _metric_records(done.stderr.splitlines()), wall_s, started_ts
 
 
@@ -204,7 +206,7 @@ def run_ddp(workload: Workload, framework: str, all_rows: Path, s: dict, nproc: 
     cmd = [sys.executable, "-m", "hybridfleet.cli.app", "launch", "--framework", framework, "--nproc-per-node",
            str(nproc), "--device", "cpu", "--master", f"127.0.0.1:{_free_port()}", "--log-dir", str(tmp / f"launch-{framework}"),
            str(REPO / "bench" / "_zoo_ddp.py"), workload.name, framework, str(all_rows),
-           *(str(s[k]) for k in ("steps", "batch_size", "eval_every", "seed"))]
+           *(str(s[k]) for k in ("steps", "batch_size", "eval_every", "seed")), *workload.args(framework)]
     done, wall_s, started_ts = _run(cmd, _env())
     text = done.stdout + "\n" + "\n".join(p.read_text(errors="replace") for p in (tmp / f"launch-{framework}").rglob("*")
                                           if p.is_file())
