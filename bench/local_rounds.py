@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compression import ENTRYPOINTS, digits_job, fail, quiet_parent_logs, run_job  # noqa: E402
-from wan import CAPPED_SITE, records  # noqa: E402
+from wan import DIGITS_CAPPED_SITE as CAPPED_SITE, records  # noqa: E402
 
 CODECS = ("none", "int8", "int4", "sign")
 
