@@ -44,6 +44,8 @@ def _torch_run(tmp_path, overlap: str, case: str, compression: dict | None = Non
             if case == "accumulate":  # two micro-batches, one step
                 for half in (slice(0, 4), slice(4, 8)):
                     (loss_of(x[half], y[half]) / 2).backward()
+            elif case == "nonfinite" and step == 3:  # one gradient NaN: the round is skipped, nothing committed
+                (loss_of(x, y) + model[0].bias.sum() * float("nan")).backward()
             else:
                 loss_of(x, y).backward()
             if case == "clip":
@@ -51,9 +53,10 @@ def _torch_run(tmp_path, overlap: str, case: str, compression: dict | None = Non
             elif case == "scale":
                 model[0].weight.grad.mul_(0.5)
             elif case == "drop" and step % 2:
-                model[2].bias.grad = None  # no gradient this step: not pushed, not stepped
+                model[0].bias.grad = None  # no gradient this step: not pushed, not stepped
             ps.step()
         stats = ps.stage.stats if ps.stage is not None else None
+        assert ps.session.skipped_nonfinite == (case == "nonfinite")
         ps.close()
         return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}, stats
     finally:
@@ -68,9 +71,10 @@ def _assert_identical(on: dict, off: dict) -> None:
 
 @pytest.mark.torch
 @pytest.mark.parametrize("case, compression", [("plain", None), ("clip", None), ("accumulate", None),
-                                               ("scale", None), ("plain", TOPK), ("drop", TOPK), ("clip", TOPK)],
+                                               ("scale", None), ("plain", TOPK), ("drop", TOPK), ("clip", TOPK),
+                                               ("nonfinite", TOPK)],
                          ids=["plain", "clip", "accumulate", "scale", "topk-ef", "topk-ef-dropped-grad",
-                              "topk-ef-clip"])
+                              "topk-ef-clip", "topk-ef-nonfinite-round"])
 def test_torch_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case, compression):
     # Execute: the same script twice, overlap auto then off
     on, stats = _torch_run(tmp_path, "auto", case, compression)
@@ -150,6 +154,8 @@ def _paddle_run(tmp_path, overlap: str, case: str, compression: dict | None = No
             if case == "accumulate":
                 for half in (slice(0, 4), slice(4, 8)):
                     (loss_of(x[half], y[half]) / 2).backward()
+            elif case == "nonfinite" and step == 3:
+                (loss_of(x, y) + model[0].bias.sum() * float("nan")).backward()
             else:
                 loss_of(x, y).backward()
             if case == "clip":
@@ -157,10 +163,9 @@ def _paddle_run(tmp_path, overlap: str, case: str, compression: dict | None = No
             elif case == "zeroed" and step % 2:
                 ps.stage.wait() if ps.stage is not None else None  # staged from the values before zeroing
                 model[2].bias.clear_gradient()  # zeroed in place, without a version bump: values compared
-            elif case == "drop" and step % 2:
-                model[2].bias.clear_gradient(set_to_zero=False)
             ps.step()
         stats = ps.stage.stats if ps.stage is not None else None
+        assert ps.session.skipped_nonfinite == (case == "nonfinite")
         ps.close()
         return {k: v.numpy().copy() for k, v in model.state_dict().items()}, stats
     finally:
@@ -170,9 +175,9 @@ def _paddle_run(tmp_path, overlap: str, case: str, compression: dict | None = No
 @pytest.mark.paddle
 @pytest.mark.parametrize("case, compression", [("plain", None), ("clip", None), ("accumulate", None),
                                                ("grad_clip", None), ("zeroed", None), ("plain", TOPK),
-                                               ("drop", TOPK)],
+                                               ("nonfinite", TOPK)],
                          ids=["plain", "clip", "accumulate", "optimizer-grad-clip", "zeroed-in-place", "topk-ef",
-                              "topk-ef-dropped-grad"])
+                              "topk-ef-nonfinite-round"])
 def test_paddle_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case, compression):
     on, stats = _paddle_run(tmp_path, "auto", case, compression)
     off, none = _paddle_run(tmp_path, "off", case, compression)
