@@ -123,11 +123,12 @@ class GradientStage:
                         continue  # replaced by a newer gradient of the same parameter
                 try:
                     array = np.array(self._to_host(entry.tensor), dtype=np.float32, copy=True)
-                    if np.isfinite(array).all():  # a non-finite gradient skips the round: ps.step() decides
-                        entry.payloads = self._encode(name, array)
-                        entry.array, entry.ok = array, True
-                        with self._lock:
-                            self.stats.encoded += 1
+                    # a non-finite gradient is refused by the codec here, or found by ps.step(), which then
+                    # skips the round and discards whatever was staged for it
+                    entry.payloads = self._encode(name, array)
+                    entry.array, entry.ok = array, True
+                    with self._lock:
+                        self.stats.encoded += 1
                 except Exception as err:  # noqa: BLE001 - ps.step() redoes the key and raises what is wrong
                     log.debug("overlap_stage_failed", param=name, error=str(err))
             finally:
