@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import script_optim_helpers as h
+from hybridfleet.ps.worker.overlap import overlap_blocker
 
 STEPS = 6
 TOPK = {"codec": "topk", "ratio": 0.1, "error_feedback": True}
@@ -91,21 +92,40 @@ def test_torch_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case, 
         assert stats.used == trainable * STEPS and stats.redone == 0
 
 
-@pytest.mark.torch
-def test_torch_stage_encodes_during_backward_before_step_is_entered(tmp_path):
-    import torch
+def _tiny(framework: str):
+    """(adapter, model, optimizer, backward(x, y)) of a two-layer MLP in ``framework``."""
+    if framework == "torch":
+        import torch
 
-    import hybridfleet.torch as hf
+        import hybridfleet.torch as hf
 
-    cluster = h.start_shards(tmp_path, h.job("torch", compression=TOPK))
-    try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        f, tensor = torch.nn.functional, torch.from_numpy
+    else:
+        import paddle
+
+        import hybridfleet.paddle as hf
+
+        paddle.seed(0)
+        model = paddle.nn.Sequential(paddle.nn.Linear(32, 64), paddle.nn.Tanh(), paddle.nn.Linear(64, 3))
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+        f, tensor = paddle.nn.functional, paddle.to_tensor
+    return hf, model, opt, lambda x, y: f.cross_entropy(model(tensor(x)), tensor(y)).backward()
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_stage_encodes_during_backward_before_step_is_entered(tmp_path, framework):
+    # Prepare
+    cluster = h.start_shards(tmp_path, h.job(framework, compression=TOPK))
+    try:
+        hf, model, opt, backward = _tiny(framework)
         ps = hf.connect(model, opt, config=cluster.config(0))
-        x, y = next(_batches())
-        torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        # the hooks handed every gradient over during backward(); the stage encodes without ps.step()
+        # Execute: backward() alone
+        backward(*next(_batches()))
+        # Assert: the hooks handed every gradient over during backward(); the stage encodes without ps.step()
         assert ps.stage.stats.hooked == 4
         ps.stage.wait()
         assert ps.stage.stats.encoded == 4
@@ -116,21 +136,36 @@ def test_torch_stage_encodes_during_backward_before_step_is_entered(tmp_path):
         cluster.stop()
 
 
-@pytest.mark.torch
-def test_torch_overlap_off_and_secure_paths_install_no_stage(tmp_path):
-    import torch
-
-    import hybridfleet.torch as hf
-
-    cluster = h.start_shards(tmp_path, h.job("torch", overlap="off"))
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_overlap_off_installs_no_stage(tmp_path, framework):
+    cluster = h.start_shards(tmp_path, h.job(framework, overlap="off"))
     try:
-        model = torch.nn.Linear(4, 2)
-        ps = hf.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cluster.config(0))
+        hf, model, opt, _ = _tiny(framework)
+        ps = hf.connect(model, opt, config=cluster.config(0))
         assert ps.stage is None
         ps.close()
     finally:
         cluster.stop()
-    assert h.job("torch").ps.overlap == "auto"
+    assert h.job(framework).ps.overlap == "auto"
+
+
+def test_paths_that_transform_gradients_before_encoding_stage_nothing():
+    plain = h.job("torch")
+    assert overlap_blocker(plain, local=False, aggregates=False, layout=False) is None
+    blocked = {
+        "ps.overlap: off": (h.job("torch", overlap="off"), {}),
+        "no servers (local training)": (plain, {"local": True}),
+        "ps.sync: local": (h.job("torch", sync="local"), {}),
+        "site aggregation": (plain, {"aggregates": True}),
+        "secure aggregation": (h.job("torch", workers=3, secure_aggregation=True), {}),
+        "differential privacy": (h.job("torch", privacy={"clip_norm": 1.0, "noise_multiplier": 1.0}), {}),
+        "a mixed-framework layout": (plain, {"layout": True}),
+        "codec randomk": (h.job("torch", compression={"codec": "randomk", "ratio": 0.1}), {}),
+    }
+    for reason, (job, where) in blocked.items():
+        args = {"local": False, "aggregates": False, "layout": False, **where}
+        assert overlap_blocker(job, **args) == reason
 
 
 # ---------------------------------------------------------------- paddle
@@ -189,27 +224,3 @@ def test_paddle_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case,
         assert stats.redone == 4 * STEPS and stats.used == 0
     elif case == "zeroed":
         assert stats.redone == STEPS // 2
-
-
-@pytest.mark.paddle
-def test_paddle_stage_encodes_during_backward_before_step_is_entered(tmp_path):
-    import paddle
-
-    import hybridfleet.paddle as hf
-
-    cluster = h.start_shards(tmp_path, h.job("paddle", compression=TOPK))
-    try:
-        paddle.seed(0)
-        model = paddle.nn.Sequential(paddle.nn.Linear(32, 64), paddle.nn.Tanh(), paddle.nn.Linear(64, 3))
-        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
-        ps = hf.connect(model, opt, config=cluster.config(0))
-        x, y = next(_batches())
-        paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).backward()
-        assert ps.stage.stats.hooked == 4
-        ps.stage.wait()
-        assert ps.stage.stats.encoded == 4
-        ps.step()
-        assert ps.stage.stats.encoded_before_step == 4 and ps.stage.stats.used == 4
-        ps.close()
-    finally:
-        cluster.stop()
