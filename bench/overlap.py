@@ -52,58 +52,57 @@ def _job(workdir: Path, framework: str, overlap: str, ratio: float) -> Path:
     return path
 
 
-def _torch_run(config, width, layers, steps, batch):
-    import torch
+def _mlp(framework: str, width: int, layers: int):
+    """(adapter, model, optimizer, backward(x, y), state values) of a ``layers`` x ``width`` MLP."""
+    if framework == "torch":
+        import torch
 
-    import hybridfleet.torch as hf
+        import hybridfleet.torch as hf
 
-    torch.manual_seed(0)
+        nn, tensor = torch.nn, torch.from_numpy
+        torch.manual_seed(0)
+    else:
+        import paddle
+
+        import hybridfleet.paddle as hf
+
+        nn, tensor = paddle.nn, paddle.to_tensor
+        paddle.seed(0)
     mods = []
     for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*mods, torch.nn.Linear(width, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    model = nn.Sequential(*mods, nn.Linear(width, 10))
+    if framework == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        clear = opt.zero_grad
+        values = lambda: {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    else:
+        opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
+        clear = lambda: opt.clear_grad(set_to_zero=False)
+        values = lambda: {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+    def backward(x, y):
+        clear()
+        nn.functional.cross_entropy(model(tensor(x)), tensor(y)).backward()
+
+    return hf, model, opt, backward, values
+
+
+def _run(framework, config, width, layers, steps, batch):
+    """Seconds per step, the final parameters and the stage's counters."""
+    hf, model, opt, backward, values = _mlp(framework, width, layers)
     ps = hf.connect(model, opt, config=config)
     rng = np.random.default_rng(0)
     times = []
     for _ in range(steps):
-        x = torch.from_numpy(rng.standard_normal((batch, width)).astype(np.float32))
-        y = torch.from_numpy(rng.integers(0, 10, batch))
+        x, y = rng.standard_normal((batch, width)).astype(np.float32), rng.integers(0, 10, batch)
         t0 = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        backward(x, y)
         ps.step()
         times.append(time.perf_counter() - t0)
     stats = ps.stage.stats if ps.stage is not None else None
     ps.close()
-    return times, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}, stats
-
-
-def _paddle_run(config, width, layers, steps, batch):
-    import paddle
-
-    import hybridfleet.paddle as hf
-
-    paddle.seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [paddle.nn.Linear(width, width), paddle.nn.Tanh()]
-    model = paddle.nn.Sequential(*mods, paddle.nn.Linear(width, 10))
-    opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
-    ps = hf.connect(model, opt, config=config)
-    rng = np.random.default_rng(0)
-    times = []
-    for _ in range(steps):
-        x = paddle.to_tensor(rng.standard_normal((batch, width)).astype(np.float32))
-        y = paddle.to_tensor(rng.integers(0, 10, batch))
-        t0 = time.perf_counter()
-        opt.clear_grad(set_to_zero=False)
-        paddle.nn.functional.cross_entropy(model(x), y).backward()
-        ps.step()
-        times.append(time.perf_counter() - t0)
-    stats = ps.stage.stats if ps.stage is not None else None
-    ps.close()
-    return times, {k: v.numpy().copy() for k, v in model.state_dict().items()}, stats
+    return times, values(), stats
 
 
 def main() -> None:
@@ -118,7 +117,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.width, args.layers, args.steps = 512, 4, 8
-    run = _torch_run if args.framework == "torch" else _paddle_run
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -128,7 +126,7 @@ def main() -> None:
             try:
                 config = WorkerConfig(job=load_spec(job), site="a", servers=addresses,
                                       security=ClientSecurity(insecure=True))
-                times, params, stats = run(config, args.width, args.layers, args.steps, args.batch)
+                times, params, stats = _run(args.framework, config, args.width, args.layers, args.steps, args.batch)
             finally:
                 stop_shards(procs)
             results[overlap] = (statistics.median(times[1:] or times), params, stats)  # the first step allocates
