@@ -380,6 +380,7 @@ class ParameterServerHandle(ABC):
         finally:
             if self.stage is not None:
                 self.stage.close()
+                log.info("overlap_stage_closed", worker=self.config.worker_id, **vars(self.stage.stats))
             self._save_site_buffers()
             self.session.close()
 
