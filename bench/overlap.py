@@ -1,4 +1,4 @@
-"""Step time with the gradient stage overlapping backward (``ps.overlap: auto``) vs without (``off``).
+"""Step time with the gradient stage overlapping backward (``ps.overlap: on``) vs without (``off``).
 
     python bench/overlap.py                          # torch, 8 x 1024-wide MLP (8.4M parameters), top-k 1% + EF
     python bench/overlap.py --framework paddle
@@ -7,7 +7,7 @@
 One shard (``hfleet ps serve``, its own process, plaintext on 127.0.0.1), one worker in this
 process training a deep MLP with the script's SGD; each setting gets fresh shards and the
 same seed, inputs and steps. A step is timed from forward to the end of ``ps.step()``
-(backward, copy to host, encode, push, pull, load). With ``auto`` the copy and the top-k
+(backward, copy to host, encode, push, pull, load). With ``on`` the copy and the top-k
 encode of each layer's gradient run on a background thread while backward computes the
 earlier layers; with ``off`` they run in ``ps.step()``, after backward. The last line is
 JSON: ``overlap_step_s`` / ``no_overlap_step_s`` are median seconds per step,
@@ -120,7 +120,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for overlap in ("auto", "off"):
+        for overlap in ("on", "off"):
             job = _job(workdir, args.framework, overlap, args.ratio)
             procs, addresses = serve_shards(job, 1, workdir, expected_workers=1)
             try:
@@ -130,19 +130,19 @@ def main() -> None:
             finally:
                 stop_shards(procs)
             results[overlap] = (statistics.median(times[1:] or times), params, stats)  # the first step allocates
-    on, off = results["auto"][0], results["off"][0]
-    same = all(np.array_equal(results["auto"][1][k], results["off"][1][k]) for k in results["off"][1])
+    on, off = results["on"][0], results["off"][0]
+    same = all(np.array_equal(results["on"][1][k], results["off"][1][k]) for k in results["off"][1])
     numel = sum(v.size for v in results["off"][1].values())
     print(f"{args.framework}: MLP {args.layers} x {args.width} ({numel / 1e6:.1f}M parameters), batch {args.batch}, "
           f"top-k {args.ratio:g} + EF, {args.steps} steps, one shard")
     print(f"{'ps.overlap':<12}{'median step s':>16}")
-    print(f"{'auto':<12}{on:>16.4f}")
+    print(f"{'on':<12}{on:>16.4f}")
     print(f"{'off':<12}{off:>16.4f}")
     print(json.dumps({"bench": "overlap", "framework": args.framework, "overlap_step_s": round(on, 5),
                       "no_overlap_step_s": round(off, 5), "overlap_speedup": round(off / on, 3),
                       "params_identical": same, "parameters": int(numel), "steps": args.steps,
-                      "batch": args.batch, "stage": vars(results["auto"][2]),
-                      "sides": "overlap_step_s = ps.overlap auto (project), no_overlap_step_s = off (anchor)"}))
+                      "batch": args.batch, "stage": vars(results["on"][2]),
+                      "sides": "overlap_step_s = ps.overlap on (project), no_overlap_step_s = off (anchor)"}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Gradients copied and encoded during backward() (``ps.overlap: auto``) give bit for bit what
+"""Gradients copied and encoded during backward() (``ps.overlap: on``; ``auto`` turns it on for parameters on an accelerator) give bit for bit what
 ``ps.overlap: off`` gives, whatever the script does to ``.grad`` between backward() and ps.step().
 
 Real TLS shards on 127.0.0.1 started in this process, a worker as a thread of it, real torch /
@@ -78,7 +78,7 @@ def _assert_identical(on: dict, off: dict) -> None:
                               "topk-ef-clip", "topk-ef-nonfinite-round"])
 def test_torch_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case, compression):
     # Execute: the same script twice, overlap auto then off
-    on, stats = _torch_run(tmp_path, "auto", case, compression)
+    on, stats = _torch_run(tmp_path, "on", case, compression)
     off, none = _torch_run(tmp_path, "off", case, compression)
     # Assert: every parameter bit for bit; the staged work was used where .grad stayed as backward left it
     _assert_identical(on, off)
@@ -119,7 +119,7 @@ def _tiny(framework: str):
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
 def test_stage_encodes_during_backward_before_step_is_entered(tmp_path, framework):
     # Prepare
-    cluster = h.start_shards(tmp_path, h.job(framework, compression=TOPK))
+    cluster = h.start_shards(tmp_path, h.job(framework, compression=TOPK, overlap="on"))
     try:
         hf, model, opt, backward = _tiny(framework)
         ps = hf.connect(model, opt, config=cluster.config(0))
@@ -138,8 +138,9 @@ def test_stage_encodes_during_backward_before_step_is_entered(tmp_path, framewor
 
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
-def test_overlap_off_installs_no_stage(tmp_path, framework):
-    cluster = h.start_shards(tmp_path, h.job(framework, overlap="off"))
+@pytest.mark.parametrize("overlap", ["off", "auto"])  # auto: the parameters are on the CPU here
+def test_overlap_off_and_auto_on_the_cpu_install_no_stage(tmp_path, framework, overlap):
+    cluster = h.start_shards(tmp_path, h.job(framework, overlap=overlap))
     try:
         hf, model, opt, _ = _tiny(framework)
         ps = hf.connect(model, opt, config=cluster.config(0))
@@ -151,17 +152,22 @@ def test_overlap_off_installs_no_stage(tmp_path, framework):
 
 
 def test_paths_that_transform_gradients_before_encoding_stage_nothing():
-    plain = h.job("torch")
+    plain = h.job("torch", overlap="on")
     assert overlap_blocker(plain, local=False, aggregates=False, layout=False) is None
+    auto = h.job("torch")
+    assert overlap_blocker(auto, local=False, aggregates=False, layout=False, accelerator=True) is None
+    assert overlap_blocker(auto, local=False, aggregates=False, layout=False).startswith(
+        "ps.overlap: auto with the parameters on the CPU")
     blocked = {
         "ps.overlap: off": (h.job("torch", overlap="off"), {}),
         "no servers (local training)": (plain, {"local": True}),
-        "ps.sync: local": (h.job("torch", sync="local"), {}),
+        "ps.sync: local": (h.job("torch", sync="local", overlap="on"), {}),
         "site aggregation": (plain, {"aggregates": True}),
-        "secure aggregation": (h.job("torch", workers=3, secure_aggregation=True), {}),
-        "differential privacy": (h.job("torch", privacy={"clip_norm": 1.0, "noise_multiplier": 1.0}), {}),
+        "secure aggregation": (h.job("torch", workers=3, secure_aggregation=True, overlap="on"), {}),
+        "differential privacy": (h.job("torch", privacy={"clip_norm": 1.0, "noise_multiplier": 1.0},
+                                       overlap="on"), {}),
         "a mixed-framework layout": (plain, {"layout": True}),
-        "codec randomk": (h.job("torch", compression={"codec": "randomk", "ratio": 0.1}), {}),
+        "codec randomk": (h.job("torch", compression={"codec": "randomk", "ratio": 0.1}, overlap="on"), {}),
     }
     for reason, (job, where) in blocked.items():
         args = {"local": False, "aggregates": False, "layout": False, **where}
@@ -214,7 +220,7 @@ def _paddle_run(tmp_path, overlap: str, case: str, compression: dict | None = No
                          ids=["plain", "clip", "accumulate", "optimizer-grad-clip", "zeroed-in-place", "topk-ef",
                               "topk-ef-nonfinite-round"])
 def test_paddle_overlap_on_and_off_give_bit_identical_parameters(tmp_path, case, compression):
-    on, stats = _paddle_run(tmp_path, "auto", case, compression)
+    on, stats = _paddle_run(tmp_path, "on", case, compression)
     off, none = _paddle_run(tmp_path, "off", case, compression)
     _assert_identical(on, off)
     assert none is None

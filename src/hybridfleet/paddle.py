@@ -55,6 +55,9 @@ class PaddleParameterServer(ParameterServerHandle):
     def _trainable(self, param: Any) -> bool:
         return not param.stop_gradient
 
+    def _on_accelerator(self, param: Any) -> bool:
+        return not param.place.is_cpu_place()
+
     def _register_grad_hook(self, param: Any, submit: Any) -> None:
         # called after the gradient is accumulated into param.grad (paddle's sharding uses it alike)
         param._register_backward_hook(lambda *_: submit(param.grad))

@@ -44,6 +44,9 @@ class TorchParameterServer(ParameterServerHandle):
     def _trainable(self, param: Any) -> bool:
         return param.requires_grad
 
+    def _on_accelerator(self, param: Any) -> bool:
+        return param.device.type != "cpu"
+
     def _register_grad_hook(self, param: Any, submit: Any) -> None:
         param.register_post_accumulate_grad_hook(lambda p: submit(p.grad))
 

@@ -148,14 +148,16 @@ class ParameterServerHandle(ABC):
         """The background stage that copies and encodes gradients during backward (`hybridfleet.ps.worker.overlap`),
         with a grad hook on each trainable parameter; None where the job's path cannot use it."""
         cfg = self.config
+        params = self._named_parameters()
         why = overlap_blocker(cfg.job, local=self.session.local, aggregates=cfg.aggregates,
-                              layout=self.layout is not None)
+                              layout=self.layout is not None,
+                              accelerator=any(self._on_accelerator(p) for p in params.values()))
         if why is not None:
             log.debug("overlap_off", reason=why)
             return None
         self._hooked: set[str] = set()
         stage = GradientStage(self._to_numpy, self.session.encode_param, self._grad_token)
-        self._hook_new_parameters(stage, self._named_parameters())
+        self._hook_new_parameters(stage, params)
         return stage
 
     def _hook_new_parameters(self, stage: GradientStage, params: dict[str, Any]) -> None:

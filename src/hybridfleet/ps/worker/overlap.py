@@ -41,11 +41,15 @@ STATEFUL_CODECS = ("randomk",)
 QUEUE_SLOTS = 64  # gradients waiting for the stage; a full queue makes backward() wait (bounded host memory)
 
 
-def overlap_blocker(job: Any, *, local: bool, aggregates: bool, layout: bool) -> str | None:
-    """Why this worker's steps cannot use staged work (None: they can)."""
+def overlap_blocker(job: Any, *, local: bool, aggregates: bool, layout: bool,
+                    accelerator: bool = False) -> str | None:
+    """Why this worker's steps cannot use staged work (None: they can). ``accelerator``: whether the
+    model's trainable parameters live on an accelerator (``ps.overlap: auto`` stages only then)."""
     ps = job.ps
     if ps.overlap == "off":
         return "ps.overlap: off"
+    if ps.overlap == "auto" and not accelerator:
+        return "ps.overlap: auto with the parameters on the CPU (backward and the stage would share its cores)"
     reasons = [(local, "no servers (local training)"), (ps.sync == "local", "ps.sync: local"),
                (aggregates, "site aggregation"), (ps.secure_aggregation is not None, "secure aggregation"),
                (ps.privacy is not None, "differential privacy"), (layout, "a mixed-framework layout"),
