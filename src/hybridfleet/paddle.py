@@ -9,6 +9,7 @@ import paddle
 from paddle.nn.layer.norm import _BatchNormBase
 
 from hybridfleet.ps.worker.frontend import ParameterServerHandle
+from hybridfleet.ps.worker.overlap import same_bits
 from hybridfleet.ps.worker.session import WorkerConfig
 
 
@@ -50,6 +51,25 @@ class PaddleParameterServer(ParameterServerHandle):
         for name, arr in values.items():
             t = tensors[name]
             t.set_value(np.array(arr, dtype=t.numpy().dtype, order="C"))
+
+    def _trainable(self, param: Any) -> bool:
+        return not param.stop_gradient
+
+    def _on_accelerator(self, param: Any) -> bool:
+        return not param.place.is_cpu_place()
+
+    def _register_grad_hook(self, param: Any, submit: Any) -> None:
+        # called after the gradient is accumulated into param.grad (paddle's sharding uses it alike)
+        param._register_backward_hook(lambda *_: submit(param.grad))
+
+    def _grad_token(self, tensor: Any) -> tuple:
+        # paddle.grad hands out a new wrapper each time: the storage and its in-place version say which
+        return (tensor.data_ptr(), tensor._inplace_version())
+
+    def _same_values(self, array: np.ndarray, tensor: Any) -> bool:
+        # clear_gradients() zeroes in place without bumping the version: compare the values (the copy
+        # to host made here is the one ps.overlap: off makes too; the encoding is what overlaps)
+        return same_bits(array, self._to_numpy(tensor))
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().cpu().astype("float32").numpy()

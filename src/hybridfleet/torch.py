@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from hybridfleet.ps.worker.frontend import ParameterServerHandle
+from hybridfleet.ps.worker.overlap import same_bits
 from hybridfleet.ps.worker.session import WorkerConfig
 
 
@@ -39,6 +40,26 @@ class TorchParameterServer(ParameterServerHandle):
             for name, arr in values.items():
                 t = state[name]
                 t.copy_(torch.from_numpy(np.array(arr, order="C")).to(t.device, t.dtype))  # 0-d stays 0-d
+
+    def _trainable(self, param: Any) -> bool:
+        return param.requires_grad
+
+    def _on_accelerator(self, param: Any) -> bool:
+        return param.device.type != "cpu"
+
+    def _register_grad_hook(self, param: Any, submit: Any) -> None:
+        param.register_post_accumulate_grad_hook(lambda p: submit(p.grad))
+
+    def _grad_token(self, tensor: Any) -> tuple:
+        # torch bumps a tensor's version on every in-place write (mul_, zero_, unscale_, +=)
+        return (id(tensor), tensor._version)
+
+    def _same_values(self, array: np.ndarray, tensor: Any) -> bool:
+        # on the CPU the values are at hand for free: a write past the version counter (through
+        # .data or a numpy view) is caught too; on an accelerator the version counter decides
+        if tensor.device.type != "cpu":
+            return True
+        return same_bits(array, self._to_numpy(tensor))
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float32).numpy()

@@ -239,3 +239,21 @@ def test_inconsistent_state_is_rejected_and_current_state_kept(rng, edit, messag
 def test_velocity_state_needs_momentum(rng):
     with pytest.raises(ValueError, match="error-feedback state holds velocities but momentum is off"):
         ErrorFeedback(get_codec("topk")).load_state_dict(_state(rng))
+
+
+def test_keep_staged_drops_only_the_other_keys_staged_state():
+    # Prepare: two keys with committed residuals, then both encoded again, staged
+    ef = ErrorFeedback(get_codec("topk", ratio=0.25))
+    rng = np.random.default_rng(3)
+    for key in ("a", "b"):
+        ef.encode(key, rng.standard_normal(16).astype(np.float32))
+    before = {k: ef.residual(k) for k in ("a", "b")}
+    staged_a = ef.encode("a", rng.standard_normal(16).astype(np.float32), stage=True)
+    ef.encode("b", rng.standard_normal(16).astype(np.float32), stage=True)
+    # Execute: only "a" was pushed
+    dropped = ef.keep_staged({"a"})
+    ef.commit()
+    # Assert: "b" keeps its residual from before the dropped encoding, "a" took its staged one
+    assert dropped == ["b"] and staged_a
+    assert np.array_equal(ef.residual("b"), before["b"])
+    assert not np.array_equal(ef.residual("a"), before["a"])

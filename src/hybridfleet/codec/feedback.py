@@ -141,6 +141,14 @@ class ErrorFeedback:
         self._staged.clear()
         return keys
 
+    def keep_staged(self, keys) -> list[str]:
+        """Drop the staged state of every key not in ``keys`` (as if it had not been encoded);
+        returns the dropped keys."""
+        dropped = [key for key in self._staged if key not in keys]
+        for key in dropped:
+            del self._staged[key]
+        return dropped
+
     @property
     def staged(self) -> bool:
         """Whether an encoding waits for `commit` or `discard`."""

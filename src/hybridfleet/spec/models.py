@@ -137,6 +137,13 @@ class PSSpec(_Strict):
     transport: Literal["auto", "grpc"] = Field(
         "auto", description="auto: tensor bytes on each shard's bulk TLS socket, control on gRPC; "
                             "grpc: everything on gRPC (one port per shard, e.g. behind a gRPC proxy)")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="on: as each gradient is ready during backward(), a background stage copies it to "
+                            "host, cuts it into the plan's blocks and encodes them, where the job's path allows it; "
+                            "ps.step() reuses that work unless the gradient changed after backward (then it is "
+                            "redone, with the same result); auto: on when the model's parameters live on an "
+                            "accelerator, off when they are on the CPU (backward and the stage would share its "
+                            "cores); off: everything happens in ps.step()")
     snapshot_every_s: float | None = Field(None, gt=0)
     snapshot_every_steps: int | None = Field(None, ge=1)
     max_tensors: int = Field(10_000, ge=1, description="a Join declaring more tensors is refused")

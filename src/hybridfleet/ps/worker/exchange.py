@@ -32,11 +32,13 @@ class ShardExchange:
                 for i in range(self.plan.num_shards)]
 
     def _exchange(self, grads: dict[str, np.ndarray], contributors: int, nonfinite: list[str],
-                  optimizer_json: str, present: set[str] | None = None) -> None:
+                  optimizer_json: str, present: set[str] | None = None,
+                  staged: dict[str, tuple[np.ndarray, dict[str, bytes]]] | None = None) -> None:
         """Push ``grads`` (the sum of ``contributors`` workers' gradients), wait as the consistency mode
         says and apply the pulled parameters; a restarted shard's values replace ours. ``present``:
-        under secure aggregation, the parameters that had a gradient (the others carry zeros)."""
-        payloads = self._encode(grads) if self.secure is None else self._blocks_of(grads)
+        under secure aggregation, the parameters that had a gradient (the others carry zeros).
+        ``staged``: blocks encoded during backward (see `_encode`)."""
+        payloads = self._encode(grads, staged) if self.secure is None else self._blocks_of(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync in ROUND_SYNC_MODES
@@ -86,15 +88,28 @@ class ShardExchange:
             self.step_count = self.client.clock
             self._apply_pulled(self.client.pull(full=True))
         self.timer.mark("wait")
-    def _encode(self, grads: dict[str, np.ndarray]) -> dict[str, bytes]:
-        if self._encoder is None:
-            self._encoder = self._make_encoder()
+    def _encode(self, grads: dict[str, np.ndarray],
+                staged: dict[str, tuple[np.ndarray, dict[str, bytes]]] | None = None) -> dict[str, bytes]:
+        """Every block of ``grads``, encoded. ``staged``: name -> (the array the background stage encoded,
+        its blocks); a name whose gradient here is that very array takes its blocks as they are (their
+        error feedback is staged already); every other staged error-feedback state is discarded, so
+        what is staged is exactly what this push carries."""
         out = {}
         for name, g in grads.items():
-            dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
-            for key, part in self.plan.split(name, np.asarray(g, dtype=DTYPE).reshape(-1)).items():
-                out[key] = buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
+            pre = staged.get(name) if staged else None
+            out.update(pre[1] if pre is not None and pre[0] is g else self.encode_param(name, g))
+        if self.feedback is not None:
+            self.feedback.keep_staged(out)
         return out
+
+    def encode_param(self, name: str, grad: np.ndarray) -> dict[str, bytes]:
+        """One parameter's (or buffer's) update cut into the plan's blocks and encoded: key -> payload.
+        With error feedback the residuals are staged until the push is settled."""
+        if self._encoder is None:
+            self._encoder = self._make_encoder()
+        dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
+        return {key: buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
+                for key, part in self.plan.split(name, np.asarray(grad, dtype=DTYPE).reshape(-1)).items()}
 
     def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The update cut into the plan's blocks (key -> float32), unencoded: secure aggregation masks them."""

@@ -42,6 +42,7 @@ from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.buffers import BufferSync
 from hybridfleet.ps.worker.buffers import split as split_buffers
 from hybridfleet.ps.worker.canonical import CanonicalLayout
+from hybridfleet.ps.worker.overlap import GradientStage, overlap_blocker
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
 log = get_logger("ps.worker")
@@ -94,6 +95,7 @@ class ParameterServerHandle(ABC):
         # best saves are written in the background, so a step does not wait for the disk.
         self._model_ckpt = None
         self._site_buffers_saved = False
+        self.stage = self._start_stage()
         if self.config.rank == 0 and not self.session.local:
             from hybridfleet.ckpt.run_model import ModelCheckpointer
 
@@ -142,6 +144,50 @@ class ParameterServerHandle(ABC):
                             f"{reader.name} as the inner optimizer), or codec int8/fp16, or SGD in the script")
         return reader
 
+    def _start_stage(self) -> GradientStage | None:
+        """The background stage that copies and encodes gradients during backward (`hybridfleet.ps.worker.overlap`),
+        with a grad hook on each trainable parameter; None where the job's path cannot use it."""
+        cfg = self.config
+        params = self._named_parameters()
+        why = overlap_blocker(cfg.job, local=self.session.local, aggregates=cfg.aggregates,
+                              layout=self.layout is not None,
+                              accelerator=any(self._on_accelerator(p) for p in params.values()))
+        if why is not None:
+            log.debug("overlap_off", reason=why)
+            return None
+        self._hooked: set[str] = set()
+        stage = GradientStage(self._to_numpy, self.session.encode_param, self._grad_token)
+        self._hook_new_parameters(stage, params)
+        return stage
+
+    def _hook_new_parameters(self, stage: GradientStage, params: dict[str, Any]) -> None:
+        """A grad hook on each trainable parameter that has none yet (one unfrozen since joins here)."""
+        for name, param in params.items():
+            if name not in self._hooked and self._trainable(param):
+                self._register_grad_hook(param, lambda tensor, name=name: stage.submit(name, tensor))
+                self._hooked.add(name)
+
+    def _staged_gradients(self, tensors: dict[str, Any], staged: dict) -> tuple[dict[str, np.ndarray], dict]:
+        """Each gradient tensor (name -> tensor) as float32 numpy, and the staged work that holds for
+        it: name -> (array, blocks). Work made from another tensor, or from this one before it changed
+        (its version, or its values where they are at hand), is not used: that gradient is copied here."""
+        grads, usable = {}, {}
+        for name, tensor in tensors.items():
+            entry = staged.get(name)
+            if self.stage.valid(entry, tensor) and self._same_values(entry.array, tensor):
+                grads[name] = entry.array
+                usable[name] = (entry.array, entry.payloads)
+                self.stage.stats.used += 1
+            else:
+                grads[name] = self._to_numpy(tensor)
+                self.stage.stats.redone += entry is not None
+        return grads, usable
+
+    def _same_values(self, array: np.ndarray, tensor: Any) -> bool:
+        """Whether ``tensor`` holds exactly ``array``'s bits; a framework whose version counters miss
+        some writes compares the values."""
+        return True
+
     def _buffer_sync(self) -> tuple[BufferSync | None, dict[str, np.ndarray]]:
         """The model's buffers under ``ps.buffers`` (None when they stay on the worker) and their plan tensors."""
         cfg = self.config
@@ -178,6 +224,17 @@ class ParameterServerHandle(ABC):
     @abstractmethod
     def _to_numpy(self, tensor: Any) -> np.ndarray: ...
 
+    def _trainable(self, param: Any) -> bool:
+        return True
+
+    def _register_grad_hook(self, param: Any, submit: Any) -> None:
+        """Call ``submit(param.grad)`` each time backward() has accumulated the parameter's gradient
+        (no hook: nothing overlaps)."""
+
+    def _grad_token(self, tensor: Any) -> tuple:
+        """Which tensor and which version of its values (changes with every in-place write)."""
+        return (id(tensor),)
+
     def _grad(self, param: Any) -> np.ndarray | None:
         """The parameter's gradient as float32 numpy, or None before the first backward."""
         return None if param.grad is None else self._to_numpy(param.grad)
@@ -212,7 +269,12 @@ class ParameterServerHandle(ABC):
                     self._model_ckpt.after_step(self.step_count, self.model)
             return
         params = self._named_parameters()
-        if self.reader is None:
+        staged = self.stage.take() if self.stage is not None else None
+        if self.reader is None and staged is not None:
+            grads, usable = self._staged_gradients({n: p.grad for n, p in params.items() if p.grad is not None},
+                                                   staged)
+            self._load(self.session.step(self._with_buffers(grads, samples), staged=usable))
+        elif self.reader is None:
             grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
             self._load(self.session.step(self._with_buffers(self._canonical(grads), samples)))
         elif self.session.local:  # no servers: the script's optimizer steps the model here
@@ -225,8 +287,14 @@ class ParameterServerHandle(ABC):
             raw = self.reader.clip({n: params[n].grad for n in stepped if params[n].grad is not None})
             from hybridfleet.ps.worker.optim_spec import encode
 
-            grads = {n: self._to_numpy(g) for n, g in raw.items()}
-            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
+            if staged is not None:
+                grads, usable = self._staged_gradients(raw, staged)
+                self._load(self.session.step(self._with_buffers(grads, samples), encode(desc), usable))
+            else:
+                grads = {n: self._to_numpy(g) for n, g in raw.items()}
+                self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
+        if self.stage is not None:
+            self._hook_new_parameters(self.stage, params)
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
 
@@ -312,6 +380,9 @@ class ParameterServerHandle(ABC):
                     self._model_ckpt.final(self.step_count, self.model)
                 self._model_ckpt.close()
         finally:
+            if self.stage is not None:
+                self.stage.close()
+                log.info("overlap_stage_closed", worker=self.config.worker_id, **vars(self.stage.stats))
             self._save_site_buffers()
             self.session.close()
 

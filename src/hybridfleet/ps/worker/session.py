@@ -162,7 +162,8 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         return {k: v.reshape(self.shapes[k]) for k, v in self._flat.items()}
 
     # ------------------------------------------------------------------ step
-    def step(self, grads: dict[str, np.ndarray], optimizer_json: str = "") -> dict[str, np.ndarray]:
+    def step(self, grads: dict[str, np.ndarray], optimizer_json: str = "",
+             staged: dict[str, tuple[np.ndarray, dict[str, bytes]]] | None = None) -> dict[str, np.ndarray]:
         """Send this step's gradients and return the parameters to train on next.
 
         ``grads`` holds the parameters that have a gradient this step; the others are not
@@ -173,9 +174,13 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         shards close the round without applying anything for any worker (BSP), the parameters
         stay as they are, and it is logged (``round_skipped_nonfinite``) and counted in the metrics
         (``rounds_skipped_nonfinite``). Where the site's workers reduce together or under secure
-        aggregation it raises ValueError instead, having sent nothing."""
+        aggregation it raises ValueError instead, having sent nothing.
+
+        ``staged``: name -> (array, encoded blocks) made while backward() ran
+        (`hybridfleet.ps.worker.overlap`); a gradient in ``grads`` that is that very array is pushed
+        as staged, the result is the same as encoding it here."""
         self.timer.begin()
-        params = self._step(grads, optimizer_json)
+        params = self._step(grads, optimizer_json, staged)
         if self._raw_gradient_bytes is None:
             self._raw_gradient_bytes = 0 if self.local or self.link is not None else self._numel() * DTYPE.itemsize
         self.timer.end(self._raw_gradient_bytes)
@@ -193,7 +198,8 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         self._flat = {k: np.ascontiguousarray(v, dtype=DTYPE).reshape(-1).copy() for k, v in params.items()}
         self.step_count += 1
 
-    def _step(self, grads: dict[str, np.ndarray], optimizer_json: str = "") -> dict[str, np.ndarray]:
+    def _step(self, grads: dict[str, np.ndarray], optimizer_json: str = "",
+              staged: dict | None = None) -> dict[str, np.ndarray]:
         unknown = sorted(set(grads) - set(self.shapes))
         if unknown:
             raise ValueError(f"gradients of parameters the job does not have: {unknown[:3]}")
@@ -226,7 +232,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         if self.secure is not None:
             # the masks cover every key: a parameter without a gradient sends zeros, flagged as absent
             grads = {k: grads[k] if k in grads else np.zeros(self.shapes[k], DTYPE) for k in self._names}
-        self._exchange(grads, contributors, nonfinite, optimizer_json, present)
+        self._exchange(grads, contributors, nonfinite, optimizer_json, present, staged)
         if self.hub is not None:
             self._leader_broadcast()
         return self.parameters()
