@@ -142,6 +142,9 @@ def _ps_job(workload: Workload, framework: str, sites: dict[str, Path], s: dict,
     for key in ("optimizer", "compression", "local_steps"):
         ps.pop(key, None)
     ps.update(shards=shards, sync="bsp")
+    # a worker starved of CPU for a few seconds must stay in the BSP quorum, as in the DDP row (no
+    # heartbeats there): a dropped worker would change the rounds, not only the step time
+    ps["heartbeat_timeout_s"] = max(float(ps.get("heartbeat_timeout_s", 0)), 60.0)
     job["train"] = {**job.get("train", {}), **_train_section(s)}
     for key in ("checkpoint", "registry"):
         job.pop(key, None)
