@@ -70,7 +70,9 @@ def test_click_from_runs_to_a_finished_run_and_its_report(demo_run, tmp_path):
         # Assert
         assert "COMPLETED" in row_text and "200/200" in row_text
         assert "Summary" in detail and "joint test accuracy" in detail and "COMPLETED" in detail
-        assert "Loss per site" in headings and "Restarts and events" in headings
+        assert any(h.startswith("Training loss (lower is better)") for h in headings), headings
+        assert any(h.startswith("Test accuracy (higher is better)") for h in headings), headings
+        assert "Restarts and events" in headings
         assert pixel_stddev(first_plot) > 10
 
 
