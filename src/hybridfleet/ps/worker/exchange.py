@@ -16,10 +16,10 @@ from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import matrix_rows
 from hybridfleet.ps.worker.client import Pulled, ShardRestarted
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
+from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
 
 log = get_logger("ps.worker")
 
-DTYPE = np.dtype("<f4")
 
 
 class ShardExchange:

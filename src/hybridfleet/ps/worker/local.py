@@ -33,10 +33,10 @@ import numpy as np
 from hybridfleet.errors import CheckpointError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.session import PSSession
+from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
 
 log = get_logger("ps.local")
 
-DTYPE = np.dtype("<f4")
 
 
 class InnerState:

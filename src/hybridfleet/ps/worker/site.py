@@ -47,10 +47,10 @@ from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire.admission import HandshakeSlots
 from hybridfleet.ps.worker.site_security import HubSecurity, LinkSecurity
+from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
 
 log = get_logger("ps.site")
 
-DTYPE = np.dtype("<f4")
 _LEN = struct.Struct("<Q")
 CONNECT_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 600.0       # how long the leader waits for a follower's next gradient to start
