@@ -167,10 +167,14 @@ class ParameterServerHandle(ABC):
                 self._register_grad_hook(param, lambda tensor, name=name: stage.submit(name, tensor))
                 self._hooked.add(name)
 
-    def _staged_gradients(self, tensors: dict[str, Any], staged: dict) -> tuple[dict[str, np.ndarray], dict]:
+    def _host_gradients(self, tensors: dict[str, Any], staged: dict | None
+                        ) -> tuple[dict[str, np.ndarray], dict | None]:
         """Each gradient tensor (name -> tensor) as float32 numpy, and the staged work that holds for
-        it: name -> (array, blocks). Work made from another tensor, or from this one before it changed
-        (its version, or its values where they are at hand), is not used: that gradient is copied here."""
+        it: name -> (array, blocks); None without a stage. Work made from another tensor, or from this
+        one before it changed (its version, or its values where they are at hand), is not used: that
+        gradient is copied here."""
+        if staged is None:
+            return {n: self._to_numpy(t) for n, t in tensors.items()}, None
         grads, usable = {}, {}
         for name, tensor in tensors.items():
             entry = staged.get(name)
@@ -270,13 +274,10 @@ class ParameterServerHandle(ABC):
             return
         params = self._named_parameters()
         staged = self.stage.take() if self.stage is not None else None
-        if self.reader is None and staged is not None:
-            grads, usable = self._staged_gradients({n: p.grad for n, p in params.items() if p.grad is not None},
-                                                   staged)
-            self._load(self.session.step(self._with_buffers(grads, samples), staged=usable))
-        elif self.reader is None:
-            grads = {n: g for n, g in ((n, self._grad(p)) for n, p in params.items()) if g is not None}
-            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples)))
+        if self.reader is None:
+            grads, usable = self._host_gradients({n: p.grad for n, p in params.items() if p.grad is not None},
+                                                 staged)
+            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), staged=usable))
         elif self.session.local:  # no servers: the script's optimizer steps the model here
             self._step_script_optimizer()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
@@ -287,12 +288,8 @@ class ParameterServerHandle(ABC):
             raw = self.reader.clip({n: params[n].grad for n in stepped if params[n].grad is not None})
             from hybridfleet.ps.worker.optim_spec import encode
 
-            if staged is not None:
-                grads, usable = self._staged_gradients(raw, staged)
-                self._load(self.session.step(self._with_buffers(grads, samples), encode(desc), usable))
-            else:
-                grads = {n: self._to_numpy(g) for n, g in raw.items()}
-                self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc)))
+            grads, usable = self._host_gradients(raw, staged)
+            self._load(self.session.step(self._with_buffers(self._canonical(grads), samples), encode(desc), usable))
         if self.stage is not None:
             self._hook_new_parameters(self.stage, params)
         if self._model_ckpt is not None:
