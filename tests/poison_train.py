@@ -17,8 +17,10 @@ if os.environ.get("HFLEET_SITE") == os.environ.get("HFLEET_TEST_POISON_SITE"):
     scale = float(os.environ["HFLEET_TEST_POISON_SCALE"])
     honest_step = PSSession.step
 
-    def poisoned_step(self, grads):
-        return honest_step(self, {k: v * scale for k, v in grads.items()})
+    def poisoned_step(self, grads, *args, staged=None, **kwargs):
+        # Gradients staged (already encoded) while backward ran would bypass the scaling,
+        # so the poisoned step always encodes from the scaled arrays.
+        return honest_step(self, {k: v * scale for k, v in grads.items()}, *args, staged=None, **kwargs)
 
     PSSession.step = poisoned_step
 
