@@ -9,6 +9,15 @@ must finish within `HANDSHAKE_TIMEOUT_S`, and each request frame within a deadli
 set by its size (`frame_deadline`), however the bytes trickle in. A `Deadlines`
 watchdog enforces both by shutting the socket down, so the reads stay plain blocking
 calls through `recv_exact`.
+
+Threads do not grow with the number of workers: one event loop (`bulk_loop.EventLoop`)
+accepts, runs the TLS handshakes without blocking, collects each HELLO and watches
+every idle connection; a connection with a request goes to a fixed pool of
+`POOL_THREADS` threads, which reads the frame (a whole frame per call on the native TLS
+path, without the GIL), serves it and hands the connection back to the loop. A pull
+that must wait for its round holds no thread: it is parked with the shard
+(`Downlink.pull_now`), the event that makes it ready queues it on the pool again, and
+the watchdog's tick answers it once its time is up.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable
 
@@ -32,10 +42,11 @@ from hybridfleet.ps.wire.bulk import (
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
+from hybridfleet.ps.server.bulk_loop import FAILED, WOULD_BLOCK, Conn, EventLoop
 from hybridfleet.ps.server.identity import tls_peer_site
 from hybridfleet.ps.wire.admission import HandshakeSlots, shutdown_fd
 from hybridfleet.ps.wire.reject import Reject
-from hybridfleet.ps.wire.tls import remember_files, wrap
+from hybridfleet.ps.wire.tls import remember_files, wrap, wrap_nonblocking
 
 log = get_logger("ps.bulk")
 
@@ -48,6 +59,15 @@ MIN_FRAME_RATE = 256 << 10
 # A refused push up to this size is read and dropped so the connection stays in step; a
 # larger one closes the connection.
 DISCARD_LIMIT = 64 << 20
+# Threads that serve requests, whatever the number of workers (each request holds one only
+# while its bytes move or the shard applies it; a waiting pull holds none).
+POOL_THREADS = 8
+# How often parked pulls are looked at together: rounds that close on the clock (late
+# joiners), ssp clock waits, and pulls whose time is up.
+PARK_POLL_S = 0.5
+MAX_HELLO_BYTES = 1 << 16
+_PARKED = object()  # a request answered later, by whoever completes its parked pull
+_DONE = object()  # a parked pull someone else has completed
 
 
 def frame_deadline(nbytes: int) -> float:
@@ -62,7 +82,9 @@ class Deadlines:
     shutdown happens under the lock, so once `disarm` returns the descriptor is never touched.
     """
 
-    def __init__(self, tick_s: float = 0.25):
+    def __init__(self, tick_s: float = 0.25, on_tick: Callable[[], None] | None = None):
+        """``on_tick``: also called every tick, outside the lock (the bulk server's parked pulls)."""
+        self._on_tick = on_tick
         self._due: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -92,48 +114,80 @@ class Deadlines:
                     del self._due[fd]
                     self.expired += 1
                     shutdown_fd(fd)
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception as err:  # a bug must not stop the watchdog
+                    log.error("bulk_tick_failed", error=f"{type(err).__name__}: {err}")
+
+
+class _ParkedPull:
+    """A bulk pull waiting for its round without a thread; registered with the shard as a waiter."""
+
+    __slots__ = ("server", "conn", "request", "deadline", "release", "blocked", "lock", "done", "expiring")
+
+    def __init__(self, server: "BulkServer", conn: Conn, request, deadline: float, release: Callable[[], None]):
+        self.server, self.conn, self.request, self.deadline, self.release = server, conn, request, deadline, release
+        self.blocked = None  # what it waits for, set by the shard
+        self.lock = threading.Lock()
+        self.done = self.expiring = False
+
+    def notify(self) -> None:
+        """The shard's event that may make this pull ready (called under the shard's lock): ask again
+        on the pool, never here."""
+        self.server._submit(self.server._resume_pull, self, False)
 
 
 class BulkServer:
-    """Serves the bulk plane of one shard: a listening socket and one thread per connection.
+    """Serves the bulk plane of one shard: a listening socket, one event loop and a fixed pool.
 
     ``push(header, payloads, claims)`` and ``pull(request)`` do the work (see
     `hybridfleet.ps.server.service.ShardServicer`) and raise `hybridfleet.ps.wire.reject.Reject`;
-    ``verify(token, roles)`` returns the claims or raises (None: no auth, explicit).
+    ``verify(token, roles)`` returns the claims or raises (None: no auth, explicit). ``pulls``:
+    what lets a waiting pull park instead of holding a thread (``open_pull``, ``try_pull``,
+    ``unpark``, ``poll_parked`` of `ShardServicer`); None: pulls wait in a pool thread.
     """
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
                  verify: Callable[[str | None, set[str]], Any] | None, max_push_bytes: int,
-                 push: Callable, pull: Callable, admit: Callable | None = None, max_connections: int = 64):
+                 push: Callable, pull: Callable, admit: Callable | None = None, max_connections: int = 64,
+                 pulls: Any = None, pool_threads: int = POOL_THREADS):
         """``admit(header, claims, peer_site)``: a context manager that checks a push header before
         its payload is read and holds the push's share of the shard (None: no check)."""
         self.ssl_context, self.verify, self.max_push_bytes = ssl_context, verify, max_push_bytes
-        self._push, self._pull = push, pull
+        self._push, self._pull, self._pulls = push, pull, pulls
         self._admit = admit or (lambda header, claims, peer_site: nullcontext())
         self.max_connections = max_connections
         try:
-            self._listener = socket.create_server((host, port), backlog=64)
+            self._listener = socket.create_server((host, port), backlog=1024)
         except OSError as err:
             raise PortInUseError(f"cannot serve the bulk data plane on {host}:{port}: {err.strerror}") from err
         self.port = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._conns: set = set()  # transports of the connections past their handshake
         self._authenticated = 0  # connections past HELLO
         self._slots = HandshakeSlots(MAX_PENDING_HANDSHAKES, PENDING_PER_SOURCE)  # the others
         self._by_identity: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self.deadlines = Deadlines()
-        self._thread = threading.Thread(target=self._accept_loop, name="ps-bulk-accept", daemon=True)
+        self._parked: set[_ParkedPull] = set()
+        self._last_poll = 0.0
+        self.pool_threads = pool_threads
+        self._pool = ThreadPoolExecutor(max_workers=pool_threads, thread_name_prefix="ps-bulk")
+        self.deadlines = Deadlines(on_tick=self._tick)
+        tls = None if ssl_context is None else (lambda sock: wrap_nonblocking(ssl_context, sock))
+        self._loop = EventLoop(self._listener, tls, self._accepted, self._hello_ready, self._readable,
+                               self._close, MAX_HELLO_BYTES)
 
     def start(self) -> "BulkServer":
         self.deadlines.start()
-        self._thread.start()
-        log.info("bulk_serving", port=self.port, tls=self.ssl_context is not None)
+        self._loop.start()
+        log.info("bulk_serving", port=self.port, tls=self.ssl_context is not None, pool_threads=self.pool_threads)
         return self
 
     def stop(self) -> None:
         self._stopped.set()
         self.deadlines.stop()
+        self._loop.stop()  # closes the connections it watches
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -141,23 +195,200 @@ class BulkServer:
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
-        for c in conns:
+            parked, self._parked = list(self._parked), set()
+        for p in parked:
+            if self._pulls is not None:
+                self._pulls.unpark(p)
+        for c in conns:  # the ones a pool thread (or a parked pull) holds: their calls fail and end
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            c.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in parked:
+            self._close(p.conn)
 
-    def _accept_loop(self) -> None:
+    @property
+    def parked_pulls(self) -> int:
+        """Pulls waiting for their round now, none of them holding a thread."""
+        with self._lock:
+            return len(self._parked)
+
+    def _submit(self, fn: Callable, *args) -> None:
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # the server is stopping: the connection is closed by stop()
+            pass
+
+    # ------------------------------------------------------------------ the event loop's callbacks
+    def _accepted(self, sock: socket.socket, peer) -> Conn | None:
+        if self._stopped.is_set():
+            sock.close()
+            return None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass  # the peer is gone already: its first read says so
+        self._slots.take(sock.fileno(), peer[0])  # may evict an older pending connection
+        self.deadlines.arm(sock.fileno(), HANDSHAKE_TIMEOUT_S)  # TLS handshake and HELLO together
+        return Conn(sock, peer)
+
+    def _hello_ready(self, c: Conn, op: int, size: int, body: bytes | None) -> None:
+        with self._lock:
+            self._conns.add(c.sock)
+        self._submit(self._serve_hello, c, op, size, body)
+
+    def _readable(self, c: Conn) -> None:
+        self._submit(self._next, c)
+
+    def _close(self, c: Conn) -> None:
+        with self._lock:
+            if c.phase == "closed":
+                return
+            c.phase = "closed"
+        identity, c.identity = c.identity, None
+        self._release(c.sock, c.fd, identity)
+
+    def _release(self, conn, fd: int, identity: str | None) -> None:
+        """Forget a connection that ends (its deadline, slot, identity count) and close it."""
+        self.deadlines.disarm(fd)
+        self._slots.release(fd)
+        with self._lock:
+            self._conns.discard(conn)
+            if identity is not None:
+                self._authenticated -= 1
+                left = self._by_identity.get(identity, 1) - 1
+                if left > 0:
+                    self._by_identity[identity] = left
+                else:
+                    self._by_identity.pop(identity, None)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ the pool's work
+    def _serve_hello(self, c: Conn, op: int, size: int, body: bytes | None) -> None:
+        try:
+            c.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            hello = self._check_hello(c.sock, c.who, op, size, body)
+            self.deadlines.disarm(c.fd)
+            if hello is None:
+                return self._close(c)
+            c.token, identity = hello
+            c.identity = self._take_identity(c.sock, c.fd, identity, c.who)
+            if c.identity is None:
+                return self._close(c)
+        except FAILED as err:
+            if not self._stopped.is_set():
+                log.info("bulk_connection_closed", peer=c.who, reason=str(err) or type(err).__name__)
+            return self._close(c)
+        self._next(c)
+
+    def _next(self, c: Conn) -> None:
+        """Serve the requests that are there on ``c``, then hand it back to the loop (or close it,
+        or leave it to its parked pull)."""
         while not self._stopped.is_set():
             try:
-                conn, peer = self._listener.accept()
-            except OSError:
+                c.sock.settimeout(0.0)
+                first = c.sock.recv(1)
+            except WOULD_BLOCK:
+                return self._loop.resume(c)
+            except FAILED as err:
+                log.info("bulk_connection_closed", peer=c.who, reason=str(err) or type(err).__name__)
+                return self._close(c)
+            if not first:
+                return self._close(c)
+            c.sock.settimeout(FRAME_TIMEOUT_S)
+            self.deadlines.arm(c.fd, frame_deadline(0))  # until the header is in
+            try:
+                outcome = self._request(c.sock, c.fd, first[0], c.token, c.who, park=c)
+            except FAILED as err:
+                if not self._stopped.is_set():
+                    log.info("bulk_connection_closed", peer=c.who, reason=str(err) or type(err).__name__)
+                outcome = False
+            finally:
+                self.deadlines.disarm(c.fd)
+            if outcome is _PARKED:
                 return
-            self._slots.take(conn.fileno(), peer[0])  # may evict an older pending connection
-            threading.Thread(target=self._serve, args=(conn, peer), name="ps-bulk-conn", daemon=True).start()
+            if not outcome:
+                return self._close(c)
+        self._close(c)
 
+    # ------------------------------------------------------------------ parked pulls
+    def _attempt(self, p: _ParkedPull, expired: bool):
+        """The pull's answer, None while it stays parked, `_DONE` when another thread completed it;
+        raises Reject (the pull is then over)."""
+        with p.lock:
+            if p.done:
+                return _DONE
+            self._pulls.unpark(p)
+            try:
+                answer = self._pulls.try_pull(p.request, p, expired)
+            except BaseException:
+                self._finish(p)
+                raise
+            if answer is not None:
+                self._finish(p)
+            return answer
+
+    def _finish(self, p: _ParkedPull) -> None:
+        p.done = True
+        p.release()
+        with self._lock:
+            self._parked.discard(p)
+
+    def _resume_pull(self, p: _ParkedPull, expired: bool) -> None:
+        c = p.conn
+        keep = True
+        try:
+            try:
+                answer = self._attempt(p, expired)
+            except Reject as rej:
+                log.warning("bulk_rejected", peer=c.who, code=rej.code, reason=rej.message)
+                c.sock.settimeout(FRAME_TIMEOUT_S)
+                c.sock.sendall(_response(rej.code, rej.message.encode()))
+                keep = not getattr(rej, "close", False)
+            except Exception as err:  # a bug, not the peer's fault (as in _request)
+                log.error("bulk_request_failed", peer=c.who, op="Pull", error=f"{type(err).__name__}: {err}")
+                c.sock.settimeout(FRAME_TIMEOUT_S)
+                c.sock.sendall(_response("INTERNAL", f"shard failed to serve the request: {type(err).__name__}"
+                                         .encode()))
+                keep = False
+            else:
+                if answer is None or answer is _DONE:
+                    return
+                c.sock.settimeout(FRAME_TIMEOUT_S)
+                self._send_pull(c.sock, *answer)
+        except FAILED as err:
+            if not self._stopped.is_set():
+                log.info("bulk_connection_closed", peer=c.who, reason=str(err) or type(err).__name__)
+            keep = False
+        if keep:
+            self._next(c)
+        else:
+            self._close(c)
+
+    def _tick(self) -> None:
+        """Every `PARK_POLL_S` (from the watchdog's thread): what a waiting pull thread did on its
+        own half-second wake-up, once for all parked pulls; pulls whose time is up are answered."""
+        now = time.monotonic()
+        if self._pulls is None or now - self._last_poll < PARK_POLL_S:
+            return
+        self._last_poll = now
+        with self._lock:
+            due = [p for p in self._parked if p.deadline <= now and not p.expiring]
+            any_parked = bool(self._parked)
+        if any_parked:
+            self._pulls.poll_parked()
+        for p in due:
+            p.expiring = True
+            self._submit(self._resume_pull, p, True)
+
+    # ------------------------------------------------------------------ one connection, blocking
     def _serve(self, conn: socket.socket, peer) -> None:
+        """Serve one accepted connection to its end in the calling thread with blocking reads (what
+        the pool does request by request; a fuzzing harness drives this directly)."""
         who = f"{peer[0]}:{peer[1]}"
         fd, identity = conn.fileno(), None
         try:
@@ -168,33 +399,17 @@ class BulkServer:
                 conn = wrap(self.ssl_context, conn, server_side=True)
             with self._lock:
                 self._conns.add(conn)
-            hello = self._hello(conn, who)
+            op = int(recv_exact(conn, 1)[0])
+            size = _U32.unpack(recv_exact(conn, 4))[0]
+            ok = op == OP_HELLO and size <= MAX_HELLO_BYTES
+            hello = self._check_hello(conn, who, op, size, recv_exact(conn, size).tobytes() if ok else None)
             self.deadlines.disarm(fd)
             if hello is None:
                 return
             token, identity = hello
-            with self._lock:
-                if not self._slots.release(fd):
-                    identity = None
-                    return  # evicted while its HELLO was being checked
-                n = self._by_identity.get(identity, 0)
-                full = self._authenticated >= self.max_connections
-                if n < CONNECTIONS_PER_IDENTITY and not full:
-                    self._by_identity[identity] = n + 1
-                    self._authenticated += 1
-            if full and n < CONNECTIONS_PER_IDENTITY:
-                msg = f"the shard's bulk plane serves {self.max_connections} connections already"
-                log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
-                conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
-                identity = None
+            identity = self._take_identity(conn, fd, identity, who)
+            if identity is None:
                 return
-            if n >= CONNECTIONS_PER_IDENTITY:
-                msg = f"worker {identity} already has {n} bulk connections to this shard (at most {CONNECTIONS_PER_IDENTITY})"
-                log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
-                conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
-                identity = None
-                return
-            conn.sendall(_response("OK"))
             while not self._stopped.is_set():
                 conn.settimeout(None)  # a worker may stay idle between steps
                 first = conn.recv(1)
@@ -207,33 +422,44 @@ class BulkServer:
                         return
                 finally:
                     self.deadlines.disarm(fd)
-        except (OSError, EOFError, ssl.SSLError, ValueError) as err:
+        except FAILED as err:
             if not self._stopped.is_set():
                 log.info("bulk_connection_closed", peer=who, reason=str(err) or type(err).__name__)
         finally:
-            self.deadlines.disarm(fd)
-            self._slots.release(fd)
-            with self._lock:
-                self._conns.discard(conn)
-                if identity is not None:
-                    self._authenticated -= 1
-                    left = self._by_identity.get(identity, 1) - 1
-                    if left > 0:
-                        self._by_identity[identity] = left
-                    else:
-                        self._by_identity.pop(identity, None)
-            conn.close()
+            self._release(conn, fd, identity)
 
-    def _hello(self, conn: socket.socket, who: str) -> tuple[str, str] | None:
+    # ------------------------------------------------------------------ requests
+    def _take_identity(self, conn, fd: int, identity: str, who: str) -> str | None:
+        """Count an authenticated connection for ``identity`` and answer its HELLO; None after a
+        refusal (over the shard's or the identity's connections, or evicted meanwhile)."""
+        with self._lock:
+            if not self._slots.release(fd):
+                return None  # evicted while its HELLO was being checked
+            n = self._by_identity.get(identity, 0)
+            full = self._authenticated >= self.max_connections
+            if n < CONNECTIONS_PER_IDENTITY and not full:
+                self._by_identity[identity] = n + 1
+                self._authenticated += 1
+        if n >= CONNECTIONS_PER_IDENTITY:
+            msg = f"worker {identity} already has {n} bulk connections to this shard (at most {CONNECTIONS_PER_IDENTITY})"
+        elif full:
+            msg = f"the shard's bulk plane serves {self.max_connections} connections already"
+        else:
+            conn.sendall(_response("OK"))
+            return identity
+        log.warning("bulk_rejected", peer=who, code="RESOURCE_EXHAUSTED", reason=msg)
+        conn.sendall(_response("RESOURCE_EXHAUSTED", msg.encode()))
+        return None
+
+    def _check_hello(self, conn, who: str, op: int, size: int, body: bytes | None) -> tuple[str, str] | None:
         """``(token, identity)`` of a valid HELLO, not answered yet (identity: the token's worker, or
-        the peer address with auth off); None after answering a refusal."""
-        op = int(recv_exact(conn, 1)[0])
-        size = _U32.unpack(recv_exact(conn, 4))[0]
-        if op != OP_HELLO or size > 1 << 16:
+        the peer address with auth off); None after answering a refusal. ``body`` None: the frame
+        was not read, its op or size being wrong."""
+        if op != OP_HELLO or size > MAX_HELLO_BYTES or body is None:
             conn.sendall(_response("INVALID_ARGUMENT", b"expected a HELLO frame first"))
             return None
         try:
-            hello = json.loads(recv_exact(conn, size).tobytes())
+            hello = json.loads(body)
             ok = isinstance(hello, dict) and hello.get("magic") == MAGIC
         except ValueError:
             ok = False
@@ -271,9 +497,10 @@ class BulkServer:
         except TokenRejectedError as err:
             raise _reject("PERMISSION_DENIED" if err.reason == "role" else "UNAUTHENTICATED", str(err)) from None
 
-    def _request(self, conn: socket.socket, fd: int, op: int, token: str, who: str) -> bool:
-        """Serve one request; False when the connection must close. ``fd``: ``conn``'s descriptor,
-        whose deadline covers the frame."""
+    def _request(self, conn, fd: int, op: int, token: str, who: str, park: Conn | None = None):
+        """Serve one request; False when the connection must close, `_PARKED` when a parked pull
+        answers it later (``park``: the connection, which may park a pull; None: a pull waits here).
+        ``fd``: ``conn``'s descriptor, whose deadline covers the frame."""
         size = _U32.unpack(recv_exact(conn, 4))[0]
         try:
             if op not in (OP_PUSH, OP_PULL):
@@ -283,10 +510,9 @@ class BulkServer:
             header = bytes(recv_exact(conn, size))
             if op == OP_PUSH:
                 self._serve_push(conn, fd, header, token)
-            else:
-                self.deadlines.disarm(fd)  # the shard, not the peer, may now take its time
-                self._serve_pull(conn, header, token)
-            return True
+                return True
+            self.deadlines.disarm(fd)  # the shard, not the peer, may now take its time
+            return self._serve_pull(conn, header, token, park)
         except Reject as rej:
             log.warning("push_rejected" if op == OP_PUSH else "bulk_rejected", peer=who, code=rej.code,
                         reason=rej.message)
@@ -301,7 +527,7 @@ class BulkServer:
             conn.sendall(_response("INTERNAL", f"shard failed to serve the request: {type(err).__name__}".encode()))
             return False
 
-    def _serve_push(self, conn: socket.socket, fd: int, header_bytes: bytes, token: str) -> None:
+    def _serve_push(self, conn, fd: int, header_bytes: bytes, token: str) -> None:
         try:
             header = ps_pb2.PushHeader.FromString(header_bytes)
         except Exception:  # protobuf raises DecodeError (and others) on garbage
@@ -328,13 +554,27 @@ class BulkServer:
             admission.__exit__(None, None, None)
         conn.sendall(_response("OK", reply.SerializeToString()))
 
-    def _serve_pull(self, conn: socket.socket, header_bytes: bytes, token: str) -> None:
+    def _serve_pull(self, conn, header_bytes: bytes, token: str, park: Conn | None):
         try:
             request = ps_pb2.PullRequest.FromString(header_bytes)
         except Exception:
             raise _reject("INVALID_ARGUMENT", "malformed pull request", close=True) from None
         claims = self._claims(token, "Pull")  # the token may have expired since HELLO
-        version, items = self._pull(request, claims, tls_peer_site(conn))
+        if park is None or self._pulls is None:
+            self._send_pull(conn, *self._pull(request, claims, tls_peer_site(conn)))
+            return True
+        release, wait_s = self._pulls.open_pull(request, claims, tls_peer_site(conn))
+        p = _ParkedPull(self, park, request, time.monotonic() + wait_s, release)
+        with self._lock:
+            self._parked.add(p)
+        answer = self._attempt(p, wait_s <= 0)
+        if answer is None or answer is _DONE:
+            return _PARKED
+        self._send_pull(conn, *answer)
+        return True
+
+    @staticmethod
+    def _send_pull(conn, version: int, items: list) -> None:
         body = json.dumps({"version": version, "items": [[k, dv, total] for k, _, total, dv in items]}).encode()
         conn.sendall(_response("OK", body))
         for _, pieces, _, _ in items:

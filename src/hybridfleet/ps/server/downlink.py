@@ -8,6 +8,7 @@ downlink (codec != none) workers hold ``broadcast``; each applied version encode
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -84,11 +85,57 @@ class Downlink:
                     if not waiting and self._pull_waiters.get(blocked) is waiting:
                         del self._pull_waiters[blocked]
                 self._maybe_finish_rounds()
-            if since_version < 0 and init_digest and init_digest == self.init_digest:
-                since_version = 0  # the caller holds the initial values already
-            if self.compress_down:
-                return self.version, self._pull_compressed(since_version)
-            return self.version, self._changed_since(since_version)
+            return self._pull_answer(since_version, init_digest)
+
+    def pull_now(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
+                 init_digest: str = "", waiter: Any = None, expired: bool = False
+                 ) -> tuple[int, list[tuple[str, list[memoryview], int, int]]] | None:
+        """`pull`'s answer when it is ready now; else None after registering ``waiter`` (no thread
+        waits): its ``notify()`` is called once, under the shard's lock, by the event that can make
+        the pull ready (it must not block; the caller then asks again). With ``expired`` the pull's
+        time is up: Reject DEADLINE_EXCEEDED with the reason instead of registering.
+        A waiter that is given up on is removed with `unpark`."""
+        with self.cond:
+            self._member(worker_id)
+            blocked = self._pull_blocked(worker_id, wait_for_version, worker_clock)
+            if blocked is None:
+                return self._pull_answer(since_version, init_digest)
+            if self.secagg is not None and self.secagg.failed:
+                raise Reject("ABORTED", self.secagg.failed)
+            if expired or waiter is None:
+                raise Reject("DEADLINE_EXCEEDED", self._wait_reason(worker_id, wait_for_version, worker_clock))
+            waiter.blocked = blocked
+            self._pull_waiters.setdefault(blocked, set()).add(waiter)
+            return None
+
+    def unpark(self, waiter: Any) -> None:
+        """Forget ``waiter`` registered by `pull_now` (no-op once it was notified)."""
+        with self.cond:
+            what = getattr(waiter, "blocked", None)
+            waiting = self._pull_waiters.get(what)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del self._pull_waiters[what]
+
+    def poll_parked(self) -> None:
+        """What a waiting thread of `pull` does every half second, once for all parked pulls: close a
+        round only waiting for the clock (late joiners) and wake the pulls waiting for ssp clocks."""
+        with self.cond:
+            if not self._pull_waiters:
+                return
+            self._maybe_finish_rounds()
+            if "clock" in self._pull_waiters:
+                self._wake_pullers("clock")
+
+    def _pull_answer(self, since_version: int, init_digest: str
+                     ) -> tuple[int, list[tuple[str, list[memoryview], int, int]]]:
+        """The answer of a pull that is ready (called under the shard's lock)."""
+        if since_version < 0 and init_digest and init_digest == self.init_digest:
+            since_version = 0  # the caller holds the initial values already
+        if self.compress_down:
+            return self.version, self._pull_compressed(since_version)
+        return self.version, self._changed_since(since_version)
 
     def _changed_since(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
         """The values of the keys changed since ``since_version``, worked out once per version and

@@ -20,6 +20,9 @@ PULL_WAIT_CEILING_S = 120.0
 CALLS_PER_WORKER = 4
 # Threads a shard keeps beyond its workers' share, for Status and refusals.
 SPARE_THREADS = 8
+# gRPC threads of a shard that serves Push and Pull on its bulk data plane, whatever the number
+# of workers (Join, Heartbeat, Leave and Status are short calls; more of them queue).
+GRPC_THREADS_WITH_BULK = 24
 # The most bytes any codec's frame of an n-element block takes: 16 bytes per element
 # (a top-k frame keeping every element with 8-byte indices and 4-byte values is 12)
 # plus the frame header and field table.

@@ -14,7 +14,7 @@ import threading
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
@@ -23,8 +23,9 @@ from hybridfleet.obs.log import get_logger
 from hybridfleet.codec.frame import MAX_NDIM
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
+from hybridfleet.ps.server import downlink
 from hybridfleet.ps.server.identity import bind_worker, grpc_peer_site
-from hybridfleet.ps.server.limits import ByteBudget, CallGate, server_threads
+from hybridfleet.ps.server.limits import GRPC_THREADS_WITH_BULK, ByteBudget, CallGate, server_threads
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.wire.reject import Reject, check_push_header
@@ -58,6 +59,11 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self._cache_version = -1
         self._cache_lock = threading.Lock()
         self.bulk_port = 0  # set when the shard serves the bulk data plane
+        # with a bulk plane and a fixed number of gRPC threads, pulls waiting on gRPC are bounded
+        # (None: no bound, every worker has its threads)
+        self.grpc_pull_limit: int | None = None
+        self._grpc_pulls = 0
+        self._grpc_pull_lock = threading.Lock()
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, rej: Reject):
@@ -103,7 +109,48 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             return self.state.pull(request.worker_id, request.since_version, request.wait_for_version,
                                    request.worker_clock, request.timeout_s or 60.0, request.init_digest)
 
+    def open_pull(self, request: ps_pb2.PullRequest, claims=None, peer_site: str | None = None
+                  ) -> tuple[Callable[[], None], float]:
+        """Start one pull that may park (the bulk plane's): the caller is bound to the request's
+        worker and takes one of its calls (`CallGate`) until the returned function is called;
+        also returns how long the pull may wait (seconds). Raises Reject."""
+        identity = bind_worker(request.worker_id, claims, peer_site)
+        gate = self.gate.enter(identity, "pull")
+        gate.__enter__()
+        wait_s = min(max(0.0, request.timeout_s or 60.0), downlink.PULL_WAIT_CEILING_S)
+        return (lambda: gate.__exit__(None, None, None)), wait_s
+
+    def try_pull(self, request: ps_pb2.PullRequest, waiter: Any, expired: bool):
+        """The answer of a pull started with `open_pull` if it is ready, else None with ``waiter``
+        registered (see `ShardState.pull_now`). Raises Reject."""
+        return self.state.pull_now(request.worker_id, request.since_version, request.wait_for_version,
+                                   request.worker_clock, request.init_digest, waiter, expired)
+
+    def unpark(self, waiter: Any) -> None:
+        self.state.unpark(waiter)
+
+    def poll_parked(self) -> None:
+        self.state.poll_parked()
+
     def Pull(self, request, context):
+        if self.grpc_pull_limit is not None:
+            with self._grpc_pull_lock:
+                full = self._grpc_pulls >= self.grpc_pull_limit
+                if not full:
+                    self._grpc_pulls += 1
+            if full:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.grpc_pull_limit} pulls are waiting on this shard's gRPC port already; "
+                              f"pulls go by its bulk data plane (port {self.bulk_port})")
+            try:
+                yield from self._pull_grpc(request, context)
+            finally:
+                with self._grpc_pull_lock:
+                    self._grpc_pulls -= 1
+            return
+        yield from self._pull_grpc(request, context)
+
+    def _pull_grpc(self, request, context):
         try:
             version, items = self.pull_items(request, current_claims(), grpc_peer_site(context))
         except Reject as rej:
@@ -250,24 +297,36 @@ class ShardServer:
             raise ValueError("a shard needs TLS credentials; plaintext needs insecure=True explicitly")
         self.state = state
         threads = max_workers or server_threads(num_workers)
-        # RPCs beyond the thread count are refused (RESOURCE_EXHAUSTED), not queued behind a stalled one
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+        bulk_served = bulk_port is not None and (security.insecure or security.ssl_context is not None)
+        # With the bulk plane, Push and Pull go there and gRPC carries short control calls: a fixed
+        # number of threads serves them, whatever the number of workers, with the calls beyond it
+        # queued (up to each worker's share) and pulls that wait on gRPC bounded to half the threads.
+        # Secure aggregation's calls wait for the other workers, so they keep a thread per worker.
+        grpc_threads = threads
+        if bulk_served and state.secagg is None and max_workers is None:
+            grpc_threads = min(threads, GRPC_THREADS_WITH_BULK)
+        # RPCs beyond maximum_concurrent_rpcs are refused (RESOURCE_EXHAUSTED), not queued behind a stalled one
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_threads),
                                   interceptors=list(security.interceptors), options=GRPC_OPTIONS + SERVER_OPTIONS,
                                   maximum_concurrent_rpcs=threads)
+        self.grpc_threads = grpc_threads
         self.servicer = ShardServicer(state, max_push_bytes)
+        if grpc_threads < threads:
+            self.servicer.grpc_pull_limit = grpc_threads // 2
         self.server.add_generic_rpc_handlers((service_handler(self.servicer),))
         if state.secagg is not None:
             from hybridfleet.ps.secagg.service import SecAggServicer, secagg_handler
 
             self.server.add_generic_rpc_handlers((secagg_handler(SecAggServicer(state, self.servicer.gate)),))
         self.bulk = None
-        if bulk_port is not None and (security.insecure or security.ssl_context is not None):
+        if bulk_served:
             from hybridfleet.ps.server.bulk_server import BulkServer
 
             verify = security.verifier.verify if security.verifier is not None else None
             self.bulk = BulkServer(host, bulk_port, security.ssl_context, verify, max_push_bytes,
                                    self.servicer.push_payloads, self.servicer.pull_items,
-                                   admit=self.servicer.admit_push, max_connections=2 * threads)
+                                   admit=self.servicer.admit_push, max_connections=2 * threads,
+                                   pulls=self.servicer)
             self.servicer.bulk_port = self.bulk.port
         address = f"{host}:{port}"
         try:

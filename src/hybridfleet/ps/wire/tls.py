@@ -111,6 +111,43 @@ def wrap(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool, server_
     return conn
 
 
+def wrap_nonblocking(ctx: ssl.SSLContext, sock: socket.socket, *, native: bool | None = None
+                     ) -> "TLSConnection | ssl.SSLSocket":
+    """Server-side TLS over the accepted ``sock`` in non-blocking mode, handshake not started:
+    drive it with `handshake_step` when the socket is ready. Same choice of path as `wrap`; the
+    connection never waits (a read that would wait raises ``TimeoutError`` on the native path,
+    ``ssl.SSLWantReadError`` on the ssl module's) until given a timeout with ``settimeout``."""
+    wanted = native_available() if native is None else native
+    native_ctx = _native_context(ctx, True) if wanted else None
+    if native_ctx is None:
+        sock.setblocking(False)
+        return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    fd = sock.detach()
+    try:
+        conn = TLSConnection(native_ctx, fd, None)
+    except BaseException:
+        os.close(fd)
+        raise
+    conn.settimeout(0.0)  # every wait for the peer ends at once: the caller's event loop waits instead
+    return conn
+
+
+def handshake_step(conn: "TLSConnection | ssl.SSLSocket") -> str | None:
+    """Advance the handshake of a `wrap_nonblocking` connection: None once it is complete, else what
+    it waits for, ``"read"`` or ``"write"``; raises what `wrap` raises for a failed handshake.
+
+    The native path cannot tell the two waits apart and says ``"read"``: the server's handshake
+    flight is a few KiB, which a fresh socket's send buffer always takes, so it only ever waits
+    for the client."""
+    try:
+        conn.do_handshake()
+    except ssl.SSLWantWriteError:
+        return "write"
+    except (ssl.SSLWantReadError, TimeoutError):
+        return "read"
+    return None
+
+
 if _tls is not None:
     class TLSConnection(_tls.Connection):
         """A TLS connection whose reads and writes run in C; the socket surface the bulk plane uses.
