@@ -16,6 +16,7 @@ Per configuration (N, S, codec, sync), after one warm-up round, ``--rounds`` tim
   result; ASP: every worker pushed once and pulled), over the timed rounds;
 - ``shard_cpu_s_per_round``: user + system CPU-seconds of all shard processes (/proc) per round;
 - ``shard_rss_kib``: the shard processes' resident memory summed, after the rounds;
+- ``shard_threads``: the most threads one shard process had after a timed round (/proc);
 - ``bytes_per_worker``: bytes a worker sent + received per round (its client's counters).
 
 For each (S, codec, sync) measured at two or more N, the least-squares slope over N of the
@@ -91,8 +92,16 @@ def proc_cpu_s(pid: int) -> float:
 
 
 def proc_rss_kib(pid: int) -> int:
+    return _proc_status(pid, "VmRSS:")
+
+
+def proc_threads(pid: int) -> int:
+    return _proc_status(pid, "Threads:")
+
+
+def _proc_status(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1])
     return 0
 
@@ -186,6 +195,9 @@ class Fleet:
 
     def shard_rss_kib(self) -> int:
         return sum(proc_rss_kib(p.pid) for p in self.shards)
+
+    def shard_threads(self) -> int:
+        return max(proc_threads(p.pid) for p in self.shards)
 
     def versions(self) -> list[int]:
         return [int(p.status(timeout_s=30)["version"]) for p in self.probes]
@@ -290,12 +302,13 @@ def measure(workdir: Path, n: int, shards: int, codec: str, sync: str, rounds: i
         fleet.all({"op": "start"}, groups=range(1, len(fleet.groups)))
         setup_s = time.perf_counter() - started
         fleet.all({"op": "round"})  # warm-up
-        cpu0, times, moved = fleet.shard_cpu_s(), [], 0
+        cpu0, times, moved, threads = fleet.shard_cpu_s(), [], 0, 0
         for _ in range(rounds):
             t0 = time.perf_counter()
             answers = fleet.all({"op": "round"})
             times.append(time.perf_counter() - t0)
             moved += sum(a["bytes"] for a in answers)
+            threads = max(threads, fleet.shard_threads())
         cpu = (fleet.shard_cpu_s() - cpu0) / rounds
         rss = fleet.shard_rss_kib()
         evidence = fleet.evidence(fleet.all({"op": "final"}))
@@ -305,7 +318,7 @@ def measure(workdir: Path, n: int, shards: int, codec: str, sync: str, rounds: i
         return {"n": n, "shards": shards, "codec": codec, "sync": sync, "rounds": rounds,
                 "round_p50_s": round(float(np.percentile(times, 50)), 4),
                 "round_p99_s": round(float(np.percentile(times, 99)), 4),
-                "shard_cpu_s_per_round": round(cpu, 4), "shard_rss_kib": rss,
+                "shard_cpu_s_per_round": round(cpu, 4), "shard_rss_kib": rss, "shard_threads": threads,
                 "bytes_per_worker": int(moved / rounds / n), "setup_s": round(setup_s, 2),
                 "client_processes": len(fleet.groups), **result}
     finally:
