@@ -439,7 +439,7 @@ def main() -> None:
                     r = measure(workdir, n, s, codec, sync, rounds, args.numel, args.clients_per_process)
                     configs.append(r)
                     print(f"  N={n} S={s} {codec} {sync}: p50 {r['round_p50_s']}s p99 {r['round_p99_s']}s "
-                          f"cpu/round {r['shard_cpu_s_per_round']}s rss {r['shard_rss_kib']} KiB "
+                          f"cpu/round {r['shard_cpu_s_per_round']}s rss {r['shard_rss_kib']} KiB threads {r.get('shard_threads')} "
                           f"bytes/worker {r['bytes_per_worker']} lost {r['lost_pushes']} "
                           f"double {r['double_applied']} agree {r['workers_agree']}", file=sys.stderr, flush=True)
     groups: dict[tuple, list[dict]] = {}
