@@ -20,7 +20,7 @@ import threading
 from typing import Any, Callable
 
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.wire.bulk import _U32
+from hybridfleet.ps.wire.bulk import _U32, OP_HELLO
 from hybridfleet.ps.wire.tls import handshake_step
 
 log = get_logger("ps.bulk")
@@ -204,7 +204,7 @@ class EventLoop:
         buf = conn.hello
         while True:
             need = _FRAME_START if len(buf) < _FRAME_START else _FRAME_START + _U32.unpack_from(buf, 1)[0]
-            if len(buf) == _FRAME_START and (buf[0] != 1 or need - _FRAME_START > self._max_hello):
+            if len(buf) == _FRAME_START and (buf[0] != OP_HELLO or need - _FRAME_START > self._max_hello):
                 return self._hand_over(conn, buf[0], need - _FRAME_START, None)  # refused before its body
             if len(buf) >= need:
                 return self._hand_over(conn, buf[0], need - _FRAME_START, bytes(buf[_FRAME_START:need]))

@@ -159,6 +159,7 @@ class BulkServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            c.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in parked:
             self._close(p.conn)
