@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,12 +21,16 @@ import pytest
 
 from hybridfleet.codec import get_codec
 from hybridfleet.ps.server import bulk_server
+from hybridfleet.ps.server.bulk_server import server_ssl_context
 from hybridfleet.ps.server.limits import GRPC_THREADS_WITH_BULK
 from hybridfleet.ps.server.service import ServerSecurity, ShardServer
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.ps.wire import bulk
 from hybridfleet.ps.wire._proto import ps_pb2
+from hybridfleet.ps.wire import tls
 from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, SERVICE
+from hybridfleet.ps.worker.bulk_channel import client_ssl_context
+from hybridfleet.security import load_pki, make_dev_pki
 from tests.ps_helpers import PARAMS, initial_values, job_spec, raw
 
 NONE = get_codec("none")
@@ -51,8 +57,10 @@ def _grad(state: ShardState, i: int) -> dict[str, bytes]:
     return {k: NONE.encode(np.arange(state.params[k].size, dtype=np.float32) * 0.01 + i) for k in state.keys}
 
 
-def _connect(port: int) -> socket.socket:
+def _connect(port: int, ctx: ssl.SSLContext | None = None) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    if ctx is not None:
+        sock = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
     hello = {"magic": bulk.MAGIC, "wire_version": 1, "token": ""}
     sock.sendall(bulk._frame(bytes([bulk.OP_HELLO]), json.dumps(hello).encode()))
     assert bulk._read_response(sock) == ("OK", b"")
@@ -88,16 +96,23 @@ def _until(what, deadline_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def _round_with_every_pull_waiting(n: int) -> tuple[int, dict, dict]:
-    """N workers push a BSP round over the bulk plane, all N pulls waiting at once before the last
-    push; returns (the shard's extra threads while they waited, the values pulled, a reference)."""
+def _round_with_every_pull_waiting(n: int, pki: Path | None = None) -> tuple[int, dict, dict]:
+    """N workers push a BSP round over the bulk plane (TLS with the certificates in ``pki``, else
+    plaintext), all N pulls waiting at once before the last push; returns (the shard's extra
+    threads while they waited, the values pulled, a reference)."""
     state = _state(n)
     reference = _state(n)
+    security, client_ctx = ServerSecurity(insecure=True), None
+    if pki is not None:  # gRPC stays plaintext here: only the bulk plane is under test
+        paths = load_pki(pki)
+        security.ssl_context = server_ssl_context(str(paths.server_cert), str(paths.server_key))
+        client_ctx = client_ssl_context(str(paths.ca_cert))
     before = _threads()
-    server = ShardServer(state, "127.0.0.1", 0, ServerSecurity(insecure=True), 1 << 20, num_workers=n).start()
+    server = ShardServer(state, "127.0.0.1", 0, security, 1 << 20, num_workers=n).start()
     socks = []
     try:
-        socks = [_connect(server.bulk.port) for _ in range(n + 1)]  # the last worker's second connection too
+        # the last worker's second connection too
+        socks = [_connect(server.bulk.port, client_ctx) for _ in range(n + 1)]
         for i in range(n - 1):
             assert _push(socks[i], f"a-{i}", _grad(state, i)).version == 0
         for i in range(n):
@@ -132,6 +147,24 @@ def test_thread_count_stays_under_one_bound_at_20_and_200_workers_and_every_push
         assert values.keys() == reference.keys()
         for key, ref in reference.items():
             np.testing.assert_array_equal(values[key], ref)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-tls", "ssl-module"])
+def test_tls_handshakes_run_in_the_event_loop_and_forty_tls_workers_need_no_thread_each(tmp_path, monkeypatch,
+                                                                                        native):
+    # Prepare: the shard's TLS on the native extension or on the ssl module (HFLEET_NATIVE_TLS)
+    if native == "1" and tls._tls is None:
+        pytest.skip("the native TLS extension hybridfleet.ps.wire._tls is not built")
+    monkeypatch.setenv(tls.ENV_SWITCH, native)
+    make_dev_pki(tmp_path / "pki", clients=[])
+
+    # Execute: 41 TLS connections, 40 pulls waiting at once
+    extra, values, reference = _round_with_every_pull_waiting(40, tmp_path / "pki")
+
+    # Assert: the same bound as in plaintext; what was pulled equals the shard fed directly
+    assert extra <= THREAD_BOUND, extra
+    for key, ref in reference.items():
+        np.testing.assert_array_equal(values[key], ref)
 
 
 def test_a_parked_pull_whose_time_is_up_is_answered_with_the_reason_and_the_connection_serves_on():
