@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+import struct
 import time
 from pathlib import Path
 
@@ -221,3 +222,44 @@ def test_grpc_threads_are_fixed_with_the_bulk_plane_and_waiting_grpc_pulls_are_b
     finally:
         channel.close()
         server.stop(grace_s=0)
+
+
+def test_a_worker_trickling_frames_on_both_its_connections_holds_one_pool_thread_and_others_go_on(
+        tmp_path, monkeypatch):
+    # Prepare: a TLS + token shard whose bulk pool has 2 threads; a-0 joined and initialised
+    from tests.ps_helpers import join_and_init, start_cluster
+    from tests.test_ps_server import encoded, grads
+    from hybridfleet.ps.worker.bulk_channel import BulkChannel
+
+    monkeypatch.setattr(bulk_server, "POOL_THREADS", 2)
+    cluster = start_cluster(tmp_path)
+    server = cluster.servers[0].bulk
+    client = cluster.client("a")
+    stalled = []
+    try:
+        assert server.pool_threads == 2
+        join_and_init(cluster, client)
+        # b-0 starts a push frame on each of its two connections and stops mid-header
+        for _ in range(2):
+            chan = BulkChannel("127.0.0.1", server.port, cluster.client("b").security.ssl_context, None,
+                               cluster.token("b", worker="b-0"))
+            sock = chan._connect()
+            sock.sendall(b"\x02" + struct.pack("<I", 100) + bytes(10))
+            stalled.append(sock)
+        # the second waits behind the first (same worker) instead of taking the other thread
+        _until(lambda: len(server._queued.get("b-0", ())) == 1)
+        expired = server.deadlines.expired
+
+        # Execute: a-0 pushes and pulls meanwhile
+        client.push(encoded(client, grads(1.0)), codec="none", base_versions=[0])
+        pulled = client.pull(wait_for_versions=[1])
+
+        # Assert: served while both of b-0's frames still stall (no deadline has cut them)
+        assert cluster.servers[0].state.version == 1 and client.versions == [1] and pulled
+        assert server.deadlines.expired == expired
+        assert "b-0" in server._serving
+    finally:
+        for sock in stalled:
+            sock.close()
+        client.close()
+        cluster.stop()

@@ -14,7 +14,9 @@ Threads do not grow with the number of workers: one event loop (`bulk_loop.Event
 accepts, runs the TLS handshakes without blocking, collects each HELLO and watches
 every idle connection; a connection with a request goes to a fixed pool of
 `POOL_THREADS` threads, which reads the frame (a whole frame per call on the native TLS
-path, without the GIL), serves it and hands the connection back to the loop. A pull
+path, without the GIL), serves it and hands the connection back to the loop; one
+worker's requests are served one at a time (`_as_identity`), so however slowly it sends or
+reads it holds at most one pool thread. A pull
 that must wait for its round holds no thread: it is parked with the shard
 (`Downlink.pull_now`), the event that makes it ready queues it on the pool again, and
 the watchdog's tick answers it once its time is up.
@@ -27,6 +29,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -90,7 +93,7 @@ class _ParkedPull:
     def notify(self) -> None:
         """The shard's event that may make this pull ready (called under the shard's lock): ask again
         on the pool, never here."""
-        self.server._submit(self.server._resume_pull, self, False)
+        self.server._submit(self.server._as_identity, self.conn, lambda: self.server._resume_pull(self, False))
 
 
 class BulkServer:
@@ -106,7 +109,7 @@ class BulkServer:
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
                  verify: Callable[[str | None, set[str]], Any] | None, max_push_bytes: int,
                  push: Callable, pull: Callable, admit: Callable | None = None, max_connections: int = 64,
-                 pulls: Any = None, pool_threads: int = POOL_THREADS):
+                 pulls: Any = None, pool_threads: int | None = None):
         """``admit(header, claims, peer_site)``: a context manager that checks a push header before
         its payload is read and holds the push's share of the shard (None: no check)."""
         self.ssl_context, self.verify, self.max_push_bytes = ssl_context, verify, max_push_bytes
@@ -126,8 +129,10 @@ class BulkServer:
         self._stopped = threading.Event()
         self._parked: set[_ParkedPull] = set()
         self._last_poll = 0.0
-        self.pool_threads = pool_threads
-        self._pool = ThreadPoolExecutor(max_workers=pool_threads, thread_name_prefix="ps-bulk")
+        self.pool_threads = pool_threads or POOL_THREADS
+        self._pool = ThreadPoolExecutor(max_workers=self.pool_threads, thread_name_prefix="ps-bulk")
+        self._serving: set[str] = set()  # identities a pool thread is serving now
+        self._queued: dict[str, deque[Callable[[], None]]] = {}  # their further work, in order
         self.deadlines = Deadlines(on_tick=self._tick)
         tls = None if ssl_context is None else (lambda sock: wrap_nonblocking(ssl_context, sock))
         self._loop = EventLoop(self._listener, tls, self._accepted, self._hello_ready, self._readable,
@@ -195,7 +200,30 @@ class BulkServer:
         self._submit(self._serve_hello, c, op, size, body)
 
     def _readable(self, c: Conn) -> None:
-        self._submit(self._next, c)
+        self._submit(self._as_identity, c, lambda: self._next(c))
+
+    def _as_identity(self, c: Conn, job: Callable[[], None]) -> None:
+        """Run ``job`` (work on ``c``) now, unless a pool thread serves the same identity already:
+        then that thread runs it next. One worker so holds at most one pool thread, however slowly
+        its bytes come or go on its connections; the others' requests go on in the rest."""
+        identity = c.identity
+        with self._lock:
+            if identity in self._serving:
+                self._queued.setdefault(identity, deque()).append(job)
+                return
+            self._serving.add(identity)
+        while job is not None:
+            try:
+                job()
+            except Exception as err:  # a bug: the connection's own handlers log and close on failures
+                log.error("bulk_request_failed", peer=c.who, error=f"{type(err).__name__}: {err}")
+            with self._lock:
+                waiting = self._queued.get(identity)
+                job = waiting.popleft() if waiting else None
+                if waiting is not None and not waiting:
+                    del self._queued[identity]
+                if job is None:
+                    self._serving.discard(identity)
 
     def _close(self, c: Conn) -> None:
         with self._lock:
@@ -239,7 +267,7 @@ class BulkServer:
             if not self._stopped.is_set():
                 log.info("bulk_connection_closed", peer=c.who, reason=str(err) or type(err).__name__)
             return self._close(c)
-        self._next(c)
+        self._as_identity(c, lambda: self._next(c))
 
     def _next(self, c: Conn) -> None:
         """Serve the requests that are there on ``c``, then hand it back to the loop (or close it,
@@ -339,7 +367,7 @@ class BulkServer:
             self._pulls.poll_parked()
         for p in due:
             p.expiring = True
-            self._submit(self._resume_pull, p, True)
+            self._submit(self._as_identity, p.conn, lambda p=p: self._resume_pull(p, True))
 
     # ------------------------------------------------------------------ one connection, blocking
     def _serve(self, conn: socket.socket, peer) -> None:
