@@ -550,7 +550,7 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         targets.append(Target(f"127.0.0.1:{exporter.server_port}",
                               {"job": spec.name, "role": "supervisor", "process": "hfleet-run"}))
     with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup, \
-            RunProgress(spec, layout, targets, lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"),
+            RunProgress(spec, layout, targets, lambda: list(sup.events),
                         stream, enabled=show_progress) as progress:
         def start_all(procs: list[ProcessSpec]) -> None:
             if metrics:
