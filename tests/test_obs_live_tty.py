@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from hybridfleet.obs.live import human_bytes
+from hybridfleet.spec import load_spec
+from hybridfleet.spec.resolved import resolved_job
 from tests.obs_fixtures import demo_job
 from tests.needs import missing
 
@@ -87,6 +89,9 @@ def test_off_a_tty_progress_is_plain_lines_not_a_log_flood(tmp_path):
     assert progress[-1].startswith("digits-hybrid: done in ") and "round 100/100 (100%)" in progress[-1], progress[-1]
     wall_s = time.monotonic() - started
     assert len(lines) <= 12 + wall_s / 5, lines  # one plain line every 5 s and a few more, not one per log record
+    # the run keeps the job as it ran, defaults filled in
+    run_dir = next((tmp_path / "runs").glob("*/*"))
+    assert json.loads((run_dir / "job.json").read_text()) == resolved_job(load_spec(job))
     assert "report: " in result.stdout
 
 

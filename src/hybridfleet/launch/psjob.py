@@ -29,8 +29,10 @@ from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervise
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
+from hybridfleet.obs.runinfo import JOB_COPY
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
+from hybridfleet.spec.resolved import resolved_job
 
 log = get_logger("run")
 
@@ -299,11 +301,13 @@ def attach_metrics(spec: JobSpec, procs: list[ProcessSpec], host: str = "127.0.0
 
 
 def write_run_info(spec: JobSpec, run_dir: Path, resume_from: Path | None = None) -> None:
-    """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`)."""
+    """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`), and
+    ``job.json``: the resolved job as it runs, secrets redacted (`hybridfleet.spec.resolved`)."""
     info = {"job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "pid": os.getpid(),
             "started": time.time(), "steps": spec.train.steps, "sites": list(spec.sites),
             "resumed_from": str(resume_from) if resume_from else None}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    (run_dir / JOB_COPY).write_text(json.dumps(resolved_job(spec), indent=2) + "\n")
 
 
 class MetricsCollector:
