@@ -144,6 +144,7 @@ def test_each_plain_line_names_one_phase_and_only_its_counters():
     assert lines[1] == "j: saving the model (0m04s) | restarts 1"
     assert lines[2].startswith("j: training (0m05s) | round 152/300 (51%) eta")
     assert lines[3].startswith("j: done in 0m32s | round 300/300 (100%) | restarts 0")
+    assert plain_line("j", Snapshot(phases_done=[("training", 3.0)], outcome="stopped")).startswith("j: stopped in 0m03s")
 
 
 def test_final_exits_count_only_workers_gone_for_good():
@@ -175,3 +176,24 @@ def test_off_a_terminal_the_display_writes_one_line_per_phase_then_the_final_fig
     assert lines[0].startswith("j: training") and "round 7/10" in lines[0]
     assert any(line.startswith("j: saving the model") and "round" not in line for line in lines)
     assert lines[-1].startswith("j: done in") and "round 7/10" in lines[-1]
+
+
+def test_on_a_terminal_the_panel_hides_the_echo_of_control_characters_and_restores_it():
+    # Prepare: a real pseudo-terminal as the display's stream
+    import pty
+    import termios
+
+    controller, terminal = pty.openpty()
+    stream = os.fdopen(terminal, "w")
+    view = RunView("j", [], lambda: (1.0, 2.0), lambda: 0, _training())
+    before = termios.tcgetattr(terminal)[3] & termios.ECHOCTL
+    try:
+        # Execute
+        with LiveDisplay(view, stream=stream, terminal=True):
+            during = termios.tcgetattr(terminal)[3] & termios.ECHOCTL
+        after = termios.tcgetattr(terminal)[3] & termios.ECHOCTL
+    finally:
+        stream.close()
+        os.close(controller)
+    # Assert
+    assert before and not during and after

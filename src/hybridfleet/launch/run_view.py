@@ -42,10 +42,11 @@ class RunProgress:
             self._display.__enter__()
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.phases.finish()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stopped = exc_type is KeyboardInterrupt or (exc_type is SystemExit and getattr(exc, "code", None) in (130, 143))
+        self.phases.finish("stopped" if stopped else "failed" if exc_type is not None else "done")
         if self._display is not None:
-            self._display.__exit__(*exc_info)
+            self._display.__exit__(exc_type, exc, tb)
         if self._probe is not None:
             self._probe.close()
 

@@ -12,6 +12,7 @@ about once a second; anywhere else (CI, a log file) one plain line every ``plain
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -108,6 +109,7 @@ class Phases:
         self.done: list[tuple[str, float]] = []
         self.current: str | None = None
         self.detail = ""
+        self.outcome = "done"  # how the phases ended: done, stopped (Ctrl-C / SIGTERM) or failed
         self._since = time.monotonic()
 
     def start(self, name: str, detail: str = "") -> None:
@@ -122,9 +124,10 @@ class Phases:
         with self._lock:
             self.detail = detail
 
-    def finish(self) -> None:
-        """End the current phase."""
+    def finish(self, outcome: str = "done") -> None:
+        """End the current phase; ``outcome`` says how the run ended (``done``, ``stopped``, ``failed``)."""
         with self._lock:
+            self.outcome = outcome
             if self.current is not None:
                 self.done.append((self.current, time.monotonic() - self._since))
             self.current, self.detail = None, ""
@@ -148,6 +151,7 @@ class Snapshot:
     rounds_per_s: float = 0.0
     sites: dict[str, SiteState] = field(default_factory=dict)
     metric_key: str | None = None  # the metric the sites' column shows (`pick_metric`)
+    outcome: str = "done"  # once the phases are over: how they ended
     restarts: int = 0
     elapsed_s: float = 0.0
 
@@ -226,6 +230,7 @@ class RunView:
                 self._failure_logged = True
         if self.phases is not None:
             snap.phase, snap.phase_detail, snap.phase_elapsed_s, snap.phases_done = self.phases.read()
+            snap.outcome = self.phases.outcome
         snap.restarts = self._read_restarts()
         exits, reported = self._read_exits(), None
         workers: list[tuple[str, WorkerFigures | None, SiteState]] = []
@@ -301,7 +306,7 @@ def plain_line(job: str, snap: Snapshot) -> str:
     if snap.phase is not None and snap.phase != TRAINING:
         return f"{job}: {phase} | restarts {snap.restarts}"
     if snap.phase is None and snap.phases_done:
-        phase = f"done in {_duration(sum(s for _, s in snap.phases_done))}"
+        phase = f"{snap.outcome} in {_duration(sum(s for _, s in snap.phases_done))}"
     pct = f" ({100 * snap.rounds_done / snap.rounds_total:.0f}%)" if snap.rounds_total else ""
     eta = f" eta {_duration(snap.eta_s)}" if snap.phase == TRAINING else ""
     parts = [f"{job}: {phase + ' | ' if phase else ''}round {snap.rounds_done:g}/{snap.rounds_total:g}{pct}{eta}"]
@@ -321,7 +326,7 @@ def render(job: str, snap: Snapshot):
     lines = []
     if snap.phase is not None or snap.phases_done:
         done = "   ".join(f"{name} {_duration(s)}" for name, s in snap.phases_done)
-        lines.append(Text(f"phase: {phase_text(snap) or 'done'}" + (f"   (done: {done})" if done else "")))
+        lines.append(Text(f"phase: {phase_text(snap) or snap.outcome}" + (f"   (done: {done})" if done else "")))
     lines.append(Text(f"round {snap.rounds_done:g}/{snap.rounds_total:g}   elapsed {_duration(snap.elapsed_s)}   "
                       f"ETA {_duration(snap.eta_s)}   restarts {snap.restarts}"))
     bar = ProgressBar(total=snap.rounds_total or None, completed=snap.rounds_done)
@@ -349,6 +354,31 @@ def apply_summary(snap: Snapshot, summary: dict) -> Snapshot:
     return snap
 
 
+def hide_control_echo(stream) -> Callable[[], None]:
+    """Stop ``stream``'s terminal from echoing control characters (``^C``) and return the undo (a no-op when
+    ``stream`` is no terminal).
+
+    A Ctrl-C echoed as ``^C`` after the panel's full-width last line wraps it and scrolls the screen one
+    line: the next redraw then starts one line low and leaves the old top border behind.
+    """
+    try:
+        import termios
+
+        fd = stream.fileno()
+        saved = termios.tcgetattr(fd)
+        quiet = list(saved)
+        quiet[3] = saved[3] & ~termios.ECHOCTL
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    except Exception:  # no fileno, not a tty, no termios: nothing to hide
+        return lambda: None
+
+    def undo() -> None:
+        with contextlib.suppress(Exception):
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+    return undo
+
+
 class LiveDisplay:
     """Shows a `RunView` on ``stream``: a rich live panel on a terminal, plain lines elsewhere.
 
@@ -367,6 +397,7 @@ class LiveDisplay:
         self._plain_interval_s = plain_interval_s
         self._last_plain = 0.0
         self._live = None
+        self._restore_echo: Callable[[], None] = lambda: None
         self._final: dict | None = None  # the summary the last view shows
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -377,6 +408,7 @@ class LiveDisplay:
             from rich.console import Console
             from rich.live import Live
 
+            self._restore_echo = hide_control_echo(self._stream)
             console = Console(file=self._stream, force_terminal=True)
             self._live = Live(render(self.view.job, self.view.snapshot()), console=console, auto_refresh=False,
                               transient=False)
@@ -421,5 +453,6 @@ class LiveDisplay:
                 self._live.update(render(self.view.job, snap), refresh=True)
                 self._live.stop()
                 self._live = None
+                self._restore_echo()
             else:
                 self._write_plain(snap)
