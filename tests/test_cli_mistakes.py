@@ -1,4 +1,6 @@
-"""A catalogue of common mistakes, for every command group: each ends in one line and a hint, never a traceback.
+"""A catalogue of common mistakes, for every command group: each ends in one line and a hint, never a traceback,
+and changes nothing. The catalogue is the "Documented mistakes" table of docs/errors.md: every entry there has a
+row here with the same exit code and message, and every row here is documented.
 
 For each mistake: the exit code is the one `errors.EXIT_CODES` gives its kind (2 for
 command-line usage), the output has no "Traceback", and the hint (or click's usage
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ import yaml
 from hybridfleet.ckpt import save_tensors_checkpoint
 from hybridfleet.cli.app import main
 from hybridfleet.errors import EXIT_CODES
+from hybridfleet.registry.client import open_registry
 
 pytestmark = pytest.mark.torch  # the catalogue's job is the torch example
 
@@ -123,6 +127,8 @@ MISTAKES = [
     # env
     Mistake("env: diff of missing locks", lambda c: ["env", "diff", str(c["tmp"] / "a.json"), str(c["tmp"] / "b.json")],
             LOCK, "hfleet env lock -o"),
+    Mistake("env: diff of a file that is not a lock", lambda c: ["env", "diff", c["job"], c["job"]], LOCK,
+            "not a valid lock file"),
     Mistake("env: lock into a missing folder", lambda c: ["env", "lock", "-o", str(c["tmp"] / "no" / "dir" / "l.json")],
             USAGE, "create the folder", lambda c: c["tmp"] / "no"),
     # image
@@ -208,6 +214,11 @@ MISTAKES = [
     # k8s
     Mistake("k8s: tls: off unquoted", lambda c: ["k8s", "render", str(c["tls_off_unquoted"]), "-o", str(c["tmp"] / "k8s")],
             SPEC, 'write tls: "off" (quoted)', lambda c: c["tmp"] / "k8s"),
+    Mistake("k8s: render without --certs", lambda c: ["k8s", "render", c["job"], "-o", str(c["tmp"] / "k8s-nocerts")],
+            USAGE, "pass --certs DIR", lambda c: c["tmp"] / "k8s-nocerts"),
+    Mistake("k8s: render-serving of an unknown model", lambda c: ["k8s", "render-serving", "nosuch@prod", "-o",
+                                                                  str(c["tmp"] / "k8s-serving")],
+            EXIT_CODES["registry_not_found"].code, "hfleet registry ls", lambda c: c["tmp"] / "k8s-serving"),
     # ckpt
     Mistake("ckpt: ls of a missing folder", lambda c: ["ckpt", "ls", str(c["tmp"] / "no-ckpt")], CKPT, "check the path",
             lambda c: c["tmp"] / "no-ckpt"),
@@ -222,14 +233,21 @@ MISTAKES = [
             "keep_last"),
     Mistake("ckpt: gc with an unknown mode", lambda c: ["ckpt", "gc", str(c["raw_ckpt"]), "--mode", "median"], USAGE,
             "best_mode"),
+    Mistake("ckpt: show of a missing folder", lambda c: ["ckpt", "show", str(c["tmp"] / "no-ckpt")], CKPT,
+            "hfleet ckpt verify URL", lambda c: c["tmp"] / "no-ckpt"),
     # data
     Mistake("data: ls of a missing dataset", lambda c: ["data", "ls", str(c["tmp"] / "no-data")],
             EXIT_CODES["data"].code, "hfleet data pack"),
     Mistake("data: verify of a missing dataset", lambda c: ["data", "verify", str(c["tmp"] / "no-data")],
             EXIT_CODES["data"].code, "hfleet data pack", lambda c: c["tmp"] / "no-data"),
+    Mistake("data: pack of a missing source", lambda c: ["data", "pack", str(c["tmp"] / "no-src"),
+                                                         str(c["tmp"] / "packed")],
+            EXIT_CODES["data"].code, "does not exist", lambda c: c["tmp"] / "packed"),
     # report, ui
     Mistake("report: run directory missing", lambda c: ["report", str(c["tmp"] / "no-run")], EXIT_CODES["report"].code,
             "hfleet run"),
+    Mistake("report: a folder that is not a run", lambda c: ["report", str(c["pki"])], EXIT_CODES["report"].code,
+            "hfleet run", lambda c: c["pki"] / "report.html"),
     Mistake("ui: beyond loopback without a token", lambda c: ["ui", "--host", "0.0.0.0", "--port", "0"], LAUNCH,
             "--token TOKEN"),
     Mistake("ui: port in use", lambda c: ["ui", "--runs", str(c["tmp"]), "--port", str(c["held_port"])], PORT,
@@ -243,6 +261,12 @@ MISTAKES = [
     Mistake("registry: a gate that does not parse",
             lambda c: ["registry", "promote", "m", "1", "--alias", "prod", "--require", "acc>>0.9"],
             EXIT_CODES["registry"].code, "METRIC OP NUMBER"),
+    Mistake("registry: pull of an unknown model", lambda c: ["registry", "pull", "nosuch@1", "-o", str(c["tmp"] / "pulled")],
+            EXIT_CODES["registry_not_found"].code, "hfleet registry ls", lambda c: c["tmp"] / "pulled"),
+    Mistake("registry: promote of an unknown model", lambda c: ["registry", "promote", "nosuch", "1", "--alias", "staging"],
+            EXIT_CODES["registry_not_found"].code, "hfleet registry ls"),
+    Mistake("registry: history of an unknown model", lambda c: ["registry", "history", "nosuch"],
+            EXIT_CODES["registry_not_found"].code, "hfleet registry ls"),
     # serve
     Mistake("serve: neither TLS nor an explicit plaintext flag", lambda c: ["serve", "digits@prod"], USAGE,
             "--certs DIR is required", untouched=lambda c: c["tmp"] / "serve-cache"),
@@ -263,6 +287,41 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return exit_info.value.code, out.out + out.err
 
 
+ERRORS_DOC = REPO / "docs" / "errors.md"
+
+
+def documented_mistakes() -> dict[str, tuple[int, str]]:
+    """The "Documented mistakes" table of docs/errors.md: mistake -> (exit code, phrase the output says)."""
+    section = ERRORS_DOC.read_text().split("## Documented mistakes", 1)[1]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].isdigit():
+            rows[cells[0]] = (int(cells[1]), cells[2].strip("`"))
+    return rows
+
+
+def test_every_documented_mistake_has_a_row_here_and_every_row_is_documented():
+    # Execute
+    documented = documented_mistakes()
+    rows = {m.name: (m.code, m.names) for m in MISTAKES}
+    # Assert: a doc entry without a test fails, and so does a row the doc does not list, or lists otherwise
+    assert sorted(set(documented) - set(rows)) == [], "documented in docs/errors.md but not run here"
+    assert sorted(set(rows) - set(documented)) == [], "run here but not documented in docs/errors.md"
+    assert {name: documented[name] for name in rows if documented[name] != rows[name]} == {}
+
+
+def _state(ctx: dict) -> dict[str, object]:
+    """Every file and folder under the mistakes' folder (size, mtime) and every row of the session's registry."""
+    tmp = ctx["tmp"]
+    found: dict[str, object] = {str(p.relative_to(tmp)): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
+                                for p in tmp.rglob("*")}
+    open_registry().list_models()  # the session's registry (tests/conftest.py) exists, so an added row shows
+    with sqlite3.connect(os.environ["HFLEET_REGISTRY"]) as db:
+        found["registry rows"] = [line for line in db.iterdump() if line.startswith("INSERT")]
+    return found
+
+
 def test_the_catalogue_covers_every_command_group_with_at_least_40_mistakes():
     from hybridfleet.cli.app import COMMAND_MODULES
 
@@ -273,6 +332,8 @@ def test_the_catalogue_covers_every_command_group_with_at_least_40_mistakes():
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: m.name)
 def test_mistake_ends_in_one_line_and_a_hint_naming_the_fix(mistake, ctx, capsys):
+    # Prepare
+    before = _state(ctx)
     # Execute
     code, output = run_cli(mistake.argv(ctx), capsys)
     # Assert
@@ -283,6 +344,7 @@ def test_mistake_ends_in_one_line_and_a_hint_naming_the_fix(mistake, ctx, capsys
     assert "internal error" not in output, output
     if mistake.untouched is not None:
         assert not mistake.untouched(ctx).exists()
+    assert _state(ctx) == before  # nothing written, no registry row
 
 
 @pytest.mark.slow

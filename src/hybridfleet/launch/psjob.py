@@ -29,8 +29,10 @@ from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervise
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
+from hybridfleet.obs.runinfo import JOB_COPY
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
+from hybridfleet.spec.resolved import resolved_job
 
 log = get_logger("run")
 
@@ -299,11 +301,13 @@ def attach_metrics(spec: JobSpec, procs: list[ProcessSpec], host: str = "127.0.0
 
 
 def write_run_info(spec: JobSpec, run_dir: Path, resume_from: Path | None = None) -> None:
-    """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`)."""
+    """``run.json``: what runs here and which pid supervises it (read by `hfleet report` and `hfleet ui`), and
+    ``job.json``: the resolved job as it runs, secrets redacted (`hybridfleet.spec.resolved`)."""
     info = {"job": spec.name, "framework": spec.framework, "sync": spec.ps.sync, "pid": os.getpid(),
             "started": time.time(), "steps": spec.train.steps, "sites": list(spec.sites),
             "resumed_from": str(resume_from) if resume_from else None}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    (run_dir / JOB_COPY).write_text(json.dumps(resolved_job(spec), indent=2) + "\n")
 
 
 class MetricsCollector:
@@ -550,7 +554,7 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         targets.append(Target(f"127.0.0.1:{exporter.server_port}",
                               {"job": spec.name, "role": "supervisor", "process": "hfleet-run"}))
     with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup, \
-            RunProgress(spec, layout, targets, lambda: sum(1 for e in list(sup.events) if e.get("event") == "restart"),
+            RunProgress(spec, layout, targets, lambda: list(sup.events),
                         stream, enabled=show_progress) as progress:
         def start_all(procs: list[ProcessSpec]) -> None:
             if metrics:

@@ -3,7 +3,9 @@
 Phases, in order: starting shards, workers joining n/N (members the first shard knows),
 training (from the first applied round), site baselines (workers done, the single-site
 comparison runs still going), saving the model, publishing, writing the report. Rounds come
-from the first shard's Status; the table's rates are the workers' own steps.
+from the first shard's Status (the last round seen stays shown once the shards stop); the table's
+rates are the workers' own steps, and a worker that exited keeps its last figures, marked with its
+exit code from the supervisor's events.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ import contextlib
 from typing import IO, Callable
 
 from hybridfleet.obs.discovery import Target
-from hybridfleet.obs.live import LiveDisplay, Phases, RunView
+from hybridfleet.obs.live import LiveDisplay, Phases, RunView, final_exits
 from hybridfleet.spec.models import JobSpec
 
 
 class RunProgress:
     """The phases of a run and, with ``enabled``, the live view that shows them."""
 
-    def __init__(self, spec: JobSpec, layout, targets: list[Target], read_restarts: Callable[[], int],
+    def __init__(self, spec: JobSpec, layout, targets: list[Target], read_events: Callable[[], list[dict]],
                  stream: IO[str] | None = None, enabled: bool = True):
+        """``read_events``: the supervisor's events so far (restarts and exits are counted from them)."""
         from hybridfleet.spec.rules import ROUND_SYNC_MODES, outer_rounds
 
         self.spec, self.layout = spec, layout
@@ -28,23 +31,30 @@ class RunProgress:
         self.total_rounds = float(outer_rounds(spec.ps, spec.train.steps)
                                   * (1 if spec.ps.sync in ROUND_SYNC_MODES else spec.num_workers))
         self._probe = None
-        self._display = (LiveDisplay(RunView(spec.name, targets, self._rounds, read_restarts, self.phases),
-                                     stream=stream, background=True) if enabled else None)
+        self._rounds_seen = 0.0
+        view = RunView(spec.name, targets, self._rounds,
+                       lambda: sum(1 for e in read_events() if e.get("event") == "restart"), self.phases,
+                       read_exits=lambda: final_exits(read_events()))
+        self._display = LiveDisplay(view, stream=stream, background=True) if enabled else None
 
     def __enter__(self) -> "RunProgress":
         if self._display is not None:
             self._display.__enter__()
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.phases.finish()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stopped = exc_type is KeyboardInterrupt or (exc_type is SystemExit and getattr(exc, "code", None) in (130, 143))
+        self.phases.finish("stopped" if stopped else "failed" if exc_type is not None else "done")
         if self._display is not None:
-            self._display.__exit__(*exc_info)
+            self._display.__exit__(exc_type, exc, tb)
         if self._probe is not None:
             self._probe.close()
 
     def phase(self, name: str, detail: str = "") -> None:
-        """Begin the named phase (the previous one keeps its time)."""
+        """Begin the named phase (the previous one keeps its time); leaving training reads the rounds once more,
+        while the shards still answer, so the final line counts them all."""
+        if self.phases.current == "training":
+            self._rounds()
         self.phases.start(name, detail)
 
     def show_final(self, summary: dict) -> None:
@@ -66,7 +76,9 @@ class RunProgress:
 
     def _rounds(self) -> tuple[float, float]:
         status = self._status()
-        version = float(status.get("version", 0)) if status else 0.0
+        if status:  # a stopped shard answers nothing: keep the last round seen
+            self._rounds_seen = max(self._rounds_seen, float(status.get("version", 0)))
+        version = self._rounds_seen
         current = self.phases.current
         if status and current == "workers joining":
             from hybridfleet.launch.psjob import ps_clients

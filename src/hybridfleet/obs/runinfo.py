@@ -24,6 +24,7 @@ from typing import Any
 from hybridfleet.errors import ReportError
 
 RUN_FILES = ("run.json", "events.jsonl", "metrics.jsonl", "summary.json")
+JOB_COPY = "job.json"  # the resolved job (hybridfleet.spec.resolved); runs made before it existed lack it
 
 
 def _is_number(value: Any) -> bool:
@@ -73,6 +74,7 @@ class RunData:
     path: Path
     info: dict[str, Any] = field(default_factory=dict)       # run.json
     summary: dict[str, Any] | None = None                    # summary.json (absent while live or after a crash)
+    job_spec: dict[str, Any] | None = None                   # job.json: the resolved job as it ran (secrets redacted)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)          # what a complete run has and this one lacks
@@ -162,6 +164,8 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
     run.missing = [name for name in RUN_FILES if name not in present]
     if (root / "run.json").is_file():
         run.info = _checked(root / "run.json", run, _RUN_FIELDS)
+    if (root / JOB_COPY).is_file():
+        run.job_spec = _checked(root / JOB_COPY, run, {}) or None
     if (root / "summary.json").is_file():
         run.summary = _checked(root / "summary.json", run, _SUMMARY_FIELDS) or None
     for name, attr in (("metrics.jsonl", "metrics"), ("events.jsonl", "events")):

@@ -37,7 +37,7 @@ from hybridfleet.errors import (
     ReportError,
 )
 from hybridfleet.obs.discovery import read_targets
-from hybridfleet.obs.live import RunView
+from hybridfleet.obs.live import RunView, Snapshot, final_exits
 from hybridfleet.obs.metric_plots import is_metric_key
 from hybridfleet.obs.report import (
     RUN_SECTIONS, STYLE_CSP_SOURCE, build_report, metric_section, render_plot, sections_for,
@@ -178,13 +178,13 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
     @app.get("/runs/{job}/{stamp}", response_class=HTMLResponse)
     def run_page(request: Request, job: str, stamp: str) -> HTMLResponse:
         run = loaded(job, stamp)
-        sites = None
+        sites, metric_key = None, None
         if run.live:
-            view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0)
-            sites = view.snapshot().sites
+            snap = live_snapshot(run)
+            sites, metric_key = snap.sites, snap.metric_key
         plots = [(key, title) for key, title, _ in sections_for(run)]
         return page(request, "run.html", title=f"Run {run.job} {stamp}",
-                    run=runs_view.run_view(f"{job}/{stamp}", run, sites, plots),
+                    run=runs_view.run_view(f"{job}/{stamp}", run, sites, plots, metric_key),
                     refresh_s=LIVE_REFRESH_S if run.live else None)  # fmt: skip
 
     @app.get("/runs/{job}/{stamp}/plots/{key}.png")
@@ -278,6 +278,13 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
                     message=str(err.detail))  # fmt: skip
 
     return app
+
+
+def live_snapshot(run) -> Snapshot:
+    """The live view of ``run`` now: its workers scraped, those that exited with their last logged figures."""
+    view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0,
+                   read_exits=lambda: final_exits(run.events), read_reported=lambda: runs_view.reported_figures(run))
+    return view.snapshot()
 
 
 def _no_data(ax, run) -> bool:

@@ -1,6 +1,7 @@
 """Compare runs in `hfleet ui`: the joint model's metric of each run overlaid on one plot (the test
 accuracy when any run reports one, else the first other metric they report, e.g. bits per character), and the job
-spec each run recorded (``run.json`` and the summary's job settings) side by side.
+each run recorded side by side: its copy of the resolved job (``job.json``, secrets redacted; older runs: ``run.json``
+and the summary's job settings).
 
 The plot is drawn here with matplotlib into a PNG served by the UI itself (the page has no
 script); the spec table marks every row whose values differ between the runs.
@@ -30,7 +31,13 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def spec_of(run: RunData) -> dict[str, str]:
-    """The job settings the run recorded, flattened to ``dotted.key -> text``."""
+    """The job settings the run recorded, flattened to ``dotted.key -> text``: its copy of the resolved job
+    (``job.json``) and the run it resumed; a run made before runs kept that copy: ``run.json`` and the summary's
+    job settings."""
+    if run.job_spec:
+        spec = _flatten(run.job_spec)
+        spec["resumed_from"] = _flatten(run.info.get("resumed_from"))[""]
+        return spec
     spec = _flatten(run.info)
     summary = run.summary if isinstance(run.summary, dict) else {}
     for key in _SUMMARY_SETUP:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridfleet.obs.live import SiteState, human_bytes
-from hybridfleet.obs.metric_plots import DEFAULT_METRICS, final_values, metric_label, reported_sections
+from hybridfleet.obs.live import SiteState, WorkerFigures, human_bytes
+from hybridfleet.obs.metric_plots import DEFAULT_METRICS, final_values, is_metric_key, metric_label, reported_sections
 from hybridfleet.obs.runinfo import RunData
 from hybridfleet.ui.pages import latest_step, number, status_of, when
 
@@ -135,10 +135,31 @@ def run_row(run_id: str, run: RunData) -> dict[str, Any]:
             "problems": list(run.problems)}  # fmt: skip
 
 
+def _number_or_none(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return float(value) if ok else None
+
+
+def reported_figures(run: RunData) -> dict[str, WorkerFigures]:
+    """Worker process -> its last logged figures (step, bytes sent and received, every metric it reported),
+    from metrics.jsonl: what the live page shows for a worker that no longer answers."""
+    out: dict[str, WorkerFigures] = {}
+    for r in _worker_records(run):
+        fig = out.setdefault(str(r.get("process")), WorkerFigures())
+        fig.steps = float(max(fig.steps, _count(r.get("step"))))
+        fig.uplink_bytes = float(max(fig.uplink_bytes, _count(r.get("sent"))))
+        fig.downlink_bytes = float(max(fig.downlink_bytes, _count(r.get("received"))))
+        for key, value in r.items():
+            if is_metric_key(key) and _number_or_none(value) is not None:
+                fig.metrics[key] = float(value)
+    return out
+
+
 def _site(name: str, st: SiteState) -> dict[str, Any]:
-    return {"name": name, "workers_up": st.workers_up, "workers": st.workers, "steps": f"{st.steps:g}",
+    return {"name": name, "workers_up": st.workers_up, "workers": st.workers, "workers_text": st.workers_text(),
+            "final": st.final, "steps": f"{st.steps:g}",
             "uplink": human_bytes(st.uplink_bytes), "downlink": human_bytes(st.downlink_bytes),
-            "accuracy": "-" if st.accuracy is None else f"{st.accuracy:.3f}"}  # fmt: skip
+            "metric": "-" if st.metric is None else f"{st.metric:.3f}"}  # fmt: skip
 
 
 def model_view(run: RunData) -> dict[str, Any] | None:
@@ -175,8 +196,10 @@ def log_file(run_path: Path, name: str) -> Path | None:
     return path
 
 
-def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plots: list[tuple[str, str]]) -> dict:
-    """One run: status, problems, live progress per site, summary rows, model, bytes, logs, plots, what is missing."""
+def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plots: list[tuple[str, str]],
+             metric_key: str | None = None) -> dict:
+    """One run: status, problems, live progress per site (``metric_key``: the metric its column shows),
+    summary rows, model, bytes, logs, plots, what is missing."""
     summary = _summary(run)
     rows: list[tuple[str, str]] = []
     if run.summary is not None:
@@ -198,5 +221,6 @@ def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plot
             "live": run.live, "step": "-" if step is None else step, "total": total or "-",
             "framework": framework(run), "duration": duration_text(duration_s(run)), "empty": trained_nothing(run),
             "sites": [_site(name, st) for name, st in sorted((sites or {}).items())],
+            "metric_key": metric_key or "metric",
             "summary": rows, "missing": missing, "model": model_view(run), "bytes": bytes_by_site(run),
             "logs": log_names(run), "plots": plots}  # fmt: skip
