@@ -449,8 +449,8 @@ def test_bad_shares_are_refused_with_the_reason_and_change_nothing(cluster):
     blob = bytes(94)
     good = [("b-0", blob), ("c-0", blob)]
     cases = [
-        (dict(rnd=1, epoch=1, shares=[("b-0", blob)]), "INVALID_ARGUMENT", "each other roster member once"),
-        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("z-0", blob)]), "INVALID_ARGUMENT", "each other roster"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob)]), "INVALID_ARGUMENT", "each neighbour in the roster's graph once"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("z-0", blob)]), "INVALID_ARGUMENT", "each neighbour in the roster"),
         (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("c-0", bytes(10))]), "INVALID_ARGUMENT", "is not 94 bytes"),
         (dict(rnd=1, epoch=7, shares=good), "FAILED_PRECONDITION", "the roster is at epoch 1"),
         (dict(rnd=0, epoch=1, shares=good), "FAILED_PRECONDITION", "shares for round 0; round 1 is open"),
