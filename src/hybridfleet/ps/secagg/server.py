@@ -174,7 +174,7 @@ class SecAggServer:
                     return
             self._set_roster({w: self.keys[w] for w in sorted(ready)})
             self.epoch = 1
-            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+            self._log_roster()
             return
         if self._round_open():
             return
@@ -182,7 +182,12 @@ class SecAggServer:
         if changed:
             self._set_roster({**self.roster, **changed})
             self.epoch += 1
-            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+            self._log_roster()
+
+    def _log_roster(self) -> None:
+        params = self.settings.graph_for(len(self.roster))
+        log.info("secagg_roster", shard=self.state.shard, epoch=self.epoch, pushers=sorted(self.roster),
+                 degree=min(params.degree, len(self.roster) - 1), threshold=params.threshold)
 
     def _set_roster(self, roster: dict[str, bytes]) -> None:
         self.roster = dict(sorted(roster.items()))
