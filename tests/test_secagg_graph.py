@@ -64,6 +64,13 @@ def test_the_neighbourhoods_of_a_random_graph_hold_colluders_as_the_bound_assume
     assert chi.pvalue > 1e-4
 
 
+def test_a_shard_that_may_lie_about_dropouts_needs_the_larger_threshold():
+    honest, lying = (graph.choose(100, 0.1, 0.1, 40, 20, malicious_shard=m) for m in (False, True))
+    assert (honest.degree, honest.threshold) == (20, 11) and (lying.degree, lying.threshold) == (32, 23)
+    assert 2 * lying.threshold > lying.degree + 2 + 10  # beats the 10 colluders even all in one neighbourhood
+    assert graph.check(100, honest.degree, honest.threshold, 0.1, 0.1, 40, 20, malicious_shard=True)
+
+
 def test_small_jobs_keep_the_complete_graph_and_its_threshold_and_100_pushers_get_a_sparse_one():
     for n in (3, 10, 30, 49):
         p = graph.choose(n, 0.1, 0.1, 40, 20)
@@ -79,7 +86,8 @@ def test_small_jobs_keep_the_complete_graph_and_its_threshold_and_100_pushers_ge
 
 
 @pytest.mark.parametrize("sa, message", [
-    ({"degree": 8, "threshold": 5}, "colluding pusher(s) of 20 reach 2t - k - 1"),
+    ({"degree": 8, "threshold": 2}, "2 colluding pusher(s) of 20 reach t = 2 of one pusher's 8 neighbours"),
+    ({"degree": 8, "threshold": 6, "malicious_shard": True}, "colluding pusher(s) of 20 reach 2t - k - 2 = 2"),
     ({"degree": 8, "threshold": 9}, "dropout(s) of 20 leave a survivor fewer than 9 holders"),
     ({"degree": 7}, "degree must be an even number"),
     ({"degree": 4, "dropout_rate": 0.3, "collusion_fraction": 0.3}, "no graph for 20 pushers meets the bounds"),
@@ -93,15 +101,15 @@ def test_a_degree_or_threshold_that_breaks_the_bounds_is_refused_with_the_bound(
 def test_a_pusher_refuses_a_roster_whose_threshold_is_not_the_bounds_and_keeps_its_state():
     job = parse_spec(_job(20, degree=8))
     settings = SecAggSettings.resolve(job.ps, job.sites)
-    assert settings.graph_for(20) == graph.GraphParams(20, 8, 7)
+    assert settings.graph_for(20) == graph.GraphParams(20, 8, 5)
     ms = [ShardMasker(f"s{i:03d}-0", 0, settings) for i in range(20)]
     roster = {m.me: m.keypair.public for m in ms}
     with pytest.raises(ProtocolError, match="published threshold 3 for 20 pushers; the job's secure_aggregation "
-                                            "gives 7"):
+                                            "gives 5"):
         ms[0].set_roster(1, 3, roster)
     assert ms[0].epoch == 0 and ms[0].roster == {} and not ms[0].in_roster
     for m in ms:
-        assert m.set_roster(1, 7, roster)
+        assert m.set_roster(1, 5, roster)
     assert ms[0].neighbours == graph.neighbours(roster, 0, 8)[ms[0].me] and len(ms[0].secrets) == 8
     ring, shares = ms[0].mask(0, np.zeros(10, np.float32))
     assert sorted(q for q, _ in shares) == list(ms[0].neighbours)  # shares go to the 8 neighbours only
@@ -113,7 +121,7 @@ def test_a_pusher_answers_only_for_its_neighbours_and_with_threshold_many_surviv
     ms = {f"s{i:03d}-0": ShardMasker(f"s{i:03d}-0", 0, settings) for i in range(20)}
     roster = {w: m.keypair.public for w, m in ms.items()}
     for m in ms.values():
-        m.set_roster(1, 7, roster)
+        m.set_roster(1, 5, roster)
     shares = {w: dict(m.mask(4, np.zeros(10, np.float32))[1]) for w, m in ms.items()}
     a = ms["s000-0"]
     nb = list(a.neighbours)
@@ -121,8 +129,8 @@ def test_a_pusher_answers_only_for_its_neighbours_and_with_threshold_many_surviv
     outsider = next(w for w in ms if w != a.me and w not in nb)
     with pytest.raises(ProtocolError, match="do not split this worker's neighbours"):
         a.answer(4, [a.me, *nb[:-1], outsider], [nb[-1]], addressed)
-    with pytest.raises(ProtocolError, match="named 6 survivor\\(s\\) among this worker's 9 share holders"):
-        a.answer(4, [a.me, *nb[:5]], nb[5:], addressed)
+    with pytest.raises(ProtocolError, match="named 4 survivor\\(s\\) among this worker's 9 share holders"):
+        a.answer(4, [a.me, *nb[:3]], nb[3:], addressed)
     assert not a.answered(4)
-    got, seeds = a.answer(4, [a.me, *nb[:6]], nb[6:], addressed)
-    assert set(got) == {a.me, *nb[:6]} and set(seeds) == set(nb[6:])
+    got, seeds = a.answer(4, [a.me, *nb[:4]], nb[4:], addressed)
+    assert set(got) == {a.me, *nb[:4]} and set(seeds) == set(nb[4:])

@@ -81,10 +81,11 @@ def test_local_sgd_with_secure_aggregation_survives_a_sigkilled_pusher(tmp_path,
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
 def test_the_demo_job_trains_on_a_sparse_secagg_graph(tmp_path, framework):
-    """The demo's four pushers on a ring (degree 2: each pairs with two of the three others), shrunk to
-    80 steps: every round of both shards is unmasked over that graph and the model learns."""
+    """The demo's four pushers on a ring (degree 2: each pairs with two of the three others; threshold 3
+    of its 3 holders against a shard that may lie about dropouts), shrunk to 80 steps: every round of
+    both shards is unmasked over that graph and the model learns."""
     job = hybrid_demo(framework)
-    job["ps"]["secure_aggregation"] = {"degree": 2}
+    job["ps"]["secure_aggregation"] = {"degree": 2, "malicious_shard": True}
     job["train"].update(steps=80, site_baselines=False, eval_every_steps=0)
     job.pop("registry", None)
     job.pop("checkpoint", None)

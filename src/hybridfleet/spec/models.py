@@ -117,6 +117,8 @@ class SecureAggregationSpec(_Strict):
                                                              "2^-security_bits")
     correctness_bits: int = Field(20, ge=1, le=128, description="a round within dropout_rate unmasks except with "
                                                                 "probability 2^-correctness_bits")
+    malicious_shard: bool = Field(False, description="also bound a shard that tells survivors different stories "
+                                                     "about who dropped out (threshold t > (k + 2 + colluders) / 2)")
 
 
 class PSSpec(_Strict):

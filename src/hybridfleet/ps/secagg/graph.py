@@ -13,10 +13,14 @@ and at most ``D = floor(delta n)`` drop out, and neighbourhoods that are uniform
 ``k``-subsets (the ring order is a random permutation), the round is
 
 - **private** for an honest pusher ``i`` with ``c_i`` colluding neighbours while
-  ``2t > k + 1 + c_i``: each honest holder reveals, for ``i``, either a share of its self
-  seed or its pair seed with ``i``, never both, so a shard that names ``i`` a survivor
-  to some holders and dropped to others still gathers fewer than ``t`` shares or misses
-  a pair seed;
+  ``c_i < t`` against a shard that follows the protocol (the colluders' shares cannot
+  rebuild ``i``'s self seed, which alone would strip ``i``'s masks once ``i`` is declared
+  dropped), and while ``2t > k + 2 + c_i`` against one that names ``i`` a survivor to
+  some holders and dropped to others (``malicious_shard``): each honest holder reveals,
+  for ``i``, either a share of its self seed or its pair seed with ``i``, never both,
+  and ``i`` answers only when at least ``t`` of its holders are named survivors, so such
+  a shard, to learn every pair seed of ``i``, gathers at most ``1 + c_i + (k + 1 - t)``
+  shares of its self seed: fewer than ``t``;
 - **live** while each survivor keeps ``t`` holders: ``d_i <= k + 1 - t`` dropped neighbours;
 - **one sum**: the honest survivors stay connected, so the shard learns their total and
   no partial sum; H(n, k) splits only where two runs of ``k/2`` ring neighbours are all
@@ -74,7 +78,7 @@ def _log2_split(pushers: int, bad: int, degree: int) -> float:
 
 @lru_cache(maxsize=256)
 def check(pushers: int, degree: int, threshold: int, dropout_rate: float, collusion_fraction: float,
-          security_bits: int, correctness_bits: int) -> str | None:
+          security_bits: int, correctness_bits: int, malicious_shard: bool = False) -> str | None:
     """Why (``degree``, ``threshold``) breaks the bounds for ``pushers`` (None when it meets them)."""
     n, k, t = pushers, min(degree, pushers - 1), threshold
     colluders = math.floor(collusion_fraction * n)
@@ -82,10 +86,11 @@ def check(pushers: int, degree: int, threshold: int, dropout_rate: float, collus
     if not 1 <= t <= k + 1:
         return f"threshold {t} must lie in 1..{k + 1} (a pusher and its {k} neighbours)"
     log_n = math.log2(n)
-    privacy = _log2_tail(n - 1, colluders, k, 2 * t - k - 1) + log_n
+    reach, rule = (2 * t - k - 2, "2t - k - 2") if malicious_shard else (t, "t")
+    privacy = _log2_tail(n - 1, colluders, k, reach) + log_n
     if privacy > -security_bits:
-        return (f"threshold {t} of {k + 1} holders: {colluders} colluding pusher(s) of {n} reach 2t - k - 1 = "
-                f"{2 * t - k - 1} of one pusher's {k} neighbours with probability 2^{privacy:.1f} > "
+        return (f"threshold {t} of {k + 1} holders: {colluders} colluding pusher(s) of {n} reach {rule} = "
+                f"{reach} of one pusher's {k} neighbours with probability 2^{privacy:.1f} > "
                 f"2^-{security_bits}; raise threshold or degree")
     liveness = _log2_tail(n - 1, dropped, k, k + 2 - t) + log_n
     if liveness > -correctness_bits:
@@ -99,12 +104,13 @@ def check(pushers: int, degree: int, threshold: int, dropout_rate: float, collus
 
 
 def choose(pushers: int, dropout_rate: float, collusion_fraction: float, security_bits: int,
-           correctness_bits: int, degree: int | None = None, threshold: int | None = None) -> GraphParams:
+           correctness_bits: int, degree: int | None = None, threshold: int | None = None,
+           malicious_shard: bool = False) -> GraphParams:
     """The graph for ``pushers``: the given ``degree``/``threshold`` checked against the bounds, the missing
     ones chosen (smallest even degree, then the middle of the thresholds that pass); ValueError naming
     the broken bound. The complete graph's default threshold stays floor(2n/3)+1."""
     n = pushers
-    args = (dropout_rate, collusion_fraction, security_bits, correctness_bits)
+    args = (dropout_rate, collusion_fraction, security_bits, correctness_bits, malicious_shard)
     if degree is not None and (degree < 2 or (degree % 2 and degree < n - 1)):
         raise ValueError(f"degree must be an even number >= 2, or >= n-1 = {n - 1} for the complete graph "
                          f"(got {degree})")

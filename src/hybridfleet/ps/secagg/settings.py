@@ -71,7 +71,7 @@ def check_job(job) -> None:
         raise ValueError(f"ps.secure_aggregation.threshold: {sa.threshold} exceeds the job's {pushers} pushers")
     try:
         graph.choose(pushers, sa.dropout_rate, sa.collusion_fraction, sa.security_bits, sa.correctness_bits,
-                     sa.degree, sa.threshold)
+                     sa.degree, sa.threshold, sa.malicious_shard)
     except ValueError as err:
         raise ValueError(f"ps.secure_aggregation: {err}") from None
     bits = sa.bits or default_bits(job.ps.compression)
@@ -96,6 +96,7 @@ class SecAggSettings:
     collusion_fraction: float = 0.1
     security_bits: int = 40
     correctness_bits: int = 20
+    malicious_shard: bool = False
 
     @classmethod
     def resolve(cls, ps, sites: dict) -> "SecAggSettings":
@@ -105,7 +106,8 @@ class SecAggSettings:
         return cls(bits=bits, clip=sa.clip, limit=check_resolution(bits, len(ids)), threshold=sa.threshold,
                    pushers=ids, randomk_ratio=ps.compression.ratio if ps.compression.codec == "randomk" else None,
                    degree=sa.degree, dropout_rate=sa.dropout_rate, collusion_fraction=sa.collusion_fraction,
-                   security_bits=sa.security_bits, correctness_bits=sa.correctness_bits)
+                   security_bits=sa.security_bits, correctness_bits=sa.correctness_bits,
+                   malicious_shard=sa.malicious_shard)
 
     def graph_for(self, roster_size: int) -> graph.GraphParams:
         """The neighbour graph's degree and threshold for a roster of ``roster_size`` pushers.
@@ -115,7 +117,7 @@ class SecAggSettings:
         which never holds fewer shares per pusher."""
         try:
             return graph.choose(roster_size, self.dropout_rate, self.collusion_fraction, self.security_bits,
-                                self.correctness_bits, self.degree, self.threshold)
+                                self.correctness_bits, self.degree, self.threshold, self.malicious_shard)
         except ValueError:
             t = self.threshold if self.threshold is not None else default_threshold(roster_size)
             return graph.GraphParams(roster_size, roster_size - 1, t)
