@@ -8,6 +8,8 @@ what the shard can strip off one push still leaves its neighbours' pair masks on
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -112,3 +114,39 @@ def test_more_dropouts_among_one_pushers_share_holders_than_the_threshold_allows
     assert state.version == version
     assert all(np.array_equal(v, params[k]) for k, v in cluster.params().items())
     assert "cannot be unmasked" in state.secagg.failed
+
+
+def test_the_shard_unmasks_without_holding_its_lock(sparse, monkeypatch):
+    cluster, pushers, _ = sparse
+    state = cluster.servers[0].state
+    started, release = threading.Event(), threading.Event()
+    unmask = server_mod.SecAggServer._unmask
+
+    def held_open(rnd, sr, total):
+        started.set()
+        assert release.wait(60)
+        return unmask(rnd, sr, total)
+
+    monkeypatch.setattr(server_mod.SecAggServer, "_unmask", staticmethod(held_open))
+    errors: list[BaseException] = []
+    rounds = threading.Thread(target=lambda: _collect(errors, run_round, pushers, updates(N, 5)))
+    rounds.start()
+    try:
+        assert started.wait(60)
+        # the unmask is under way and the lock is free: the shard answers meanwhile
+        assert state.cond.acquire(timeout=30)
+        try:
+            assert state.version == 0 and state.secagg.rounds[0].unmasking
+        finally:
+            state.cond.release()
+    finally:
+        release.set()
+        rounds.join(60)
+    assert not errors and state.version == 1 and state.secagg.rounds == {}
+
+
+def _collect(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as err:  # noqa: BLE001 - the test thread asserts on it
+        errors.append(err)

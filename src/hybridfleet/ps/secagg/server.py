@@ -17,13 +17,16 @@ pusher. One round (the shard's BSP round, i.e. its version):
    roster; it comes back only with a fresh key.
 
 All methods run under the shard's lock (``state.cond``) and raise `Reject` without
-changing anything when a request is refused.
+changing anything when a request is refused; the unmasking itself (Shamir rebuilds and
+mask expansions, the round's heavy work) runs in its own thread without the lock, so
+pulls, heartbeats and other shards' calls go on meanwhile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,9 +87,16 @@ class SecRound:
     survivors: tuple[str, ...] | None = None
     dropped: tuple[str, ...] = ()
     reveals: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
+    unmasking: bool = False                      # the unmask thread runs
+    update: dict[str, np.ndarray] | None = None  # its result, for the locked close of the round
+    silent: tuple[str, ...] = ()                 # survivors that pushed and never answered
+
+    def __post_init__(self) -> None:
+        self._x = {w: i + 1 for i, w in enumerate(self.roster)}
 
     def x_of(self, worker: str) -> int:
-        return self.roster.index(worker) + 1
+        """``worker``'s Shamir share point: its place in the round's roster, from 1."""
+        return self._x[worker]
 
     def holders(self, worker: str) -> tuple[str, ...]:
         """Who holds a share of ``worker``'s self seed: itself and its neighbours (sorted)."""
@@ -268,6 +278,10 @@ class SecAggServer:
         sr = self.rounds.get(rnd)
         if sr is None or self.failed:
             return None
+        if sr.update is not None:
+            return self._close(rnd, sr)
+        if sr.unmasking:
+            return None
         if sr.survivors is None:
             sr.survivors = tuple(w for w in sr.roster if w in agg.contributors)
             sr.dropped = tuple(w for w in sr.roster if w not in agg.contributors)
@@ -310,17 +324,42 @@ class SecAggServer:
             self._fail(f"round {rnd}: {', '.join(stuck)} pushed but vanished before revealing its pair seeds with "
                        f"the dropped {', '.join(lost)}; those masks cannot be removed")
             return None
+        # every answer is in and no new push is admitted: the sum and the answers stay as they are
+        sr.unmasking, sr.silent = True, tuple(silent)
+        threading.Thread(target=self._unmask_unlocked, args=(rnd, sr, agg.total, agg.weight), daemon=True,
+                         name=f"secagg-unmask-{self.state.shard}-{rnd}").start()
+        return None
+
+    def _unmask_unlocked(self, rnd: int, sr: SecRound, total: np.ndarray, weight: int) -> None:
+        """Unmask round ``rnd`` without the shard's lock, then close it under the lock."""
         try:
-            total = self._unmask(rnd, sr, agg.total)
-            update = self._to_update(rnd, total, agg.weight, len(sr.survivors))
+            total, self_seeds, pair_seeds = self._unmask(rnd, sr, total)
+            update, error = self._to_update(rnd, total, weight, len(sr.survivors)), None
         except ValueError as err:
-            self._fail(f"round {rnd}: {err}")
-            return None
+            update, error = None, err
+        state = self.state
+        with state.cond:
+            if self.rounds.get(rnd) is not sr:
+                return
+            if error is not None:
+                self._fail(f"round {rnd}: {error}")
+                return
+            self.last_unmask = {"round": rnd, "shard": state.shard, "survivors": sr.survivors, "dropped": sr.dropped,
+                                "revealed_by": tuple(sorted(sr.reveals)), "self_seeds": self_seeds,
+                                "pair_seeds": pair_seeds}
+            log.info("secagg_unmasked", shard=state.shard, round=rnd, survivors=len(sr.survivors),
+                     dropped=list(sr.dropped))
+            sr.update = update
+            state._maybe_finish_rounds()
+            state.cond.notify_all()
+
+    def _close(self, rnd: int, sr: SecRound) -> dict[str, np.ndarray]:
+        """The unmasked round's update, handed to the optimizer; its dropped and silent pushers leave the roster."""
         del self.rounds[rnd]
         self.unmasked_rounds += 1
         self.dropped_pushers += len(sr.dropped)
-        self._evict(set(sr.dropped) | set(silent) | (set(sr.roster) - live))
-        return update
+        self._evict(set(sr.dropped) | set(sr.silent) | (set(sr.roster) - self.state.live_members()))
+        return sr.update
 
     @staticmethod
     def _short_holders(sr: SecRound, answering: set[str]) -> tuple[str, int] | None:
@@ -331,8 +370,9 @@ class SecAggServer:
                 return p, left
         return None
 
-    def _unmask(self, rnd: int, sr: SecRound, total: np.ndarray) -> np.ndarray:
-        shard = self.state.shard
+    @staticmethod
+    def _unmask(rnd: int, sr: SecRound, total: np.ndarray) -> tuple[np.ndarray, dict[str, bytes], set]:
+        """(the sum without masks, the rebuilt self seeds, the (revealer, dropped) pair seeds used)."""
         self_seeds = {}  # the round's sum is unmasked in place: the round ends here either way
         for p in sr.survivors:
             points = {sr.x_of(q): sr.reveals[q][0][p] for q in sr.holders(p) if q in sr.reveals}
@@ -344,11 +384,7 @@ class SecAggServer:
                 # q's vector holds +PRG(seed) for a peer sorted after it, -PRG(seed) for one before
                 add_mask(total, seeds[d], -1 if d > q else 1)
                 pair_seeds.add((q, d))
-        self.last_unmask = {"round": rnd, "shard": shard, "survivors": sr.survivors, "dropped": sr.dropped,
-                            "revealed_by": tuple(sorted(sr.reveals)), "self_seeds": self_seeds,
-                            "pair_seeds": pair_seeds}
-        log.info("secagg_unmasked", shard=shard, round=rnd, survivors=len(sr.survivors), dropped=list(sr.dropped))
-        return total
+        return total, self_seeds, pair_seeds
 
     def _to_update(self, rnd: int, total: np.ndarray, weight: int, pushers: int) -> dict[str, np.ndarray]:
         """The round's mean update of the keys some pusher had a gradient for (the others are left out,
@@ -455,6 +491,9 @@ class SecAggServer:
             raise Reject("PERMISSION_DENIED", f"worker {worker_id} is not among round {rnd}'s pushers")
         if worker_id in sr.reveals:
             raise Reject("ALREADY_EXISTS", f"worker {worker_id} already answered the unmask of round {rnd}")
+        if sr.unmasking:
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is being unmasked without worker {worker_id}'s answer "
+                                                "(it was reaped before answering)")
         survivors, dropped = self._split(sr, worker_id)
         if sorted(shares) != sorted(survivors):
             raise Reject("INVALID_ARGUMENT", f"the answer needs one share per surviving neighbour and itself "
