@@ -116,6 +116,9 @@ class SecAggServer:
         self.graph: dict[str, tuple[str, ...]] = {}  # the roster's neighbour graph
         self.epoch = 0                              # 0: no roster published yet
         self.rounds: dict[int, SecRound] = {}
+        # the unmask requests' own condition on the shard's lock: a push wakes none of them, the
+        # round's survivors being fixed (or the protocol failing) wakes each once
+        self._unmask_open = threading.Condition(state._lock)
         self.failed: str | None = None
         self.last_unmask: dict | None = None        # what the shard learnt in the last unmasked round
         self.unmasked_rounds = 0
@@ -131,6 +134,7 @@ class SecAggServer:
             self.failed = f"secure aggregation stopped at shard {self.state.shard}: {message}"
             log.error("secagg_failed", shard=self.state.shard, reason=self.failed)
         self.state.cond.notify_all()
+        self._unmask_open.notify_all()
         self.state.wake_all_pullers()
 
     def _caller(self, worker_id: str):
@@ -298,7 +302,7 @@ class SecAggServer:
                            f"(itself and its neighbours); the threshold is {sr.threshold}, so the round cannot be "
                            "unmasked")
                 return None
-            self.state.cond.notify_all()
+            self._unmask_open.notify_all()
         live = self.state.live_members()
         # a survivor that restarted since it pushed (a fresh key advertised) cannot answer for its old self
         restarted = {w for w in sr.survivors if self.keys.get(w) != self.roster.get(w)}
@@ -465,8 +469,8 @@ class SecAggServer:
             left = deadline - state._now()
             if left <= 0:
                 raise Reject("DEADLINE_EXCEEDED", f"round {rnd} still waits for pushes")
-            state.cond.wait(min(left, 0.5))
-            state._maybe_finish_rounds()
+            if not self._unmask_open.wait(min(left, 0.5)):
+                state._maybe_finish_rounds()  # e.g. the expected workers' join wait has passed
         if worker_id not in sr.survivors:
             raise Reject("FAILED_PRECONDITION", f"worker {worker_id} is not among round {rnd}'s pushers")
         survivors, dropped = self._split(sr, worker_id)
