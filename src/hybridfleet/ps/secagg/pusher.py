@@ -41,6 +41,7 @@ class ShardMasker:
     def fresh_key(self) -> None:
         """A new key pair (after an eviction: a dropped pusher rejoins only with fresh keys)."""
         self.keypair, self.in_roster, self.epoch, self.roster, self.secrets = KeyPair(), False, 0, {}, {}
+        self.neighbours = ()
 
     def set_roster(self, epoch: int, threshold: int, roster: dict[str, bytes]) -> bool:
         """Adopt a published roster; False when it does not hold this worker's current key. ProtocolError

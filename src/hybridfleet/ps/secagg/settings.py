@@ -8,6 +8,7 @@ worker elsewhere. Both the pushers and the shards derive the same settings from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybridfleet.ps.secagg import graph
 from hybridfleet.ps.secagg.ring import check_resolution
@@ -81,6 +82,18 @@ def check_job(job) -> None:
         raise ValueError(f"ps.secure_aggregation.bits: {err}") from None
 
 
+@lru_cache(maxsize=256)
+def _graph_for(roster_size: int, dropout_rate: float, collusion_fraction: float, security_bits: int,
+               correctness_bits: int, degree: int | None, threshold: int | None,
+               malicious_shard: bool) -> graph.GraphParams:
+    try:
+        return graph.choose(roster_size, dropout_rate, collusion_fraction, security_bits, correctness_bits,
+                            degree, threshold, malicious_shard)
+    except ValueError:
+        t = threshold if threshold is not None else default_threshold(roster_size)
+        return graph.GraphParams(roster_size, roster_size - 1, t)
+
+
 @dataclass(frozen=True)
 class SecAggSettings:
     """The resolved ring and threshold rule for one job."""
@@ -115,12 +128,8 @@ class SecAggSettings:
         The job's pushers meet the bounds (`check_job`); a roster shrunk by evictions that no
         longer does falls back to the complete graph with the configured (or default) threshold,
         which never holds fewer shares per pusher."""
-        try:
-            return graph.choose(roster_size, self.dropout_rate, self.collusion_fraction, self.security_bits,
-                                self.correctness_bits, self.degree, self.threshold, self.malicious_shard)
-        except ValueError:
-            t = self.threshold if self.threshold is not None else default_threshold(roster_size)
-            return graph.GraphParams(roster_size, roster_size - 1, t)
+        return _graph_for(roster_size, self.dropout_rate, self.collusion_fraction, self.security_bits,
+                          self.correctness_bits, self.degree, self.threshold, self.malicious_shard)
 
     def threshold_for(self, roster_size: int) -> int:
         return self.graph_for(roster_size).threshold
