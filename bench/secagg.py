@@ -150,7 +150,8 @@ def run_round(pushers: list[Pusher]) -> dict:
         raise errors[0]
     exchange = time.perf_counter() - started
     # deployed, every pusher prepares on its own host at once; here they took turns
-    return {"round_s": max(prep) + exchange, "one_host_s": sum(prep) + exchange, "prepare_max_s": max(prep)}
+    return {"round_s": max(prep) + exchange, "one_host_s": sum(prep) + exchange, "prepare_max_s": max(prep),
+            "prepare_median_s": statistics.median(prep), "exchange_s": exchange}
 
 
 def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropout: bool = False,
@@ -235,7 +236,8 @@ def main() -> None:
             "round_ratio_one_host": round(s["one_host_s"] / p["one_host_s"], 3),
             "upload_ratio": round(s["sent"] / p["sent"], 4),
             "dropout_overhead": round((s["dropout_round_s"] - s["round_s"]) / s["round_s"], 3),
-            "prepare_max_s": round(s["prepare_max_s"], 4),
+            "prepare_max_s": round(s["prepare_max_s"], 4), "prepare_median_s": round(s["prepare_median_s"], 4),
+            "exchange_s": round(s["exchange_s"], 4), "plain_exchange_s": round(p["exchange_s"], 4),
             "sent_bytes": {k: int(v["sent"]) for k, v in r.items()},
         }
         if not args.ring32_only:
