@@ -2,8 +2,13 @@
 
     python bench/secagg.py            # N = 3, 10, 30 pushers, median of 5 rounds each
     python bench/secagg.py --quick    # N = 3, 10, median of 3 rounds (under a minute)
+    python bench/secagg.py --pushers 100 --ring32-only               # SecAgg+'s sparse graph at N = 100
+    python bench/secagg.py --pushers 100 --ring32-only --degree 99   # the same on the complete graph
+    python bench/secagg.py --pushers 100 --ring32-only --numel 250000 --rounds 2   # shrunk
 
-Thresholds: the default floor(2N/3)+1, and 2 for N = 3. N simulated pushers are in-process `PSClient`s (one thread each) against ONE real
+Graph and threshold: the job's defaults (the complete graph with floor(2N/3)+1 below 50
+pushers, SecAgg+'s sparse graph from the bounds above; ``--degree`` forces one), and
+threshold 2 for N = 3. N simulated pushers are in-process `PSClient`s (one thread each) against ONE real
 shard in its own process on 127.0.0.1 (gRPC control plane + bulk TLS data plane, tokens on). Each
 pushes a 1M-parameter float32 update (one 4 MB tensor) per round and pulls the
 result; the shard applies server-side SGD. A round's wall time runs from the
@@ -28,7 +33,7 @@ preparation in sequence (sum + exchange), as if all pushers shared one host.
 ``dropout_overhead``: one pusher sends its shares and leaves before pushing; (that
 round's round_s - a normal secure round's) / the normal one.
 
-JSON keys (N = 10): round_ratio (ring32 vs float32, modelled as above), round_ratio_one_host,
+JSON keys (N = 10, else the largest N): degree, threshold, round_ratio (ring32 vs float32, modelled as above), round_ratio_one_host,
 upload_ratio (ring32 vs float32), upload_ratio_16_vs_fp16, upload_ratio_16_vs_int8,
 dropout_overhead; per-N figures under ``by_n``.
 """
@@ -54,7 +59,7 @@ from _shards import serve_shards, stop_shards  # noqa: E402
 NUMEL = 1_000_000
 
 
-def start(workdir: Path, n: int, codec: str, secure: bool):
+def start(workdir: Path, n: int, codec: str, secure: bool, degree: int | None = None):
     from hybridfleet.security import TokenIssuer, generate_signing_key, make_dev_pki
     from hybridfleet.spec import parse_spec
 
@@ -63,7 +68,8 @@ def start(workdir: Path, n: int, codec: str, secure: bool):
           "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30.0}
     if secure:
         # the default threshold floor(2n/3)+1, except N=3 (it would be 3: no dropout could be recovered)
-        ps["secure_aggregation"] = {"bits": 16 if codec != "none" else 32, "threshold": 2 if n == 3 else None}
+        ps["secure_aggregation"] = {"bits": 16 if codec != "none" else 32, "threshold": 2 if n == 3 else None,
+                                    **({"degree": degree} if degree is not None else {})}
     data = {"name": "bench-secagg", "framework": "torch", "entrypoint": "t.py", "sites": sites, "ps": ps}
     spec = parse_spec(data)
     certs = workdir / f"certs-{n}-{codec}-{secure}"
@@ -77,7 +83,7 @@ def start(workdir: Path, n: int, codec: str, secure: bool):
 
 
 class Pusher:
-    def __init__(self, spec, certs, address: str, issuer, site: str, rng):
+    def __init__(self, spec, certs, address: str, issuer, site: str, rng, numel: int):
         from hybridfleet.ps.secagg.rounds import SecureRounds
         from hybridfleet.ps.secagg.settings import SecAggSettings
         from hybridfleet.ps.worker.client import ClientSecurity, PSClient
@@ -88,7 +94,7 @@ class Pusher:
         sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert),
                                         token=issuer.issue(spec.name, site, "worker", 3600, worker=wid))
         self.client = PSClient([address], sec, wid, site, 0)
-        self.client.join([ParamSpec("w", (NUMEL,))], spec.ps.block_size_bytes, spec.ps.compression.codec, "torch")
+        self.client.join([ParamSpec("w", (numel,))], spec.ps.block_size_bytes, spec.ps.compression.codec, "torch")
         self.spec = spec
         self.codec = None
         self.secure = None
@@ -98,7 +104,7 @@ class Pusher:
             from hybridfleet.codec import codec_for
 
             self.codec = codec_for(spec.ps.compression)
-        self.update = rng.uniform(-0.01, 0.01, NUMEL).astype(np.float32)
+        self.update = rng.uniform(-0.01, 0.01, numel).astype(np.float32)
         self.mask_s = 0.0
 
     def prepare(self) -> float:
@@ -144,15 +150,17 @@ def run_round(pushers: list[Pusher]) -> dict:
         raise errors[0]
     exchange = time.perf_counter() - started
     # deployed, every pusher prepares on its own host at once; here they took turns
-    return {"round_s": max(prep) + exchange, "one_host_s": sum(prep) + exchange, "prepare_max_s": max(prep)}
+    return {"round_s": max(prep) + exchange, "one_host_s": sum(prep) + exchange, "prepare_max_s": max(prep),
+            "prepare_median_s": statistics.median(prep), "exchange_s": exchange}
 
 
-def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropout: bool = False) -> dict:
-    spec, certs, shard, address, issuer = start(workdir, n, codec, secure)
+def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropout: bool = False,
+            numel: int = NUMEL, degree: int | None = None) -> dict:
+    spec, certs, shard, address, issuer = start(workdir, n, codec, secure, degree)
     rng = np.random.default_rng(n)
     try:
-        pushers = [Pusher(spec, certs, address, issuer, f"s{i:02d}", rng) for i in range(n)]
-        pushers[0].client.push({"w": np.zeros(NUMEL, np.float32).tobytes()}, codec="none", kind="INIT")
+        pushers = [Pusher(spec, certs, address, issuer, f"s{i:02d}", rng, numel) for i in range(n)]
+        pushers[0].client.push({"w": np.zeros(numel, np.float32).tobytes()}, codec="none", kind="INIT")
         for p in pushers:
             p.client.pull(full=True)
         if secure:  # key advertisement and roster: every pusher at once
@@ -169,6 +177,9 @@ def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropou
             sent.append(statistics.mean(p.sent() - b for p, b in zip(pushers, before)))
         i = int(np.argsort([r["round_s"] for r in results])[len(results) // 2])
         out = {**results[i], "sent": sent[i]}
+        if secure:
+            m = pushers[0].secure.maskers[0]
+            out["degree"], out["threshold"] = len(m.secrets), m.threshold  # a pair secret per neighbour
         if dropout:
             leaver, rest = pushers[-1], pushers[:-1]
             leaver.secure._mask_one(0, leaver.client.versions[0], {"w": leaver.update}, 1)  # shares sent ...
@@ -191,10 +202,18 @@ def measure(workdir: Path, n: int, codec: str, secure: bool, rounds: int, dropou
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 3 and 10, three timed rounds each (default: 5)")
-    ap.add_argument("--n", type=int, nargs="*", default=None, help="pusher counts (default 3 10 30)")
+    ap.add_argument("--n", "--pushers", dest="n", type=int, nargs="*", default=None,
+                    help="pusher counts (default 3 10 30)")
+    ap.add_argument("--numel", type=int, default=NUMEL, help=f"float32 parameters per pusher (default {NUMEL:,})")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per configuration (default 5, quick 3)")
+    ap.add_argument("--degree", type=int, default=None,
+                    help="SecAgg+ graph degree (default: the job's; >= N-1: the complete graph)")
+    ap.add_argument("--ring32-only", action="store_true",
+                    help="only the 32-bit ring vs float32 pair (no 16-bit ring, fp16 or int8 runs)")
     args = ap.parse_args()
     ns = args.n or ([3, 10] if args.quick else [3, 10, 30])
-    rounds = 3 if args.quick else 5
+    rounds = args.rounds or (3 if args.quick else 5)
+    numel = args.numel
     from hybridfleet.obs.log import configure
 
     configure(level="error")
@@ -202,43 +221,49 @@ def main() -> None:
     by_n: dict[int, dict] = {}
     for n in ns:
         r = {
-            "plain32": measure(workdir, n, "none", False, rounds),
-            "ring32": measure(workdir, n, "none", True, rounds, dropout=True),
-            "plain_fp16": measure(workdir, n, "fp16", False, rounds),
-            "plain_int8": measure(workdir, n, "int8", False, rounds),
-            "ring16": measure(workdir, n, "fp16", True, rounds),
+            "plain32": measure(workdir, n, "none", False, rounds, numel=numel),
+            "ring32": measure(workdir, n, "none", True, rounds, dropout=True, numel=numel, degree=args.degree),
         }
+        if not args.ring32_only:
+            r["plain_fp16"] = measure(workdir, n, "fp16", False, rounds, numel=numel)
+            r["plain_int8"] = measure(workdir, n, "int8", False, rounds, numel=numel)
+            r["ring16"] = measure(workdir, n, "fp16", True, rounds, numel=numel, degree=args.degree)
         s, p = r["ring32"], r["plain32"]
         by_n[n] = {
+            "degree": s["degree"], "threshold": s["threshold"],
             "plain32_s": round(p["round_s"], 4), "ring32_s": round(s["round_s"], 4),
             "round_ratio": round(s["round_s"] / p["round_s"], 3),
             "round_ratio_one_host": round(s["one_host_s"] / p["one_host_s"], 3),
-            "round_ratio_16_vs_fp16": round(r["ring16"]["round_s"] / r["plain_fp16"]["round_s"], 3),
             "upload_ratio": round(s["sent"] / p["sent"], 4),
-            "upload_ratio_16_vs_fp16": round(r["ring16"]["sent"] / r["plain_fp16"]["sent"], 4),
-            "upload_ratio_16_vs_int8": round(r["ring16"]["sent"] / r["plain_int8"]["sent"], 4),
             "dropout_overhead": round((s["dropout_round_s"] - s["round_s"]) / s["round_s"], 3),
-            "prepare_max_s": round(s["prepare_max_s"], 4),
+            "prepare_max_s": round(s["prepare_max_s"], 4), "prepare_median_s": round(s["prepare_median_s"], 4),
+            "exchange_s": round(s["exchange_s"], 4), "plain_exchange_s": round(p["exchange_s"], 4),
             "sent_bytes": {k: int(v["sent"]) for k, v in r.items()},
         }
+        if not args.ring32_only:
+            by_n[n].update(
+                round_ratio_16_vs_fp16=round(r["ring16"]["round_s"] / r["plain_fp16"]["round_s"], 3),
+                upload_ratio_16_vs_fp16=round(r["ring16"]["sent"] / r["plain_fp16"]["sent"], 4),
+                upload_ratio_16_vs_int8=round(r["ring16"]["sent"] / r["plain_int8"]["sent"], 4))
         print(f"  N={n}: done", file=sys.stderr)
 
-    print(f"\nsecure aggregation, one shard, {NUMEL:,} float32 parameters per pusher, "
+    nan = float("nan")
+    print(f"\nsecure aggregation, one shard, {numel:,} float32 parameters per pusher, "
           f"{rounds} timed round(s), in-process pushers")
-    head = (f"{'N':>4}{'plain32 s':>11}{'ring32 s':>10}{'ratio':>8}{'1-host':>8}{'16/fp16':>9}{'up 32':>8}"
-            f"{'up16/fp16':>11}{'up16/int8':>11}{'dropout':>9}{'prep s':>8}")
+    head = (f"{'N':>4}{'k':>4}{'t':>4}{'plain32 s':>11}{'ring32 s':>10}{'ratio':>8}{'1-host':>8}{'16/fp16':>9}"
+            f"{'up 32':>8}{'up16/fp16':>11}{'up16/int8':>11}{'dropout':>9}{'prep s':>8}")
     print(head)
     for n, b in by_n.items():
-        print(f"{n:>4}{b['plain32_s']:>11.3f}{b['ring32_s']:>10.3f}{b['round_ratio']:>8.2f}"
-              f"{b['round_ratio_one_host']:>8.2f}{b['round_ratio_16_vs_fp16']:>9.2f}{b['upload_ratio']:>8.3f}"
-              f"{b['upload_ratio_16_vs_fp16']:>11.3f}{b['upload_ratio_16_vs_int8']:>11.3f}"
-              f"{b['dropout_overhead']:>9.3f}{b['prepare_max_s']:>8.3f}")
-    key = by_n.get(10) or by_n[ns[-1]]
+        print(f"{n:>4}{b['degree']:>4}{b['threshold']:>4}{b['plain32_s']:>11.3f}{b['ring32_s']:>10.3f}"
+              f"{b['round_ratio']:>8.2f}{b['round_ratio_one_host']:>8.2f}{b.get('round_ratio_16_vs_fp16', nan):>9.2f}"
+              f"{b['upload_ratio']:>8.3f}{b.get('upload_ratio_16_vs_fp16', nan):>11.3f}"
+              f"{b.get('upload_ratio_16_vs_int8', nan):>11.3f}{b['dropout_overhead']:>9.3f}{b['prepare_max_s']:>8.3f}")
+    n_key = 10 if 10 in by_n else ns[-1]
+    key = by_n[n_key]
     print(json.dumps({
-        "bench": "secagg", "n": 10 if 10 in by_n else ns[-1], "parameters": NUMEL,
-        "round_ratio": key["round_ratio"], "round_ratio_one_host": key["round_ratio_one_host"],
-        "upload_ratio": key["upload_ratio"], "upload_ratio_16_vs_fp16": key["upload_ratio_16_vs_fp16"],
-        "upload_ratio_16_vs_int8": key["upload_ratio_16_vs_int8"], "dropout_overhead": key["dropout_overhead"],
+        "bench": "secagg", "n": n_key, "parameters": numel,
+        **{k: key[k] for k in ("degree", "threshold", "round_ratio", "round_ratio_one_host", "upload_ratio",
+                               "upload_ratio_16_vs_fp16", "upload_ratio_16_vs_int8", "dropout_overhead") if k in key},
         "by_n": {str(n): {k: v for k, v in b.items() if k != "sent_bytes"} for n, b in by_n.items()},
     }))
 

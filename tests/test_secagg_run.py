@@ -76,3 +76,30 @@ def test_local_sgd_with_secure_aggregation_survives_a_sigkilled_pusher(tmp_path,
     assert dropped and all(e["dropped"] == ["cloud-1"] for e in dropped), dropped
     assert any(e["event"] == "secagg_evicted" and e["workers"] == ["cloud-1"] for e in events)
     assert "--- restart 1 ---" in (Path(summary["run_dir"]) / "logs" / "worker-cloud-1.log").read_text()
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_the_demo_job_trains_on_a_sparse_secagg_graph(tmp_path, framework):
+    """The demo's four pushers on a ring (degree 2: each pairs with two of the three others; threshold 3
+    of its 3 holders against a shard that may lie about dropouts), shrunk to 80 steps: every round of
+    both shards is unmasked over that graph and the model learns."""
+    job = hybrid_demo(framework)
+    job["ps"]["secure_aggregation"] = {"degree": 2, "malicious_shard": True}
+    job["train"].update(steps=80, site_baselines=False, eval_every_steps=0)
+    job.pop("registry", None)
+    job.pop("checkpoint", None)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+
+    summary = run_ps_job(load_spec(path), path, echo=False, show_progress=False, run_root=tmp_path / "runs")
+
+    assert summary["status"] == "completed", summary
+    assert summary["test_accuracy"] >= 0.8, summary
+    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.log"))
+    events = [json.loads(line) for line in logs.splitlines() if line.startswith("{") and '"secagg_' in line]
+    rosters = [e for e in events if e["event"] == "secagg_roster"]
+    assert rosters and all(e["degree"] == 2 and e["threshold"] == 3 and len(e["pushers"]) == 4 for e in rosters)
+    unmasked = [e for e in events if e["event"] == "secagg_unmasked"]
+    assert {u["shard"] for u in unmasked} == {0, 1} and len(unmasked) >= 2 * 80
+    print(f"{framework}: test accuracy {summary['test_accuracy']} after {len(unmasked)} sparse shard-rounds")

@@ -17,70 +17,12 @@ from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.ps.secagg.masks import prg
 from hybridfleet.ps.secagg.ring import RING_DTYPES, dequantise
 from hybridfleet.ps.secagg.rounds import SecureRounds
-from hybridfleet.ps.secagg.settings import SecAggSettings
 from hybridfleet.ps.wire._proto import secagg_pb2 as pb
-from hybridfleet.ps.wire.sharding import ParamSpec
 
 from ps_helpers import start_cluster
+from secagg_helpers import PARAMS, Pusher, init, run_round, updates
 
 SITES = {"a": {"workers": 1}, "b": {"workers": 1}, "c": {"workers": 1}}
-PARAMS = [ParamSpec("w", (64, 64)), ParamSpec("b", (64,))]
-
-
-class Pusher:
-    """One site's worker pushing masked updates through the real client."""
-
-    def __init__(self, cluster, site: str):
-        self.client = cluster.client(site, retry_timeout_s=5.0)
-        self.client.join(PARAMS, cluster.spec.ps.block_size_bytes, cluster.spec.ps.compression.codec, "torch")
-        self.settings = SecAggSettings.resolve(cluster.spec.ps, cluster.spec.sites)
-        self.secure = SecureRounds(self.client, self.settings, cluster.spec.ps)
-        self.sent: list[np.ndarray] = []
-
-    def blocks(self, update: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for name, value in update.items():
-            out.update(self.client.plan.split(name, value.reshape(-1).astype(np.float32)))
-        return out
-
-    def push(self, update: dict[str, np.ndarray], unmask: bool = True) -> None:
-        base = list(self.client.versions)
-        self.secure.push(self.blocks(update), base, contributors=1)
-        if unmask:
-            self.secure.unmask(base)
-            self.client.pull(wait_for_versions=[v + 1 for v in base])
-
-
-def init(cluster, pushers: list[Pusher]) -> None:
-    first = pushers[0].client
-    zeros = {k: np.zeros(b.stop - b.start, np.float32).tobytes() for b in first.plan.blocks for k in [b.key]}
-    first.push(zeros, codec="none", kind="INIT")
-    for p in pushers:
-        p.client.pull(full=True)
-
-
-def run_round(pushers: list[Pusher], updates: list[dict]) -> None:
-    errors = []
-
-    def go(p, u):
-        try:
-            p.push(u)
-        except Exception as err:  # noqa: BLE001 - re-raised below in the test thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=go, args=(p, u)) for p, u in zip(pushers, updates)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-
-
-def updates(n: int, seed: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [{"w": rng.uniform(-0.5, 0.5, (64, 64)).astype(np.float32),
-             "b": rng.uniform(-0.5, 0.5, 64).astype(np.float32)} for _ in range(n)]
 
 
 @pytest.fixture
@@ -449,8 +391,8 @@ def test_bad_shares_are_refused_with_the_reason_and_change_nothing(cluster):
     blob = bytes(94)
     good = [("b-0", blob), ("c-0", blob)]
     cases = [
-        (dict(rnd=1, epoch=1, shares=[("b-0", blob)]), "INVALID_ARGUMENT", "each other roster member once"),
-        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("z-0", blob)]), "INVALID_ARGUMENT", "each other roster"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob)]), "INVALID_ARGUMENT", "each neighbour in the roster's graph once"),
+        (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("z-0", blob)]), "INVALID_ARGUMENT", "each neighbour in the roster"),
         (dict(rnd=1, epoch=1, shares=[("b-0", blob), ("c-0", bytes(10))]), "INVALID_ARGUMENT", "is not 94 bytes"),
         (dict(rnd=1, epoch=7, shares=good), "FAILED_PRECONDITION", "the roster is at epoch 1"),
         (dict(rnd=0, epoch=1, shares=good), "FAILED_PRECONDITION", "shares for round 0; round 1 is open"),

@@ -121,7 +121,7 @@ def test_a_share_decrypts_only_where_and_when_it_was_meant_for():
 
 def _maskers(n: int = 3) -> list[ShardMasker]:
     job = parse_spec({"name": "j", "framework": "torch", "entrypoint": "t.py",
-                      "sites": {f"s{i}": {} for i in range(n)}, "ps": {"secure_aggregation": True}})
+                      "sites": {f"s{i}": {} for i in range(n)}, "ps": {"secure_aggregation": {"threshold": 2}}})
     settings = SecAggSettings.resolve(job.ps, job.sites)
     ms = [ShardMasker(f"s{i}-0", 0, settings) for i in range(n)]
     roster = {m.me: m.keypair.public for m in ms}

@@ -103,8 +103,22 @@ class SecureAggregationSpec(_Strict):
     bits: Literal[16, 32] | None = Field(None, description="ring width; default 16 for fp16/bf16/int8, else 32")
     clip: float = Field(1.0, gt=0, description="each pushed coordinate is clipped to [-clip, clip] before "
                                                "quantisation (after DP noise)")
-    threshold: int | None = Field(None, ge=2, description="Shamir threshold t: pushers that must answer to "
-                                                          "unmask a round; default floor(2n/3)+1")
+    threshold: int | None = Field(None, ge=2, description="Shamir threshold t: share holders (a pusher and its "
+                                                          "neighbours) that must answer to unmask it; default: "
+                                                          "floor(2n/3)+1 on the complete graph, else the middle of "
+                                                          "the thresholds the bounds admit")
+    degree: int | None = Field(None, ge=2, description="neighbours per pusher in the SecAgg+ graph (even; >= n-1: "
+                                                       "complete); default: complete below 50 pushers, else the "
+                                                       "smallest degree the bounds admit")
+    dropout_rate: float = Field(0.1, ge=0, lt=1, description="fraction of a round's pushers that may drop out")
+    collusion_fraction: float = Field(0.1, ge=0, lt=1, description="fraction of pushers that may collude with "
+                                                                   "a shard")
+    security_bits: int = Field(40, ge=1, le=128, description="privacy holds except with probability "
+                                                             "2^-security_bits")
+    correctness_bits: int = Field(20, ge=1, le=128, description="a round within dropout_rate unmasks except with "
+                                                                "probability 2^-correctness_bits")
+    malicious_shard: bool = Field(False, description="also bound a shard that tells survivors different stories "
+                                                     "about who dropped out (threshold t > (k + 2 + colluders) / 2)")
 
 
 class PSSpec(_Strict):

@@ -3,31 +3,37 @@
 Each shard runs the protocol for its own keys, on its own; it holds no secret of any
 pusher. One round (the shard's BSP round, i.e. its version):
 
-1. every pusher in the roster sends its encrypted shares (`shares`), then its masked
-   ring vector through the ordinary Push (summed mod 2^bits by `MaskedRound`);
+1. every pusher in the roster sends its encrypted shares (`shares`), one per neighbour
+   in the roster's graph (`graph.neighbours`; every other pusher when it is complete),
+   then its masked ring vector through the ordinary Push (summed mod 2^bits by
+   `MaskedRound`);
 2. when every live roster member pushed (after heartbeat reaping), the round's
    survivors U1 and dropped D are fixed; each survivor fetches the shares addressed to
-   it (`unmask_request`) and answers (`reveal`) with shares of the survivors' self-mask
-   seeds and its pair seeds with D;
-3. from >= t answers the shard rebuilds the self seeds, removes every remaining mask,
-   dequantises and hands the mean to the optimizer. A pusher that dropped leaves the
+   it by its surviving neighbours (`unmask_request`) and answers (`reveal`) with shares
+   of their self-mask seeds (and its own) and its pair seeds with its dropped neighbours;
+3. from >= t answers among each survivor's share holders the shard rebuilds the self
+   seeds, removes every remaining mask, dequantises and hands the mean to the optimizer:
+   O(n k) masks and shares for n pushers of degree k. A pusher that dropped leaves the
    roster; it comes back only with a fresh key.
 
 All methods run under the shard's lock (``state.cond``) and raise `Reject` without
-changing anything when a request is refused.
+changing anything when a request is refused; the unmasking itself (Shamir rebuilds and
+mask expansions, the round's heavy work) runs in its own thread without the lock, so
+pulls, heartbeats and other shards' calls go on meanwhile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.aggregate.base import RoundAggregator
-from hybridfleet.ps.secagg import shamir
+from hybridfleet.ps.secagg import graph, shamir
 from hybridfleet.ps.secagg.keys import NONCE_BYTES, PUBLIC_KEY_BYTES, TAG_BYTES
 from hybridfleet.ps.secagg.masks import add_mask
 from hybridfleet.ps.secagg.ring import RING_DTYPES, dequantise
@@ -76,13 +82,25 @@ class SecRound:
     roster: tuple[str, ...]
     epoch: int
     threshold: int
+    neighbours: dict[str, tuple[str, ...]]
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)   # sender -> recipient -> ciphertext
     survivors: tuple[str, ...] | None = None
     dropped: tuple[str, ...] = ()
     reveals: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
+    unmasking: bool = False                      # the unmask thread runs
+    update: dict[str, np.ndarray] | None = None  # its result, for the locked close of the round
+    silent: tuple[str, ...] = ()                 # survivors that pushed and never answered
+
+    def __post_init__(self) -> None:
+        self._x = {w: i + 1 for i, w in enumerate(self.roster)}
 
     def x_of(self, worker: str) -> int:
-        return self.roster.index(worker) + 1
+        """``worker``'s Shamir share point: its place in the round's roster, from 1."""
+        return self._x[worker]
+
+    def holders(self, worker: str) -> tuple[str, ...]:
+        """Who holds a share of ``worker``'s self seed: itself and its neighbours (sorted)."""
+        return tuple(sorted((worker, *self.neighbours[worker])))
 
 
 class SecAggServer:
@@ -95,8 +113,12 @@ class SecAggServer:
         self.keys: dict[str, bytes] = {}            # advertised keys, roster members' and pending ones
         self.key_join: dict[str, int] = {}          # the member's join count when it advertised
         self.roster: dict[str, bytes] = {}
+        self.graph: dict[str, tuple[str, ...]] = {}  # the roster's neighbour graph
         self.epoch = 0                              # 0: no roster published yet
         self.rounds: dict[int, SecRound] = {}
+        # the unmask requests' own condition on the shard's lock: a push wakes none of them, the
+        # round's survivors being fixed (or the protocol failing) wakes each once
+        self._unmask_open = threading.Condition(state._lock)
         self.failed: str | None = None
         self.last_unmask: dict | None = None        # what the shard learnt in the last unmasked round
         self.unmasked_rounds = 0
@@ -112,6 +134,7 @@ class SecAggServer:
             self.failed = f"secure aggregation stopped at shard {self.state.shard}: {message}"
             log.error("secagg_failed", shard=self.state.shard, reason=self.failed)
         self.state.cond.notify_all()
+        self._unmask_open.notify_all()
         self.state.wake_all_pullers()
 
     def _caller(self, worker_id: str):
@@ -163,18 +186,27 @@ class SecAggServer:
                 waited = state._now() - (state._first_join or state._now())
                 if waited < state.spec.heartbeat_timeout_s:
                     return
-            self.roster = {w: self.keys[w] for w in sorted(ready)}
+            self._set_roster({w: self.keys[w] for w in sorted(ready)})
             self.epoch = 1
-            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+            self._log_roster()
             return
         if self._round_open():
             return
         changed = {w: k for w, k in self.keys.items() if self.roster.get(w) != k and state.members[w].alive}
         if changed:
-            self.roster.update(changed)
-            self.roster = dict(sorted(self.roster.items()))
+            self._set_roster({**self.roster, **changed})
             self.epoch += 1
-            log.info("secagg_roster", shard=state.shard, epoch=self.epoch, pushers=sorted(self.roster))
+            self._log_roster()
+
+    def _log_roster(self) -> None:
+        params = self.settings.graph_for(len(self.roster))
+        log.info("secagg_roster", shard=self.state.shard, epoch=self.epoch, pushers=sorted(self.roster),
+                 degree=min(params.degree, len(self.roster) - 1), threshold=params.threshold)
+
+    def _set_roster(self, roster: dict[str, bytes]) -> None:
+        self.roster = dict(sorted(roster.items()))
+        self.graph = graph.neighbours(self.roster, self.state.shard,
+                                      self.settings.graph_for(len(self.roster)).degree) if self.roster else {}
 
     def roster_wait(self, worker_id: str, known_epoch: int, timeout_s: float) -> tuple[int, int, dict[str, bytes]]:
         """(epoch, threshold, roster) once a roster other than ``known_epoch`` is published."""
@@ -214,16 +246,17 @@ class SecAggServer:
             raise Reject("FAILED_PRECONDITION", f"round {rnd} is closed to new pushers (unmasking)")
         if sr is not None and worker_id in sr.shares:
             raise Reject("ALREADY_EXISTS", f"worker {worker_id} already sent its shares for round {rnd}")
-        peers = [w for w in self.roster if w != worker_id]
+        peers = list(self.graph[worker_id])
         got = [p for p, _ in shares]
         if sorted(got) != peers:
-            raise Reject("INVALID_ARGUMENT", f"shares must go to each other roster member once ({len(peers)}: "
-                                             f"{', '.join(peers[:5])}); got {len(got)}")
+            raise Reject("INVALID_ARGUMENT", f"shares must go to each neighbour in the roster's graph once "
+                                             f"({len(peers)}: {', '.join(peers[:5])}); got {len(got)}")
         bad = next((p for p, blob in shares if len(blob) != CIPHERTEXT_BYTES), None)
         if bad is not None:
             raise Reject("INVALID_ARGUMENT", f"the share for {bad} is not {CIPHERTEXT_BYTES} bytes")
         if sr is None:
-            sr = self.rounds[rnd] = SecRound(tuple(self.roster), self.epoch, self.threshold(len(self.roster)))
+            sr = self.rounds[rnd] = SecRound(tuple(self.roster), self.epoch, self.threshold(len(self.roster)),
+                                             dict(self.graph))
         sr.shares[worker_id] = dict(shares)
 
     def admit_push(self, worker_id: str, rnd: int) -> None:
@@ -249,6 +282,10 @@ class SecAggServer:
         sr = self.rounds.get(rnd)
         if sr is None or self.failed:
             return None
+        if sr.update is not None:
+            return self._close(rnd, sr)
+        if sr.unmasking:
+            return None
         if sr.survivors is None:
             sr.survivors = tuple(w for w in sr.roster if w in agg.contributors)
             sr.dropped = tuple(w for w in sr.roster if w not in agg.contributors)
@@ -258,7 +295,14 @@ class SecAggServer:
                 self._fail(f"round {rnd}: only {len(sr.survivors)} of {len(sr.roster)} pushers pushed; the threshold "
                            f"is {sr.threshold}, so the round cannot be unmasked")
                 return None
-            self.state.cond.notify_all()
+            short = self._short_holders(sr, set(sr.survivors))
+            if short:
+                p, left = short
+                self._fail(f"round {rnd}: pusher {p} has {left} surviving share holder(s) of {len(sr.holders(p))} "
+                           f"(itself and its neighbours); the threshold is {sr.threshold}, so the round cannot be "
+                           "unmasked")
+                return None
+            self._unmask_open.notify_all()
         live = self.state.live_members()
         # a survivor that restarted since it pushed (a fresh key advertised) cannot answer for its old self
         restarted = {w for w in sr.survivors if self.keys.get(w) != self.roster.get(w)}
@@ -270,41 +314,81 @@ class SecAggServer:
             self._fail(f"round {rnd}: {len(revealed)} survivor(s) answered the unmask, fewer than the threshold "
                        f"{sr.threshold}; the round cannot be unmasked")
             return None
+        short = self._short_holders(sr, revealed)
+        if short:
+            p, left = short
+            self._fail(f"round {rnd}: {left} of pusher {p}'s {len(sr.holders(p))} share holders answered the unmask, "
+                       f"fewer than the threshold {sr.threshold}; the round cannot be unmasked")
+            return None
         silent = [w for w in sr.survivors if w not in revealed]
-        if sr.dropped and silent:
-            self._fail(f"round {rnd}: {', '.join(silent)} pushed but vanished before revealing its pair seeds with "
-                       f"the dropped {', '.join(sr.dropped)}; those masks cannot be removed")
+        dropped = set(sr.dropped)
+        stuck = [w for w in silent if dropped & set(sr.neighbours[w])]
+        if stuck:
+            lost = sorted(dropped & {d for w in stuck for d in sr.neighbours[w]})
+            self._fail(f"round {rnd}: {', '.join(stuck)} pushed but vanished before revealing its pair seeds with "
+                       f"the dropped {', '.join(lost)}; those masks cannot be removed")
             return None
+        # every answer is in and no new push is admitted: the sum and the answers stay as they are
+        sr.unmasking, sr.silent = True, tuple(silent)
+        threading.Thread(target=self._unmask_unlocked, args=(rnd, sr, agg.total, agg.weight), daemon=True,
+                         name=f"secagg-unmask-{self.state.shard}-{rnd}").start()
+        return None
+
+    def _unmask_unlocked(self, rnd: int, sr: SecRound, total: np.ndarray, weight: int) -> None:
+        """Unmask round ``rnd`` without the shard's lock, then close it under the lock."""
         try:
-            total = self._unmask(rnd, sr, agg.total)
-            update = self._to_update(rnd, total, agg.weight, len(sr.survivors))
+            total, self_seeds, pair_seeds = self._unmask(rnd, sr, total)
+            update, error = self._to_update(rnd, total, weight, len(sr.survivors)), None
         except ValueError as err:
-            self._fail(f"round {rnd}: {err}")
-            return None
+            update, error = None, err
+        state = self.state
+        with state.cond:
+            if self.rounds.get(rnd) is not sr:
+                return
+            if error is not None:
+                self._fail(f"round {rnd}: {error}")
+                return
+            self.last_unmask = {"round": rnd, "shard": state.shard, "survivors": sr.survivors, "dropped": sr.dropped,
+                                "revealed_by": tuple(sorted(sr.reveals)), "self_seeds": self_seeds,
+                                "pair_seeds": pair_seeds}
+            log.info("secagg_unmasked", shard=state.shard, round=rnd, survivors=len(sr.survivors),
+                     dropped=list(sr.dropped))
+            sr.update = update
+            state._maybe_finish_rounds()
+            state.cond.notify_all()
+
+    def _close(self, rnd: int, sr: SecRound) -> dict[str, np.ndarray]:
+        """The unmasked round's update, handed to the optimizer; its dropped and silent pushers leave the roster."""
         del self.rounds[rnd]
         self.unmasked_rounds += 1
         self.dropped_pushers += len(sr.dropped)
-        self._evict(set(sr.dropped) | set(silent) | (set(sr.roster) - live))
-        return update
+        self._evict(set(sr.dropped) | set(sr.silent) | (set(sr.roster) - self.state.live_members()))
+        return sr.update
 
-    def _unmask(self, rnd: int, sr: SecRound, total: np.ndarray) -> np.ndarray:
-        shard = self.state.shard
+    @staticmethod
+    def _short_holders(sr: SecRound, answering: set[str]) -> tuple[str, int] | None:
+        """(a survivor, how many of its share holders are in ``answering``) when fewer than the threshold."""
+        for p in sr.survivors:
+            left = sum(q in answering for q in sr.holders(p))
+            if left < sr.threshold:
+                return p, left
+        return None
+
+    @staticmethod
+    def _unmask(rnd: int, sr: SecRound, total: np.ndarray) -> tuple[np.ndarray, dict[str, bytes], set]:
+        """(the sum without masks, the rebuilt self seeds, the (revealer, dropped) pair seeds used)."""
         self_seeds = {}  # the round's sum is unmasked in place: the round ends here either way
         for p in sr.survivors:
-            points = {sr.x_of(q): shares[p] for q, (shares, _) in sr.reveals.items()}
+            points = {sr.x_of(q): sr.reveals[q][0][p] for q in sr.holders(p) if q in sr.reveals}
             self_seeds[p] = shamir.reconstruct(points, sr.threshold)
             add_mask(total, self_seeds[p], -1)
         pair_seeds = set()
         for q, (_, seeds) in sr.reveals.items():
-            for d in sr.dropped:
+            for d in seeds:
                 # q's vector holds +PRG(seed) for a peer sorted after it, -PRG(seed) for one before
                 add_mask(total, seeds[d], -1 if d > q else 1)
                 pair_seeds.add((q, d))
-        self.last_unmask = {"round": rnd, "shard": shard, "survivors": sr.survivors, "dropped": sr.dropped,
-                            "revealed_by": tuple(sorted(sr.reveals)), "self_seeds": self_seeds,
-                            "pair_seeds": pair_seeds}
-        log.info("secagg_unmasked", shard=shard, round=rnd, survivors=len(sr.survivors), dropped=list(sr.dropped))
-        return total
+        return total, self_seeds, pair_seeds
 
     def _to_update(self, rnd: int, total: np.ndarray, weight: int, pushers: int) -> dict[str, np.ndarray]:
         """The round's mean update of the keys some pusher had a gradient for (the others are left out,
@@ -340,6 +424,7 @@ class SecAggServer:
             if self.keys.get(w) is not None and w not in self.state.live_members():
                 del self.keys[w]
         if gone:
+            self._set_roster(self.roster)
             self.epoch += 1
             log.warning("secagg_evicted", shard=self.state.shard, workers=sorted(gone), epoch=self.epoch)
         self._maybe_publish()
@@ -384,12 +469,20 @@ class SecAggServer:
             left = deadline - state._now()
             if left <= 0:
                 raise Reject("DEADLINE_EXCEEDED", f"round {rnd} still waits for pushes")
-            state.cond.wait(min(left, 0.5))
-            state._maybe_finish_rounds()
+            if not self._unmask_open.wait(min(left, 0.5)):
+                state._maybe_finish_rounds()  # e.g. the expected workers' join wait has passed
         if worker_id not in sr.survivors:
             raise Reject("FAILED_PRECONDITION", f"worker {worker_id} is not among round {rnd}'s pushers")
-        addressed = [(p, sr.shares[p][worker_id]) for p in sr.survivors if p != worker_id]
-        return sr.survivors, sr.dropped, addressed
+        survivors, dropped = self._split(sr, worker_id)
+        addressed = [(p, sr.shares[p][worker_id]) for p in survivors if p != worker_id]
+        return survivors, dropped, addressed
+
+    @staticmethod
+    def _split(sr: SecRound, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``worker_id``'s share holders split into (survivors, dropped): what its answer covers."""
+        holders = sr.holders(worker_id)
+        dropped = set(sr.dropped)
+        return tuple(w for w in holders if w not in dropped), tuple(w for w in holders if w in dropped)
 
     def reveal(self, worker_id: str, rnd: int, shares: dict[str, bytes], seeds: dict[str, bytes]) -> None:
         """Keep a survivor's answer: a share of every survivor's self seed, its pair seed with every dropped."""
@@ -402,12 +495,16 @@ class SecAggServer:
             raise Reject("PERMISSION_DENIED", f"worker {worker_id} is not among round {rnd}'s pushers")
         if worker_id in sr.reveals:
             raise Reject("ALREADY_EXISTS", f"worker {worker_id} already answered the unmask of round {rnd}")
-        if sorted(shares) != sorted(sr.survivors):
-            raise Reject("INVALID_ARGUMENT", f"the answer needs one share per survivor ({len(sr.survivors)}); got "
-                                             f"{len(shares)}")
-        if sorted(seeds) != sorted(sr.dropped):
-            raise Reject("INVALID_ARGUMENT", f"the answer needs one pair seed per dropped pusher "
-                                             f"({len(sr.dropped)}); got {len(seeds)}")
+        if sr.unmasking:
+            raise Reject("FAILED_PRECONDITION", f"round {rnd} is being unmasked without worker {worker_id}'s answer "
+                                                "(it was reaped before answering)")
+        survivors, dropped = self._split(sr, worker_id)
+        if sorted(shares) != sorted(survivors):
+            raise Reject("INVALID_ARGUMENT", f"the answer needs one share per surviving neighbour and itself "
+                                             f"({len(survivors)}); got {len(shares)}")
+        if sorted(seeds) != sorted(dropped):
+            raise Reject("INVALID_ARGUMENT", f"the answer needs one pair seed per dropped neighbour "
+                                             f"({len(dropped)}); got {len(seeds)}")
         if any(len(v) != shamir.SHARE_BYTES for v in shares.values()) or \
                 any(len(v) != SEED_BYTES for v in seeds.values()):
             raise Reject("INVALID_ARGUMENT", f"shares are {shamir.SHARE_BYTES} bytes and pair seeds {SEED_BYTES}")

@@ -8,7 +8,9 @@ worker elsewhere. Both the pushers and the shards derive the same settings from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from hybridfleet.ps.secagg import graph
 from hybridfleet.ps.secagg.ring import check_resolution
 
 SIXTEEN_BIT_CODECS = ("fp16", "bf16", "int8", "int4")
@@ -68,11 +70,28 @@ def check_job(job) -> None:
                          "update among others and needs at least 2")
     if sa.threshold is not None and sa.threshold > pushers:
         raise ValueError(f"ps.secure_aggregation.threshold: {sa.threshold} exceeds the job's {pushers} pushers")
+    try:
+        graph.choose(pushers, sa.dropout_rate, sa.collusion_fraction, sa.security_bits, sa.correctness_bits,
+                     sa.degree, sa.threshold, sa.malicious_shard)
+    except ValueError as err:
+        raise ValueError(f"ps.secure_aggregation: {err}") from None
     bits = sa.bits or default_bits(job.ps.compression)
     try:
         check_resolution(bits, pushers)
     except ValueError as err:
         raise ValueError(f"ps.secure_aggregation.bits: {err}") from None
+
+
+@lru_cache(maxsize=256)
+def _graph_for(roster_size: int, dropout_rate: float, collusion_fraction: float, security_bits: int,
+               correctness_bits: int, degree: int | None, threshold: int | None,
+               malicious_shard: bool) -> graph.GraphParams:
+    try:
+        return graph.choose(roster_size, dropout_rate, collusion_fraction, security_bits, correctness_bits,
+                            degree, threshold, malicious_shard)
+    except ValueError:
+        t = threshold if threshold is not None else default_threshold(roster_size)
+        return graph.GraphParams(roster_size, roster_size - 1, t)
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,12 @@ class SecAggSettings:
     threshold: int | None      # None: default_threshold(roster size)
     pushers: tuple[str, ...]   # the job's pusher ids
     randomk_ratio: float | None = None  # shared-seed random-k: the kept fraction
+    degree: int | None = None            # None: graph.choose's default
+    dropout_rate: float = 0.1
+    collusion_fraction: float = 0.1
+    security_bits: int = 40
+    correctness_bits: int = 20
+    malicious_shard: bool = False
 
     @classmethod
     def resolve(cls, ps, sites: dict) -> "SecAggSettings":
@@ -92,10 +117,22 @@ class SecAggSettings:
         ids = tuple(pusher_ids(sites))
         bits = sa.bits or default_bits(ps.compression)
         return cls(bits=bits, clip=sa.clip, limit=check_resolution(bits, len(ids)), threshold=sa.threshold,
-                   pushers=ids, randomk_ratio=ps.compression.ratio if ps.compression.codec == "randomk" else None)
+                   pushers=ids, randomk_ratio=ps.compression.ratio if ps.compression.codec == "randomk" else None,
+                   degree=sa.degree, dropout_rate=sa.dropout_rate, collusion_fraction=sa.collusion_fraction,
+                   security_bits=sa.security_bits, correctness_bits=sa.correctness_bits,
+                   malicious_shard=sa.malicious_shard)
+
+    def graph_for(self, roster_size: int) -> graph.GraphParams:
+        """The neighbour graph's degree and threshold for a roster of ``roster_size`` pushers.
+
+        The job's pushers meet the bounds (`check_job`); a roster shrunk by evictions that no
+        longer does falls back to the complete graph with the configured (or default) threshold,
+        which never holds fewer shares per pusher."""
+        return _graph_for(roster_size, self.dropout_rate, self.collusion_fraction, self.security_bits,
+                          self.correctness_bits, self.degree, self.threshold, self.malicious_shard)
 
     def threshold_for(self, roster_size: int) -> int:
-        return self.threshold if self.threshold is not None else default_threshold(roster_size)
+        return self.graph_for(roster_size).threshold
 
     @property
     def codec_name(self) -> str:
