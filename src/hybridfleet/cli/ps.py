@@ -10,8 +10,11 @@ from typing import Optional
 
 import typer
 
-from hybridfleet.errors import UsageError
+from hybridfleet.errors import PortInUseError, UsageError
+from hybridfleet.obs.log import get_logger
 from hybridfleet.spec import load_spec
+
+log = get_logger("cli.ps")
 
 group = typer.Typer(help="Parameter-server shards (one per machine in real clusters).", no_args_is_help=True)
 
@@ -39,9 +42,18 @@ def serve(
     tune_allocator()
     spec = load_spec(job)
     security = server_security(spec, certs, insecure_plaintext, no_auth)  # UsageError naming the flags
-    if port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file():
+    came_back = port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file()
+    if came_back:
         port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
-    server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
+    try:
+        server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
+    except PortInUseError:
+        if not came_back:
+            raise
+        # the old address is gone (taken by another process): serve as this shard's replacement on a
+        # new port; the port file below tells the workers, which follow it (ps.worker.resolve)
+        log.warning("shard_replaced_at_new_port", shard=shard, old_port=port)
+        server = start_shard(spec, shard, host, 0, security, expected_workers, snapshot_store, bulk_port=bulk_port)
     from hybridfleet.obs.metrics import serve_from_env
     from hybridfleet.obs.psmetrics import watch_shard
 

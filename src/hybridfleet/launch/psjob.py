@@ -29,6 +29,7 @@ from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervise
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
+from hybridfleet.ps.worker.resolve import PORT_DIR_ENV
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
 
@@ -215,6 +216,7 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
            "PYTHONUNBUFFERED": "1"}
     if with_servers:
         env["HFLEET_SERVERS"] = ",".join(layout.shard_addresses)
+        env[PORT_DIR_ENV] = str(layout.run_dir)  # shard-<i>.port: a replaced shard's new address
         env["HFLEET_MODEL_DIR"] = str(model_root(layout.run_dir))
         if spec.security.tls == "off":
             env["HFLEET_INSECURE"] = "1"
