@@ -37,7 +37,7 @@ def _job_file(tmp_path: Path, framework: str) -> Path:
     (tmp_path / "train.py").write_text("")
     doc = {"name": "elastic", "framework": framework, "entrypoint": "train.py", "sites": {"a": {"workers": 2}},
            "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": 1,
-                  "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 10.0}}
+                  "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -122,6 +122,7 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
     old_address = port_file_resolver(run_dir)(0)
     replaced: dict = {}
     lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
+    joined = threading.Barrier(2)  # both in the quorum before the first round (a slow start is no dropout)
 
     def kill_shard_0(step, _m, _opt):
         """At the start of step KILL_AT (KILL_AT rounds applied, the snapshot of that version written):
@@ -142,6 +143,7 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
             m = f.model()
             opt, sched = f.make(name, m)
         ps = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
+        joined.wait(120)
         f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
                 on_step=kill_shard_0 if rank == 0 else None)
         ps.close()
