@@ -149,3 +149,54 @@ def test_reshard_store_with_a_shard_missing_its_snapshot_writes_nothing(tmp_path
         reshard_store(store, 3)
     assert [c.step for c in list_checkpoints(snapshot_url(store, 0))] == before
     assert list_checkpoints(snapshot_url(store, 2)) == []
+
+
+def test_reshard_store_starts_from_the_newest_version_every_shard_holds_and_retires_newer_ones(tmp_path):
+    # Prepare: both shards snapshot version 2; only shard 0 also reached a snapshot of version 4
+    reference = Job(2)
+    reference.rounds(6)
+    job = Job(2)
+    job.rounds(2)
+    store = f"file://{tmp_path / 'snap'}"
+    for state in job.states:
+        Snapshotter(state, snapshot_url(store, state.shard), None, None).save()
+    job.rounds(2)
+    Snapshotter(job.states[0], snapshot_url(store, 0), None, None).save()
+    # Execute
+    moved = reshard_store(store, 3)
+    job.states = [ShardState(i, _spec(3), sites={"a": 1, "b": 1}) for i in range(3)]
+    restored = [Snapshotter(s, snapshot_url(store, s.shard), None, None).restore_newest() for s in job.states]
+    job.join()
+    job.step = 2  # the workers go on from the restored version
+    job.rounds(4)
+    # Assert
+    assert moved["version"] == 2 and moved["retired_newer"] == {0: [4]} and restored == [2, 2, 2]
+    want = reference.params()
+    for name, value in job.params().items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_cli_ps_reshard_recuts_a_store_and_refuses_a_bad_count_without_changing_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    job = Job(2)
+    job.rounds(2)
+    folder = tmp_path / "snap"
+    for state in job.states:
+        Snapshotter(state, snapshot_url(f"file://{folder}", state.shard), None, None).save()
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "hybridfleet", "ps", "reshard", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    bad = cli(str(folder), "--shards", "0")
+    assert bad.returncode == 2 and "--shards: must be an integer >= 1 (got 0); nothing changed" in bad.stderr
+    assert not (folder / "ps" / "shard-2").exists()
+    assert [c.step for c in list_checkpoints(snapshot_url(f"file://{folder}", 0))] == [2]
+    ok = cli(str(folder), "--shards", "3")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["to_shards"] == 3
+    fresh = ShardState(2, _spec(3), sites={"a": 1, "b": 1})
+    assert Snapshotter(fresh, snapshot_url(f"file://{folder}", 2), None, None).restore_newest() == 2
+    assert fresh.plan.num_shards == 3 and set(fresh.params) == {b.key for b in fresh.plan.blocks_for_shard(2)}

@@ -103,5 +103,28 @@ def status(
         probe.close()
 
 
+@group.command("reshard")
+def reshard(
+    store: str = typer.Argument(..., help="the snapshot store of a stopped job (its ps/shard-<i> folders), "
+                                          "e.g. RUN_DIR/snapshots or s3://bucket/job/run"),
+    shards: int = typer.Option(..., "--shards", help="the new shard count (then set ps.shards to it)"),
+) -> None:
+    """Re-cut a stopped job's shard snapshots for --shards N shards (BSP and local rounds only).
+
+    Every block moves with its optimizer state to its shard under the new plan, at the newest
+    version all old shards hold; start N shards (`hfleet run JOB --resume RUN` with ps.shards: N
+    does this by itself) and training continues where it stopped."""
+    from hybridfleet.ps.server.handover import HandoverError, reshard_store
+
+    if "://" not in store:
+        store = f"file://{Path(store).resolve()}"
+    try:
+        moved = reshard_store(store, shards)
+    except HandoverError as err:
+        raise UsageError(str(err), hint="pass --shards N >= 1 and the store of a stopped BSP job whose "
+                                        "shards share a snapshot version") from None
+    typer.echo(json.dumps(moved))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(group, name="ps")

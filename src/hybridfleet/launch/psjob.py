@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
+from hybridfleet.launch.reshard import reshard_for_resume
 from hybridfleet.launch.run_view import RunProgress
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
@@ -565,6 +566,8 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
             progress.phase(f"starting {spec.ps.shards} shard{'s' if spec.ps.shards > 1 else ''}")
             if metrics:
                 write_scrape_config(run_dir, run_dir.parent.parent)
+            if layout.resume_from is not None:  # snapshots of another shard count are re-cut first
+                reshard_for_resume(spec, snapshot_store(spec, layout.resume_from))
             start_all([shard_process(spec, job_path, layout, i) for i in range(spec.ps.shards)])
             layout.shard_addresses = _wait_for_ports(layout, spec.ps.shards, sup)
             procs = worker_processes(spec, job_path, layout)

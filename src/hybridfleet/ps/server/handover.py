@@ -111,37 +111,71 @@ def recut(snapshots: list[Snapshot], num_shards: int) -> list[Snapshot]:
     return out
 
 
+def stored_shard_count(store: str) -> int | None:
+    """How many shards the newest snapshot of shard 0 under ``store`` was cut for (None: no snapshot
+    with a plan there)."""
+    from hybridfleet.ckpt import load_tensors_checkpoint
+
+    try:
+        _, _, meta = load_tensors_checkpoint(snapshot_url(store, 0))
+    except (CheckpointError, FileNotFoundError):
+        return None
+    return ShardingPlan.from_json(meta["plan"]).num_shards if meta.get("plan") else None
+
+
 def reshard_store(store: str, num_shards: int) -> dict:
-    """Re-cut the newest snapshots under ``store`` (``<store>/ps/shard-<i>``) for ``num_shards`` shards
-    and write them there, at the same version; returns ``{"version", "from_shards", "to_shards",
-    "moved_blocks"}``. The shards must be stopped (or held at the round); start ``num_shards`` of
-    them for a job with ``ps.shards: num_shards`` and each restores its part. Raises HandoverError
-    (nothing written) as `recut` does, or when a shard has no valid snapshot."""
-    from hybridfleet.ckpt import load_tensors_checkpoint, save_tensors_checkpoint
+    """Re-cut the snapshots under ``store`` (``<store>/ps/shard-<i>``) for ``num_shards`` shards, from
+    the newest version every old shard has a valid snapshot of, and write them there at that
+    version; returns ``{"version", "from_shards", "to_shards", "moved_blocks"}``. The shards must be
+    stopped; start ``num_shards`` of them for a job with ``ps.shards: num_shards`` and each restores
+    its part. A new shard's own snapshots newer than that version (which the other shards lack) are
+    retired (``retired_newer``). Raises HandoverError (nothing written) as `recut` does, or when no
+    version is held by every shard."""
+    from hybridfleet.ckpt import list_checkpoints, load_tensors_checkpoint, save_tensors_checkpoint
 
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise HandoverError(f"--shards: must be an integer >= 1 (got {num_shards!r}); nothing changed")
-    try:
-        first = load_tensors_checkpoint(snapshot_url(store, 0))
-    except (CheckpointError, FileNotFoundError) as err:
-        raise HandoverError(f"no valid snapshot of shard 0 under {store}: {str(err).splitlines()[0]}; "
-                            f"nothing changed") from None
-    if first[2].get("plan") is None:
-        raise HandoverError("shard 0's snapshot has no sharding plan (no worker had joined); nothing changed")
-    old = ShardingPlan.from_json(first[2]["plan"])
-    snapshots = [first]
-    for shard in range(1, old.num_shards):
-        try:
-            snapshots.append(load_tensors_checkpoint(snapshot_url(store, shard)))
-        except (CheckpointError, FileNotFoundError) as err:
-            raise HandoverError(f"no valid snapshot of shard {shard} under {store}: {str(err).splitlines()[0]}; "
-                                f"nothing changed") from None
+    old_count = stored_shard_count(store)
+    if old_count is None:
+        raise HandoverError(f"no valid snapshot of shard 0 (with a sharding plan) under {store}; nothing changed")
+    steps = []
+    for shard in range(old_count):
+        held = {c.step for c in list_checkpoints(snapshot_url(store, shard))}
+        if not held:
+            raise HandoverError(f"no valid snapshot of shard {shard} under {store} (the plan has {old_count} "
+                                f"shards); nothing changed")
+        steps.append(held)
+    common = set.intersection(*steps)
+    if not common:
+        raise HandoverError(f"no version has a snapshot on every one of the {old_count} shards under {store} "
+                            f"(newest of each: {[max(s) for s in steps]}); nothing changed")
+    version = max(common)
+    snapshots = [load_tensors_checkpoint(snapshot_url(store, shard), step=version) for shard in range(old_count)]
     new = recut(snapshots, num_shards)
+    old = ShardingPlan.from_json(snapshots[0][2]["plan"])
     old_owner = {b.key: b.shard for b in old.blocks}
     new_plan = ShardingPlan.from_json(new[0][2]["plan"])
     moved = sum(1 for b in new_plan.blocks if old_owner[b.key] != b.shard)
-    for version, tensors, meta in new:
-        save_tensors_checkpoint(snapshot_url(store, meta["shard"]), version, tensors, meta)
-    log.info("shards_recut", store=store, version=new[0][0], from_shards=old.num_shards, to_shards=num_shards,
-             moved_blocks=moved)
-    return {"version": new[0][0], "from_shards": old.num_shards, "to_shards": num_shards, "moved_blocks": moved}
+    retired = {}
+    for _, tensors, meta in new:
+        url = snapshot_url(store, meta["shard"])
+        save_tensors_checkpoint(url, version, tensors, meta)
+        retired[meta["shard"]] = _retire_newer(url, version)
+    log.info("shards_recut", store=store, version=version, from_shards=old_count, to_shards=num_shards,
+             moved_blocks=moved, retired_newer={s: v for s, v in retired.items() if v})
+    return {"version": version, "from_shards": old_count, "to_shards": num_shards, "moved_blocks": moved,
+            "retired_newer": {s: v for s, v in retired.items() if v}}
+
+
+def _retire_newer(url: str, version: int) -> list[int]:
+    """Make a shard's snapshots newer than ``version`` invisible (their manifest removed, the rest left to
+    `hybridfleet.ckpt.gc`): no other shard holds those versions, so the re-cut one must be restored."""
+    from hybridfleet.ckpt import list_checkpoints
+    from hybridfleet.ckpt.manifest import MANIFEST_NAME, step_dir
+    from hybridfleet.store import open_store
+
+    newer = [c.step for c in list_checkpoints(url) if c.step > version]
+    store = open_store(url)
+    for step in newer:
+        store.rm(f"{step_dir(step)}/{MANIFEST_NAME}")
+    return newer
