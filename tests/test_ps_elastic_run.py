@@ -65,7 +65,7 @@ def test_shard_whose_address_is_taken_after_a_sigkill_comes_back_at_a_new_port_a
     run_dir = Path(summary["run_dir"])
     assert summary["status"] == "completed", summary
     assert summary["restarts"] == 1
-    assert summary["test_accuracy"] >= 0.95
+    assert summary["test_accuracy"] >= 0.9  # 120 steps (shrunk from the example's 200)
     assert (run_dir / "shard-0.port").read_text().strip() != held["address"]
     log = (run_dir / "logs" / "shard-0.log").read_text()
     assert '"shard_replaced_at_new_port"' in log
