@@ -35,11 +35,31 @@ def _initial() -> dict[str, np.ndarray]:
     return {p.name: rng.standard_normal(p.numel).astype(np.float32) for p in PARAMS}
 
 
-class Job:
-    """The shards of one job and its two workers' pushes, round after round."""
+def _script_optimizer(framework: str) -> str:
+    """The description a worker sends of a script's optimizer over PARAMS (torch AdamW, paddle Momentum)."""
+    from hybridfleet.ps.worker.optim_spec import encode, reader_for
 
-    def __init__(self, shards: int, sync: str = "bsp"):
-        self.states = [ShardState(i, _spec(shards, sync), sites={"a": 1, "b": 1}) for i in range(shards)]
+    if framework == "torch":
+        import torch
+
+        params = {p.name: torch.nn.Parameter(torch.zeros(p.shape)) for p in PARAMS}
+        opt = torch.optim.AdamW(list(params.values()), lr=0.01, weight_decay=0.05)
+    else:
+        import paddle
+
+        params = {p.name: paddle.create_parameter(list(p.shape), "float32") for p in PARAMS}
+        opt = paddle.optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=list(params.values()))
+    return encode(reader_for(opt, framework, params).describe())
+
+
+class Job:
+    """The shards of one job and its two workers' pushes, round after round. ``framework``: the
+    shards run that framework's script optimizer (None: the job's ``ps.optimizer``, numpy Adam)."""
+
+    def __init__(self, shards: int, sync: str = "bsp", framework: str | None = None):
+        self.flavour = framework or "torch"
+        self.optimizer_json = _script_optimizer(framework) if framework else ""
+        self.states = self.new_states(shards, sync)
         self.step = 0
         self.join()
         plan = self.states[0].plan
@@ -47,6 +67,10 @@ class Job:
             blocks = {b.key: part for name, v in _initial().items() for b, part in
                       zip(plan.blocks_of(name), plan.split(name, v).values()) if b.shard == state.shard}
             state.push("a-0", "a", "INIT", 0, 0, "none", {k: v.tobytes() for k, v in blocks.items()})
+
+    def new_states(self, shards: int, sync: str = "bsp") -> list[ShardState]:
+        return [ShardState(i, _spec(shards, sync), flavour=self.flavour, sites={"a": 1, "b": 1})
+                for i in range(shards)]
 
     def join(self) -> None:
         for state in self.states:
@@ -76,25 +100,29 @@ class Job:
             for worker, payloads in pushes.items():
                 for state in self.states:
                     mine = {k: v for k, v in payloads.items() if k in set(state.keys)}
-                    state.push(worker, WORKERS[worker], "GRADIENT", self.step, state.version, "none", mine)
+                    state.push(worker, WORKERS[worker], "GRADIENT", self.step, state.version, "none", mine,
+                               optimizer_json=self.optimizer_json)
         assert {s.version for s in self.states} == {self.step}
 
     def recut_to(self, shards: int) -> None:
         """Hand the states over to ``shards`` new shards (in memory) and have every worker join them."""
         new = recut([capture(s) for s in self.states], shards)
-        self.states = [ShardState(i, _spec(shards), sites={"a": 1, "b": 1}) for i in range(shards)]
+        self.states = self.new_states(shards)
         for state, (_, tensors, meta) in zip(self.states, new):
             restore(state, tensors, meta)
         self.join()
 
 
-def test_two_to_four_to_three_shards_mid_run_ends_bit_identical_to_two_shards_throughout(tmp_path):
+@pytest.mark.parametrize("framework", [None, pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)],
+                         ids=["job-adam", "torch-adamw", "paddle-momentum"])
+def test_two_to_four_to_three_shards_mid_run_ends_bit_identical_to_two_shards_throughout(tmp_path, framework):
     # Prepare: the uninterrupted run
-    reference = Job(2)
+    reference = Job(2, framework=framework)
     reference.rounds(12)
     want = reference.params()
     # Execute: 2 shards for 4 rounds, 4 for 4 (in memory), 3 for 4 (through the snapshot store)
-    job = Job(2)
+    job = Job(2, framework=framework)
     job.rounds(4)
     job.recut_to(4)
     job.rounds(4)
@@ -102,12 +130,12 @@ def test_two_to_four_to_three_shards_mid_run_ends_bit_identical_to_two_shards_th
     for state in job.states:
         Snapshotter(state, snapshot_url(store, state.shard), None, None).save()
     moved = reshard_store(store, 3)
-    job.states = [ShardState(i, _spec(3), sites={"a": 1, "b": 1}) for i in range(3)]
+    job.states = job.new_states(3)
     for state in job.states:
         assert Snapshotter(state, snapshot_url(store, state.shard), None, None).restore_newest() == 8
     job.join()
     job.rounds(4)
-    # Assert: every parameter bit-identical (the Adam moments and step counts moved with their blocks)
+    # Assert: every parameter bit-identical (the optimizer's slots and step counts moved with their blocks)
     assert moved["from_shards"] == 4 and moved["to_shards"] == 3 and moved["moved_blocks"] > 0
     assert job.states[0].plan.num_shards == 3
     got = job.params()
