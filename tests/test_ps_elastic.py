@@ -51,6 +51,17 @@ def _serve(job: Path, shard: int, run_dir: Path, certs: Path, store: str, env: d
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (if still running), then SIGKILL what has not exited after 30 s (a loaded machine)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def _wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -83,11 +94,7 @@ def elastic_cluster(tmp_path):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:  # a loaded machine; the test's verdict is in already
-            p.kill()
-            p.wait(10)
+        _stop(p)
     for s in held:
         s.close()
 
@@ -187,8 +194,7 @@ def test_restarted_shard_whose_port_is_taken_serves_on_a_new_port_and_says_so_in
             assert host == "127.0.0.1" and int(port) != taken
             socket.create_connection((host, int(port)), timeout=5).close()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
+            _stop(proc)
 
 
 def test_port_file_resolver_names_no_address_while_a_file_is_missing_or_not_host_port(tmp_path):
