@@ -10,8 +10,11 @@ from typing import Optional
 
 import typer
 
-from hybridfleet.errors import UsageError
+from hybridfleet.errors import PortInUseError, UsageError
+from hybridfleet.obs.log import get_logger
 from hybridfleet.spec import load_spec
+
+log = get_logger("cli.ps")
 
 group = typer.Typer(help="Parameter-server shards (one per machine in real clusters).", no_args_is_help=True)
 
@@ -39,9 +42,18 @@ def serve(
     tune_allocator()
     spec = load_spec(job)
     security = server_security(spec, certs, insecure_plaintext, no_auth)  # UsageError naming the flags
-    if port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file():
+    came_back = port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file()
+    if came_back:
         port = int(port_file.read_text().rsplit(":", 1)[1])  # come back where the workers left this shard
-    server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
+    try:
+        server = start_shard(spec, shard, host, port, security, expected_workers, snapshot_store, bulk_port=bulk_port)
+    except PortInUseError:
+        if not came_back:
+            raise
+        # the old address is gone (taken by another process): serve as this shard's replacement on a
+        # new port; the port file below tells the workers, which follow it (ps.worker.resolve)
+        log.warning("shard_replaced_at_new_port", shard=shard, old_port=port)
+        server = start_shard(spec, shard, host, 0, security, expected_workers, snapshot_store, bulk_port=bulk_port)
     from hybridfleet.obs.metrics import serve_from_env
     from hybridfleet.obs.psmetrics import watch_shard
 
@@ -89,6 +101,29 @@ def status(
         raise explain(err, address, "status", token_given=bool(token)) or err from None
     finally:
         probe.close()
+
+
+@group.command("reshard")
+def reshard(
+    store: str = typer.Argument(..., help="the snapshot store of a stopped job (its ps/shard-<i> folders), "
+                                          "e.g. RUN_DIR/snapshots or s3://bucket/job/run"),
+    shards: int = typer.Option(..., "--shards", help="the new shard count (then set ps.shards to it)"),
+) -> None:
+    """Re-cut a stopped job's shard snapshots for --shards N shards (BSP and local rounds only).
+
+    Every block moves with its optimizer state to its shard under the new plan, at the newest
+    version all old shards hold; start N shards (`hfleet run JOB --resume RUN` with ps.shards: N
+    does this by itself) and training continues where it stopped."""
+    from hybridfleet.ps.server.handover import HandoverError, reshard_store
+
+    if "://" not in store:
+        store = f"file://{Path(store).resolve()}"
+    try:
+        moved = reshard_store(store, shards)
+    except HandoverError as err:
+        raise UsageError(str(err), hint="pass --shards N >= 1 and the store of a stopped BSP job whose "
+                                        "shards share a snapshot version") from None
+    typer.echo(json.dumps(moved))
 
 
 def register(app: typer.Typer) -> None:

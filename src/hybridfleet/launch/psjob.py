@@ -24,12 +24,14 @@ from pathlib import Path
 
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
+from hybridfleet.launch.reshard import reshard_for_resume
 from hybridfleet.launch.run_view import RunProgress
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
 from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.obs.runinfo import JOB_COPY
+from hybridfleet.ps.worker.resolve import PORT_DIR_ENV
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
 from hybridfleet.spec.resolved import resolved_job
@@ -217,6 +219,7 @@ def worker_env(spec: JobSpec, job_path: Path, layout: RunLayout, site: str, rank
            "PYTHONUNBUFFERED": "1"}
     if with_servers:
         env["HFLEET_SERVERS"] = ",".join(layout.shard_addresses)
+        env[PORT_DIR_ENV] = str(layout.run_dir)  # shard-<i>.port: a replaced shard's new address
         env["HFLEET_MODEL_DIR"] = str(model_root(layout.run_dir))
         if spec.security.tls == "off":
             env["HFLEET_INSECURE"] = "1"
@@ -567,6 +570,8 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
             progress.phase(f"starting {spec.ps.shards} shard{'s' if spec.ps.shards > 1 else ''}")
             if metrics:
                 write_scrape_config(run_dir, run_dir.parent.parent)
+            if layout.resume_from is not None:  # snapshots of another shard count are re-cut first
+                reshard_for_resume(spec, snapshot_store(spec, layout.resume_from))
             start_all([shard_process(spec, job_path, layout, i) for i in range(spec.ps.shards)])
             layout.shard_addresses = _wait_for_ports(layout, spec.ps.shards, sup)
             procs = worker_processes(spec, job_path, layout)

@@ -40,11 +40,16 @@ def capture(state: ShardState) -> tuple[int, dict[str, np.ndarray], dict]:
         tensors.update({f"opt/{k}": v for k, v in state.optimizer.state_dict().items()})
         if state.script_optimizer is not None:  # the script's optimizer (hybridfleet.ps.server.groups)
             tensors.update({f"script/{k}": v for k, v in state.script_optimizer.state_dict().items()})
+        # a push in the open round is not in the snapshot: its worker's clock is kept from before it,
+        # so the push is accepted again (not refused as a replay) by a shard restored from here
+        open_round = state.rounds.get(state.version) if state.in_rounds else None
+        pending = open_round.contributors if open_round is not None else set()
         meta = {
             "shard": state.shard, "version": state.version, "sync": state.sync, "codec": state.codec_name,
             "plan": state.plan.to_json() if state.plan else None, "key_version": dict(state.key_version),
             "initialized": sorted(state.initialized), "applied_pushes": state.applied_pushes,
-            "members": {w: {"site": m.site, "clock": m.clock} for w, m in state.members.items()},
+            "members": {w: {"site": m.site, "clock": m.clock - 1 if w in pending else m.clock}
+                        for w, m in state.members.items()},
         }
         return state.version, tensors, meta
 

@@ -22,6 +22,7 @@ import grpc
 
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker.resolve import Resolver
 from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch, is_untrusted_certificate
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
@@ -34,7 +35,15 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 
 
 class ShardRestarted(Exception):
-    """A shard went away and answered again (e.g. restored from a snapshot); start the step over."""
+    """A shard went away and answered again (e.g. restored from a snapshot, maybe at a new address).
+
+    ``shard`` is its index and ``version`` the version it answered the re-join with: equal to the
+    base version of the push in flight, that push is not in the restored shard and can be pushed
+    again; above it, the push was applied before the snapshot was taken."""
+
+    def __init__(self, message: str, shard: int = -1, version: int = -1):
+        super().__init__(message)
+        self.shard, self.version = shard, version
 
 
 @dataclass
@@ -146,26 +155,25 @@ class PSClient:
     """A worker's connection to all shards of one job."""
 
     def __init__(self, servers: list[str], security: ClientSecurity, worker_id: str, site: str, rank: int,
-                 retry_timeout_s: float = 60.0, transport: str = "auto"):
-        """``transport``: "auto" uses a shard's bulk data plane when offered, "grpc" never does."""
+                 retry_timeout_s: float = 60.0, transport: str = "auto", resolve: Resolver | None = None):
+        """``transport``: "auto" uses a shard's bulk data plane when offered, "grpc" never does.
+        ``resolve(shard)``: the shard's current address (e.g. `port_file_resolver`); a shard that stops
+        answering is looked up again there and followed to a new address (a replacement shard)."""
         if not servers:
             raise ValueError("servers: at least one shard address host:port is needed")
         if security.channel_credentials is None and not security.insecure:
             raise ValueError("the client needs TLS channel credentials; plaintext needs insecure=True explicitly")
-        self.servers = servers
         self.worker_id, self.site, self.rank = worker_id, site, rank
+        self.servers = list(servers)
         self.retry_timeout_s = retry_timeout_s
+        self.resolve = resolve
         self.bytes = ByteCounter()
-        options = list(GRPC_OPTIONS)
+        self._options = list(GRPC_OPTIONS)
         if security.target_name_override:
-            options.append(("grpc.ssl_target_name_override", security.target_name_override))
-        self._channels = [
-            grpc.secure_channel(s, security.channel_credentials, options=options)
-            if security.channel_credentials is not None else grpc.insecure_channel(s, options=options)
-            for s in servers
-        ]
-        self._stubs = [_Stub(c) for c in self._channels]
+            self._options.append(("grpc.ssl_target_name_override", security.target_name_override))
         self.security = security
+        self._channels = [self._channel(s) for s in self.servers]
+        self._stubs = [_Stub(c) for c in self._channels]
         self._bulk_allowed = transport == "auto" and (security.insecure or security.ssl_context is not None)
         self._bulk: list = [None] * len(servers)  # hybridfleet.ps.wire.bulk.BulkChannel per shard, when used
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
@@ -180,6 +188,25 @@ class PSClient:
         self._needs_rejoin = False  # set when a shard says we are not (or no longer) a member
 
     # --------------------------------------------------------------- plumbing
+    def _channel(self, address: str) -> grpc.Channel:
+        if self.security.channel_credentials is not None:
+            return grpc.secure_channel(address, self.security.channel_credentials, options=self._options)
+        return grpc.insecure_channel(address, options=self._options)
+
+    def _follow(self, shard: int) -> bool:
+        """Look shard ``shard`` up again (``resolve``); at a new address, talk to it there from now on.
+        Returns whether the address changed."""
+        address = self.resolve(shard) if self.resolve is not None else None
+        if not address or address == self.servers[shard]:
+            return False
+        old = self._channels[shard]
+        self.servers[shard] = address
+        self._channels[shard] = self._channel(address)
+        self._stubs[shard] = _Stub(self._channels[shard])
+        old.close()
+        log.warning("shard_moved", shard=shard, address=address)
+        return True
+
     def _call(self, shard: int, fn, *, what: str):
         """Run ``fn(stub)`` with retries on UNAVAILABLE for up to ``retry_timeout_s`` after the first
         failure (a call may legitimately wait long before it); map auth failures to AuthError."""
@@ -192,8 +219,8 @@ class PSClient:
                 if rejoin:
                     # the shard was unreachable and may have restarted from a snapshot: it must answer
                     # a Join before anything else, then the caller starts the step over from its state
-                    self._join_one(shard)
-                    raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}")
+                    version = self._join_one(shard)
+                    raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}", shard, version)
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 code = err.code()
@@ -204,6 +231,8 @@ class PSClient:
                 if code in RETRYABLE and deadline is None:
                     deadline = time.monotonic() + self.retry_timeout_s
                     first_failure_s = time.time()
+                if code in RETRYABLE and self._follow(shard):
+                    deadline = time.monotonic() + self.retry_timeout_s  # a new shard: give it the full time
                 if code in RETRYABLE and time.monotonic() < deadline:
                     log.warning("shard_unavailable", shard=shard, what=what, retry_in_s=delay, reason=err.details())
                     time.sleep(delay)
@@ -255,13 +284,15 @@ class PSClient:
             params=[ps_pb2.TensorSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params],
             num_shards=len(self.servers), block_size_bytes=block_size_bytes, codec=codec, framework=framework)
 
-    def _join_one(self, shard: int) -> None:
-        """Re-register with one shard (after it restarted); its values will be pulled in full."""
+    def _join_one(self, shard: int) -> int:
+        """Re-register with one shard (after it restarted); its values will be pulled in full.
+        Returns the shard's version."""
         reply = self._stubs[shard].Join(self._join_request(), metadata=self._metadata, timeout=10)
         self._set_bulk(shard, reply.bulk_port)
         self.clock = max(self.clock, reply.worker_clock)
         self.versions[shard] = -1
         log.info("rejoined_shard", shard=shard, version=reply.version)
+        return reply.version
 
     def _set_bulk(self, shard: int, port: int) -> None:
         """Use shard ``shard``'s bulk data plane at ``port`` (0: the shard has none)."""
@@ -311,6 +342,8 @@ class PSClient:
                 except ValueError:  # "Cannot invoke RPC on closed channel": close() ran meanwhile
                     if self._hb_stop.is_set():
                         return
+                    if stub is not self._stubs[i]:  # the shard moved (see _follow): beat the new one next time
+                        continue
                     raise
 
     # ------------------------------------------------------------------ push
@@ -336,16 +369,18 @@ class PSClient:
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
              kind: str = "GRADIENT", contributors: int = 1, optimizer_json: str = "",
-             skip_nonfinite: bool = False) -> list[ps_pb2.PushResponse]:
+             skip_nonfinite: bool = False, only_shard: int | None = None) -> list[ps_pb2.PushResponse]:
         """Push encoded blocks (key -> payload) to their shards in parallel; one step of this worker's clock.
 
         A gradient push reaches every shard that holds keys, also one whose keys all lack a gradient
         this step (it pushes no key: the round still counts this worker). ``optimizer_json``: the
         script's optimizer for this step (see `hybridfleet.ps.worker.optim_spec`). ``skip_nonfinite``:
         this step's gradient was not finite; ``payloads`` is empty and every shard holding keys
-        closes the round without applying it."""
+        closes the round without applying it. ``only_shard``: push again, to that shard alone and with
+        the same step, a push the shard lost (it was replaced from a snapshot before the push's round
+        closed); the clock does not move."""
         assert self.plan is not None, "join first"
-        if kind == "GRADIENT":
+        if kind == "GRADIENT" and only_shard is None:
             self.clock += 1
         step = self.clock
         by_shard: dict[int, dict[str, bytes]] = {}
@@ -356,6 +391,8 @@ class PSClient:
 
         def one(i: int):
             part = by_shard.get(i)
+            if only_shard is not None and i != only_shard:
+                return None
             if not part and (kind == "INIT" or not self.plan.blocks_for_shard(i)):
                 return None
             part = part or {}

@@ -42,6 +42,7 @@ class ShardExchange:
         self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync in ROUND_SYNC_MODES
+        settled = False
         try:
             try:
                 if self.secure is not None:  # masked: the shard sees only the round's sum
@@ -55,39 +56,82 @@ class ShardExchange:
                     self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
                                      optimizer_json=optimizer_json, skip_nonfinite=bool(nonfinite))
                 self._settle_feedback(applied=True)
+                settled = True
             except grpc.RpcError as err:
                 # already pushed this round (a retry of this very push): ours is in the round; anything else
                 # (a stale round, an error): not applied, so the residual stays as it was before encoding
                 self._settle_feedback(applied=err.code() == grpc.StatusCode.ALREADY_EXISTS)
+                settled = True
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
                 wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            except ShardRestarted:
+                raise  # settled below, by what the restored shard holds
             except BaseException:
                 self._settle_feedback(applied=False)
                 raise
             self.timer.mark("transfer")
             self.step_count = self.client.clock
-            wait = None
-            if wait_round:
-                shards_with_keys = {b.shard for b in self.plan.blocks}
-                wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
-            try:
-                self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target))
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
-                    raise ProtocolError(err.details()) from None
-                raise
+            self._wait_and_pull(base, wait_round)
         except ShardRestarted as restarted:
-            # this step's gradient is dropped; train on from the restored shard's values. A residual
-            # committed with a push the restored shard no longer holds is not rolled back (the shard
-            # lost the values it was applied to as well); one still staged is discarded.
-            self._settle_feedback(applied=False)
-            log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
-            self.step_count = self.client.clock
-            self._apply_pulled(self.client.pull(full=True))
+            self._recover(restarted, payloads, base, wait_round, settled, contributors, optimizer_json,
+                          bool(nonfinite))
         self.timer.mark("wait")
+
+    def _wait_and_pull(self, base: list[int], wait_round: bool, full: bool = False) -> None:
+        """Pull, waiting (rounds) for each shard holding keys to close the round after ``base``;
+        ``full``: every value, not only what changed since this client's versions."""
+        wait = None
+        if wait_round:
+            shards_with_keys = {b.shard for b in self.plan.blocks}
+            wait = [v + 1 if i in shards_with_keys else -1 for i, v in enumerate(base)]
+        try:
+            self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target, full=full))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
+                raise ProtocolError(err.details()) from None
+            raise
+
+    def _recover(self, restarted: ShardRestarted, payloads: dict, base: list[int], wait_round: bool,
+                 settled: bool, contributors: int, optimizer_json: str, skip_nonfinite: bool) -> None:
+        """Carry on after a shard came back from a snapshot (restarted, or replaced at a new address).
+
+        The restored shard's version says what it holds of this step's push: at the push's base
+        version the push is not in it and goes to that shard again, same step, same bytes (the
+        round is then the one the other shards closed: BSP stays exact); above it the push was
+        applied before the snapshot. Either way the step waits for its round as usual. Below it
+        (an older snapshot) the shard lost applied rounds: this step's gradient is dropped and
+        training goes on from the restored values (not the values an uninterrupted run would hold)."""
+        shard, version = restarted.shard, restarted.version
+        known = 0 <= shard < len(base) and self.secure is None
+        if known and version == base[shard]:
+            try:
+                self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
+                                 optimizer_json=optimizer_json, skip_nonfinite=skip_nonfinite, only_shard=shard)
+            except (grpc.RpcError, ShardRestarted) as err:
+                log.warning("repush_failed", worker=self.config.worker_id, shard=shard, detail=str(err))
+                known = False
+            else:
+                log.info("pushed_again", worker=self.config.worker_id, shard=shard, version=version)
+        if known and version >= base[shard]:
+            if not settled:
+                self._settle_feedback(applied=True)
+            self.step_count = self.client.clock
+            # in full: a pull the restart cut short may have advanced another shard's version
+            # without its values reaching the parameters
+            self._wait_and_pull(base, wait_round, full=True)
+            return
+        # this step's gradient is dropped; train on from the restored shard's values. A residual
+        # committed with a push the restored shard no longer holds is not rolled back (the shard
+        # lost the values it was applied to as well); one still staged is discarded.
+        if not settled:
+            self._settle_feedback(applied=False)
+        log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
+        self.step_count = self.client.clock
+        self._apply_pulled(self.client.pull(full=True))
+
     def _encode(self, grads: dict[str, np.ndarray],
                 staged: dict[str, tuple[np.ndarray, dict[str, bytes]]] | None = None) -> dict[str, bytes]:
         """Every block of ``grads``, encoded. ``staged``: name -> (the array the background stage encoded,

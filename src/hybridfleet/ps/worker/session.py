@@ -34,6 +34,7 @@ from hybridfleet.ps.worker.client import PSClient
 from hybridfleet.ps.worker.config import WorkerConfig, client_security_from_env
 from hybridfleet.ps.worker.egress import EgressCapture
 from hybridfleet.ps.worker.exchange import DTYPE, ShardExchange
+from hybridfleet.ps.worker.resolve import port_file_resolver
 from hybridfleet.ps.worker.reporting import SessionReporting
 from hybridfleet.ps.worker.site_path import SitePath
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
@@ -113,7 +114,8 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
             return self._start_follower()
         self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
                                retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
-                               transport=cfg.job.ps.transport)
+                               transport=cfg.job.ps.transport,
+                               resolve=port_file_resolver(cfg.shard_port_dir) if cfg.shard_port_dir else None)
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]

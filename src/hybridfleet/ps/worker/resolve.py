@@ -1,0 +1,37 @@
+"""Where each shard is now: a worker re-reads a shard's address when the shard stops answering.
+
+A shard lost for good is replaced by a new process that serves the same shard index from
+its newest snapshot, usually at another address. The launcher (and `hfleet ps serve
+--port-file`) writes each shard's ``host:port`` to ``<dir>/shard-<i>.port``; a worker given
+that directory (``HFLEET_SHARD_PORT_DIR``) follows a shard to its new address at its next
+call instead of retrying the old one until its retry time runs out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+PORT_DIR_ENV = "HFLEET_SHARD_PORT_DIR"
+
+Resolver = Callable[[int], "str | None"]
+
+
+def port_file(directory: str | Path, shard: int) -> Path:
+    """The file holding shard ``shard``'s ``host:port`` under ``directory``."""
+    return Path(directory) / f"shard-{shard}.port"
+
+
+def port_file_resolver(directory: str | Path) -> Resolver:
+    """``resolve(shard) -> "host:port"`` read from ``directory``'s port files, or None while a shard's
+    file is missing or not a ``host:port`` line (a replacement is still starting)."""
+
+    def resolve(shard: int) -> str | None:
+        try:
+            text = port_file(directory, shard).read_text().strip()
+        except OSError:
+            return None
+        host, sep, port = text.rpartition(":")
+        return text if sep and host and port.isdigit() else None
+
+    return resolve

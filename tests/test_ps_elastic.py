@@ -1,0 +1,208 @@
+"""A shard lost for good is replaced by a new process at a new address, and BSP training stays exact.
+
+Shards run as real `hfleet ps serve` processes (TLS + tokens) writing ``shard-<i>.port``;
+the victim is SIGKILLed and its port is held so it can never come back there; the
+replacement restores the newest snapshot and workers (threads of this process, each with
+its own client) follow the port file to it. The reference is the plain script on both
+workers' batches together, as in the script-optimizer equivalence tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import script_optim_helpers as h
+from hybridfleet.ckpt import list_checkpoints
+from hybridfleet.ps.server.snapshot import snapshot_url
+from hybridfleet.ps.worker.client import ClientSecurity
+from hybridfleet.ps.worker.config import WorkerConfig
+from hybridfleet.ps.worker.resolve import port_file, port_file_resolver
+from hybridfleet.security import TokenIssuer, generate_signing_key, load_pki, make_dev_pki
+from hybridfleet.spec import load_spec
+
+STEPS, KILL_AT = 16, 6
+
+
+def _job_file(tmp_path: Path, framework: str) -> Path:
+    (tmp_path / "train.py").write_text("")
+    doc = {"name": "elastic", "framework": framework, "entrypoint": "train.py", "sites": {"a": {"workers": 2}},
+           "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": 1,
+                  "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _serve(job: Path, shard: int, run_dir: Path, certs: Path, store: str, env: dict | None = None):
+    argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job), "--shard", str(shard), "--port", "0",
+            "--port-file", str(port_file(run_dir, shard)), "--certs", str(certs), "--snapshot-store", store,
+            "--expected-workers", "2"]
+    log = open(run_dir / f"shard-{shard}.{time.monotonic_ns()}.log", "wb")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (if still running), then SIGKILL what has not exited after 30 s (a loaded machine)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def elastic_cluster(tmp_path):
+    """Start the two shard processes of a framework's job; stops every process it started."""
+    procs: list[subprocess.Popen] = []
+    held: list[socket.socket] = []
+
+    def start(framework: str):
+        job = _job_file(tmp_path, framework)
+        certs = tmp_path / "certs"
+        make_dev_pki(certs)
+        generate_signing_key(certs)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        store = f"file://{tmp_path / 'snap'}"
+        for i in range(2):
+            procs.append(_serve(job, i, run_dir, certs, store))
+        resolve = port_file_resolver(run_dir)
+        _wait_for(lambda: all(resolve(i) for i in range(2)), "the shards' port files")
+        return job, certs, run_dir, store, procs, held
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        _stop(p)
+    for s in held:
+        s.close()
+
+
+def _config(job: Path, certs: Path, run_dir: Path, rank: int) -> WorkerConfig:
+    spec = load_spec(job)
+    token = TokenIssuer.from_dir(certs).issue(spec.name, "a", "worker", 600, worker=f"a-{rank}")
+    sec = ClientSecurity.from_files(str(load_pki(certs).ca_cert), token=token)
+    resolve = port_file_resolver(run_dir)
+    return WorkerConfig(job=spec, site="a", rank=rank, site_rank=rank, servers=[resolve(0), resolve(1)],
+                        security=sec, shard_port_dir=str(run_dir))
+
+
+def _framework(name: str):
+    import importlib
+
+    return importlib.import_module(f"script_optim_{name}"), importlib.import_module(f"hybridfleet.{name}")
+
+
+def _concat(parts):
+    import numpy as np
+
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
+def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupted_run(elastic_cluster, framework,
+                                                                                       name):
+    # Prepare: the plain script on both workers' batches together, and two real shard processes
+    f, hf = _framework(framework)
+    ref = f.model()
+    opt, sched = f.make(name, ref)
+    f.train(ref, opt, sched, map(_concat, zip(h.batches(1, STEPS), h.batches(2, STEPS))))
+    job, certs, run_dir, store, procs, held = elastic_cluster(framework)
+    old_address = port_file_resolver(run_dir)(0)
+    replaced: dict = {}
+    lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
+    joined = threading.Barrier(2)  # both in the quorum before the first round (a slow start is no dropout)
+
+    def kill_shard_0(step, _m, _opt):
+        """At the start of step KILL_AT (KILL_AT rounds applied, the snapshot of that version written):
+        SIGKILL shard 0, hold its port so it never comes back there, start its replacement."""
+        if step != KILL_AT:
+            return
+        url = snapshot_url(store, 0)
+        _wait_for(lambda: any(c.step == KILL_AT for c in list_checkpoints(url)), "the snapshot of the kill round")
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
+        port_file(run_dir, 0).unlink()
+        procs.append(_serve(job, 0, run_dir, certs, store))
+        replaced["at_step"] = step
+
+    def worker(rank):
+        with lock:
+            m = f.model()
+            opt, sched = f.make(name, m)
+        ps = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
+        joined.wait(120)
+        f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
+                on_step=kill_shard_0 if rank == 0 else None)
+        ps.close()
+        return f.values(m)
+
+    # Execute
+    got = h.run_workers(worker, 2)
+    # Assert: the replacement served from a new address and training ended where the plain script did
+    assert replaced["at_step"] == KILL_AT
+    new_address = port_file_resolver(run_dir)(0)
+    assert new_address and new_address != old_address
+    assert procs[0].returncode == -signal.SIGKILL and procs[-1].poll() is None
+    h.assert_close(got[0], f.values(ref))
+    h.assert_close(got[1], f.values(ref))
+
+
+def test_restarted_shard_whose_port_is_taken_serves_on_a_new_port_and_says_so_in_its_port_file(tmp_path):
+    # Prepare: a port file naming a port another process holds, as a restarted shard finds it
+    job = _job_file(tmp_path, "torch")
+    certs = tmp_path / "certs"
+    make_dev_pki(certs)
+    generate_signing_key(certs)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        taken = holder.getsockname()[1]
+        port_file(run_dir, 0).write_text(f"127.0.0.1:{taken}\n")
+        # Execute
+        proc = _serve(job, 0, run_dir, certs, f"file://{tmp_path / 'snap'}", env={"HFLEET_RESTART_COUNT": "1"})
+        try:
+            _wait_for(lambda: port_file_resolver(run_dir)(0) != f"127.0.0.1:{taken}" or proc.poll() is not None,
+                      "the shard's new port file")
+            # Assert
+            assert proc.poll() is None, "the shard exited instead of serving on a new port"
+            host, port = port_file_resolver(run_dir)(0).rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) != taken
+            socket.create_connection((host, int(port)), timeout=5).close()
+        finally:
+            _stop(proc)
+
+
+def test_port_file_resolver_names_no_address_while_a_file_is_missing_or_not_host_port(tmp_path):
+    resolve = port_file_resolver(tmp_path)
+    assert resolve(0) is None
+    port_file(tmp_path, 0).write_text("127.0.0.1:")
+    assert resolve(0) is None
+    port_file(tmp_path, 0).write_text("garbage\n")
+    assert resolve(0) is None
+    port_file(tmp_path, 1).write_text("127.0.0.1:5555\n")
+    assert resolve(1) == "127.0.0.1:5555"

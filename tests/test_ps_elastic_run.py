@@ -1,0 +1,101 @@
+"""`hfleet run` with shards that change: a shard lost for good at its address comes back at a new one,
+and a resumed run re-cuts the snapshots for another shard count."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridfleet.launch.psjob import run_ps_job
+from hybridfleet.spec import load_spec
+from tests.test_ps_run import _job
+
+
+def _hold(port: int, timeout_s: float = 10.0) -> socket.socket:
+    """Bind ``port`` as soon as the killed shard's socket is gone (before its restart can)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_server(("127.0.0.1", port))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
+@pytest.mark.torch  # trains torch
+@pytest.mark.slow
+def test_shard_whose_address_is_taken_after_a_sigkill_comes_back_at_a_new_port_and_workers_follow(tmp_path):
+    # Prepare
+    from hybridfleet.ps.worker.status import ShardStatusProbe
+
+    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=120)
+    data = yaml.safe_load(job.read_text())
+    data["ps"]["snapshot_every_steps"] = 1
+    job.write_text(yaml.safe_dump(data))
+    held: dict = {}
+
+    def take_shard_0s_address(sup, layout):
+        def watch():
+            probe = ShardStatusProbe(layout.shard_addresses[0], layout.certs_dir, layout.tokens["admin"])
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and probe.version() < 30:
+                time.sleep(0.05)
+            probe.close()
+            held["address"] = layout.shard_addresses[0]
+            sup.kill("shard-0")
+            held["socket"] = _hold(int(held["address"].rsplit(":", 1)[1]))
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    # Execute
+    try:
+        summary = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "runs",
+                             on_started=take_shard_0s_address, report=False)
+    finally:
+        if "socket" in held:
+            held["socket"].close()
+    # Assert: the restarted shard served elsewhere and the workers trained on with it
+    run_dir = Path(summary["run_dir"])
+    assert summary["status"] == "completed", summary
+    assert summary["restarts"] == 1
+    assert summary["test_accuracy"] >= 0.9  # 120 steps (shrunk from the example's 200)
+    assert (run_dir / "shard-0.port").read_text().strip() != held["address"]
+    log = (run_dir / "logs" / "shard-0.log").read_text()
+    assert '"shard_replaced_at_new_port"' in log
+    workers = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log") if not p.name.startswith("shard"))
+    assert '"shard_moved"' in workers
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_resume_with_three_shards_recuts_a_two_shard_runs_snapshots(tmp_path):
+    # Prepare: a finished two-shard run
+    job = _job(tmp_path, "digits-deploy.yaml", checkpoint={"store": f"file://{tmp_path / 'store'}"},
+               train__steps=40, train__site_baselines=False, train__eval_every_steps=20)
+    runs = tmp_path / "runs"
+    first = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=runs, report=False)
+    assert first["status"] == "completed", first
+    data = yaml.safe_load(job.read_text())
+    data["ps"]["shards"] = 3
+    job.write_text(yaml.safe_dump(data))
+    # Execute
+    resumed = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=runs, report=False,
+                         resume_from=Path(first["run_dir"]))
+    # Assert: all three shards restored one version, re-cut from the two shards' snapshots
+    assert resumed["status"] == "completed", resumed
+    assert resumed["test_accuracy"] >= 0.8
+    logs = Path(resumed["run_dir"]) / "logs"
+    versions = set()
+    for shard in range(3):
+        lines = (logs / f"shard-{shard}.log").read_text().splitlines()
+        restored = [json.loads(line) for line in lines if '"snapshot_restored"' in line]
+        assert len(restored) == 1, f"shard {shard} restored {len(restored)} snapshot(s)"
+        versions.add(restored[0]["version"])
+    assert len(versions) == 1 and versions.pop() > 0
