@@ -9,7 +9,9 @@ Registering a checkpoint copies only the blobs the store lacks, so a checkpoint 
 the same store (or sharing tensors with an earlier version) copies no tensor bytes. A blob
 already present is reused only after its sha256 matches its name; a copy that does not
 (a same-size file planted under a digest, a corrupted upload) is rewritten from the
-source and logged (``blob_rewritten``), never referenced by one more version. A
+source and logged (``blob_rewritten``), never referenced by one more version. A checkpoint
+in the store's own S3 bucket is copied by the S3 server (CopyObject / UploadPartCopy) after
+one verification read. A
 version's manifest sha256 is kept in the database; a pull checks it and every file's
 sha256 before anything is served.
 """
@@ -49,7 +51,8 @@ class Registered:
     manifest: Manifest
     manifest_path: str
     manifest_sha256: str
-    copied_bytes: int
+    copied_bytes: int  # payload bytes the store gained
+    server_copied_bytes: int = 0  # of those, bytes the storage service copied itself (same S3 bucket)
 
 
 def version_path(namespace: str, name: str, version: int) -> str:
@@ -81,7 +84,9 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     does not is rewritten and logged). Each copied file streams from ``source`` to ``target`` once (no separate hashing pass;
     ``COPY_WORKERS`` files at a time, S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
     (sha256 without one) on the way; a file that fails is never published as a blob, and
-    nothing is written under ``manifest_path`` until every blob is in place.
+    nothing is written under ``manifest_path`` until every blob is in place. A checkpoint in the
+    same S3 bucket as ``target`` is copied server-side after one verification read of each file
+    (`hybridfleet.store.s3_copy`): no tensor byte is written through this process.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
@@ -101,11 +106,12 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     done = [f.result() for f in futures]  # the first failure in manifest order is raised
     entries = [entry for entry, _ in done]
     copied = sum(n for _, n in done)
+    in_store = copied if target.can_copy_from(source) else 0
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
                    files=entries, metrics=dict(manifest.metrics))  # fmt: skip
     data = out.to_json()
     target.put_bytes(manifest_path, data)
-    return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
+    return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied, in_store)
 
 
 def _sound_blob(store: Store, blob: str, entry: FileEntry) -> bool:

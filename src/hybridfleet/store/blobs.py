@@ -119,16 +119,17 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
     The bytes are checked while they stream through: their size and CRC-32 (or, without
     ``crc32_hex``, their sha256) must match, else StoreError ("crc32 mismatch", "sha256
     mismatch", "size ... truncated") and nothing is published under the blob's path.
-    Parts go up in parallel where the target streams that way (S3 multipart). Returns the
-    payload bytes written.
+    Parts go up in parallel where the target streams that way (S3 multipart). When the
+    target's service can copy the source's files itself (`Store.can_copy_from`: S3 stores in
+    one bucket), the bytes are read once for the check and copied server-side, none written
+    through this process. Returns the payload bytes the blob holds (copied either way).
     """
     where = f"{source.url}/{path}"
     stored_size = source.size(path)
     if stored_size != size_bytes:
         raise StoreError(f"{where}: size {stored_size} bytes, manifest says {size_bytes} (truncated or replaced)")
-    reader = DigestingReader(source.open_reader(path), crc32=crc32_hex is not None, sha256=crc32_hex is None)
 
-    def check() -> None:
+    def check(reader: DigestingReader) -> None:
         if reader.size_bytes != size_bytes:
             raise StoreError(f"{where}: read {reader.size_bytes} bytes, manifest says {size_bytes} (truncated or replaced)")
         if crc32_hex is not None and reader.crc32 != crc32_hex:
@@ -136,8 +137,22 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
         if crc32_hex is None and reader.sha256 != sha256_hex:
             raise StoreError(f"{where}: sha256 mismatch (corrupt file); nothing was written")
 
+    def digesting(raw: Reader) -> DigestingReader:
+        return DigestingReader(raw, crc32=crc32_hex is not None, sha256=crc32_hex is None)
+
+    if target.can_copy_from(source):
+        def verify(raw: Reader) -> None:
+            reader = digesting(raw)
+            scratch = memoryview(bytearray(_DIGESTS_SLICE_BYTES))
+            while reader.readinto(scratch):
+                pass
+            check(reader)
+
+        target.copy_from(source, path, blob_path(sha256_hex), size_bytes, verify)
+        return size_bytes
+    reader = digesting(source.open_reader(path))
     try:
-        target.put_stream(blob_path(sha256_hex), reader, size_bytes, check)
+        target.put_stream(blob_path(sha256_hex), reader, size_bytes, lambda: check(reader))
     finally:
         close = getattr(reader.reader, "close", None)
         if close is not None:
