@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from hybridfleet.errors import CheckpointError, RegistryError, StoreError
 from hybridfleet.frameworks import import_framework
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
 from hybridfleet.obs.log import get_logger
-from hybridfleet.store import Store, blob_path, copy_blob, open_store, sha256_parts
+from hybridfleet.store import Store, blob_path, open_store, prepare_blob_copy, sha256_parts
 
 log = get_logger("registry.artifacts")
 
@@ -86,23 +87,33 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     (sha256 without one) on the way; a file that fails is never published as a blob, and
     nothing is written under ``manifest_path`` until every blob is in place. A checkpoint in the
     same S3 bucket as ``target`` is copied server-side after one verification read of each file
-    (`hybridfleet.store.s3_copy`): no tensor byte is written through this process.
+    (`hybridfleet.store.s3_copy`): no tensor byte is written through this process, and every
+    file is read and checked before the first is copied, so a corrupt file leaves no blob.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
-    def copy_one(entry: FileEntry) -> tuple[FileEntry, int]:
+
+    def prepare(entry: FileEntry) -> tuple[FileEntry, Callable[[], int] | None]:
         blob = blob_path(entry.sha256)
-        copied = 0
+        copy = None
         if not _sound_blob(target, blob, entry):
             try:
-                copied = copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
+                copy = prepare_blob_copy(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
             except StoreError as err:
                 raise CheckpointError(f"{entry.name}: {err}") from err
         return FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
-                         sha256=entry.sha256, crc32=entry.crc32), copied  # fmt: skip
+                         sha256=entry.sha256, crc32=entry.crc32), copy  # fmt: skip
 
+    def run(entry: FileEntry, copy: Callable[[], int] | None) -> tuple[FileEntry, int]:
+        try:
+            return entry, copy() if copy is not None else 0
+        except StoreError as err:
+            raise CheckpointError(f"{entry.name}: {err}") from err
+
+    # every file is prepared (for server-side copies: read and checked) before any is copied
     with ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="hfleet-register") as pool:
-        futures = [pool.submit(copy_one, entry) for entry in manifest.files]
+        prepared = [f.result() for f in [pool.submit(prepare, entry) for entry in manifest.files]]
+        futures = [pool.submit(run, entry, copy) for entry, copy in prepared]
     done = [f.result() for f in futures]  # the first failure in manifest order is raised
     entries = [entry for entry, _ in done]
     copied = sum(n for _, n in done)

@@ -135,9 +135,9 @@ class Store(ABC):
         """True when the service behind this store can copy ``source``'s files itself (`copy_from`)."""
         return False
 
-    def _copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
-                   verify: Callable[[Reader], None]) -> None:  # fmt: skip
-        """Backends that answer `can_copy_from` with True implement the server-side copy here."""
+    def _prepare_copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                           verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
+        """Backends that answer `can_copy_from` with True verify here and return the server-side copy."""
         raise StoreError(f"{self.url} cannot copy files of {source.url} inside the storage service")
 
     # -- derived operations ---------------------------------------------------------------------
@@ -156,23 +156,34 @@ class Store(ABC):
         self._put_stream(path, reader, size_bytes, check or (lambda: None))
         self.bytes_written += size_bytes
 
-    def copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
-                  verify: Callable[[Reader], None]) -> None:  # fmt: skip
-        """Copy ``source_path`` of ``source`` to ``path`` inside the storage service (where `can_copy_from`).
+    def prepare_copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                          verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
+        """Verify ``source_path`` of ``source`` now; return the call that copies it to ``path`` inside the
+        storage service (where `can_copy_from`).
 
-        ``verify`` first gets a reader of the source's ``size_bytes`` bytes; it reads them once and
-        raises when they are not the expected ones, and then nothing is written. The service
-        then copies exactly the bytes ``verify`` read (the object is pinned while it is read and
-        copied); a source that changed meanwhile is a StoreError and nothing appears at ``path``.
-        No byte is written through this process; the copy counts in ``bytes_copied_in_store``.
+        ``verify`` gets a reader of the source's ``size_bytes`` bytes; it reads them once and raises
+        when they are not the expected ones (then nothing is written, and it propagates). The
+        returned call copies exactly the bytes ``verify`` read (the object stays pinned); a source
+        that changed meanwhile is a StoreError and nothing appears at ``path``. No byte is written
+        through this process; the copy counts in ``bytes_copied_in_store``.
         """
         path = clean_path(path)
         if not path:
             raise StoreError("cannot write to the store root; give a file path")
         if not self.can_copy_from(source):
             raise StoreError(f"{self.url} cannot copy files of {source.url} inside the storage service")
-        self._copy_from(source, clean_path(source_path), path, size_bytes, verify)
-        self.bytes_copied_in_store += size_bytes
+        copy = self._prepare_copy_from(source, clean_path(source_path), path, size_bytes, verify)
+
+        def copy_and_count() -> None:
+            copy()
+            self.bytes_copied_in_store += size_bytes
+
+        return copy_and_count
+
+    def copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                  verify: Callable[[Reader], None]) -> None:  # fmt: skip
+        """`prepare_copy_from` and the copy at once."""
+        self.prepare_copy_from(source, source_path, path, size_bytes, verify)()
 
     def open_reader(self, path: str) -> Reader:
         """A sequential binary reader (``readinto``, ``close``) of ``path``; StoreError if it does not exist."""

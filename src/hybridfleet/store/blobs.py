@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -119,10 +119,23 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
     The bytes are checked while they stream through: their size and CRC-32 (or, without
     ``crc32_hex``, their sha256) must match, else StoreError ("crc32 mismatch", "sha256
     mismatch", "size ... truncated") and nothing is published under the blob's path.
-    Parts go up in parallel where the target streams that way (S3 multipart). When the
-    target's service can copy the source's files itself (`Store.can_copy_from`: S3 stores in
-    one bucket), the bytes are read once for the check and copied server-side, none written
-    through this process. Returns the payload bytes the blob holds (copied either way).
+    Parts go up in parallel where the target streams that way (S3 multipart); where the
+    target copies server-side (see `prepare_blob_copy`) no byte is written through this
+    process. Returns the payload bytes the blob holds.
+    """
+    return prepare_blob_copy(source, path, target, sha256_hex, size_bytes, crc32_hex)()
+
+
+def prepare_blob_copy(source: Store, path: str, target: Store, sha256_hex: str, size_bytes: int,
+                      crc32_hex: str | None) -> Callable[[], int]:  # fmt: skip
+    """The copy of `copy_blob`, in two steps: what can be checked before writing is checked now, and
+    the returned call copies (returning the blob's payload bytes).
+
+    When the target's service copies the source's files itself (`Store.can_copy_from`: S3 stores
+    in one bucket), every byte is read and checked now, and the returned call has the server
+    copy exactly those bytes, none written through this process: a caller that prepares all its
+    files first publishes no blob when any of them is corrupt. Otherwise only the size is
+    checked now and the returned call streams the bytes, checking them on the way.
     """
     where = f"{source.url}/{path}"
     stored_size = source.size(path)
@@ -148,16 +161,25 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
                 pass
             check(reader)
 
-        target.copy_from(source, path, blob_path(sha256_hex), size_bytes, verify)
+        server_copy = target.prepare_copy_from(source, path, blob_path(sha256_hex), size_bytes, verify)
+
+        def copy_in_store() -> int:
+            server_copy()
+            return size_bytes
+
+        return copy_in_store
+
+    def stream() -> int:
+        reader = digesting(source.open_reader(path))
+        try:
+            target.put_stream(blob_path(sha256_hex), reader, size_bytes, lambda: check(reader))
+        finally:
+            close = getattr(reader.reader, "close", None)
+            if close is not None:
+                close()
         return size_bytes
-    reader = digesting(source.open_reader(path))
-    try:
-        target.put_stream(blob_path(sha256_hex), reader, size_bytes, lambda: check(reader))
-    finally:
-        close = getattr(reader.reader, "close", None)
-        if close is not None:
-            close()
-    return size_bytes
+
+    return stream
 
 
 def put_blob(store: Store, parts: list[Buffer], sha256_hex: str, crc32_hex: str | None = None) -> int:

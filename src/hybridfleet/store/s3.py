@@ -50,10 +50,11 @@ class S3Store(FsspecStore):
         """True for an S3 store in the same bucket of the same endpoint: the server copies its files."""
         return isinstance(source, S3Store) and source.endpoint_url == self.endpoint_url and source.bucket == self.bucket
 
-    def _copy_from(self, source: Store, source_path: str, path: str, size_bytes: int,
-                   verify: Callable[[Reader], None]) -> None:  # fmt: skip
+    def _prepare_copy_from(self, source: Store, source_path: str, path: str, size_bytes: int,
+                           verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
         assert isinstance(source, S3Store)  # can_copy_from said so
-        s3_copy.copy_verified(self, source, source_path, path, size_bytes, verify)
+        etag = s3_copy.verify_pinned(source, source_path, size_bytes, verify)
+        return lambda: s3_copy.copy_pinned(self, source, source_path, etag, path, size_bytes)
 
     def _put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None]) -> None:
         if size_bytes < 2 * PART_BYTES:

@@ -87,26 +87,32 @@ class PinnedReader:
         self._chunk = memoryview(b"")
 
 
-def copy_verified(target: "S3Store", source: "S3Store", source_path: str, path: str, size_bytes: int,
-                  verify: Callable[[Reader], None]) -> None:  # fmt: skip
-    """`Store.copy_from` for two S3 stores in one bucket: HEAD, verification read, conditional copy."""
+def verify_pinned(source: "S3Store", source_path: str, size_bytes: int, verify: Callable[[Reader], None]) -> str:
+    """Run ``verify`` on a reader of ``source_path``'s bytes, pinned to the object's current ETag; that ETag."""
     where = f"{source.url}/{source_path}"
-    src_bucket, src_key, _ = source.fs.split_path(source._full(source_path))
-    bucket, key, _ = target.fs.split_path(target._full(path))
+    bucket, key, _ = source.fs.split_path(source._full(source_path))
     try:
-        head = source.fs.call_s3("head_object", Bucket=src_bucket, Key=src_key)
+        head = source.fs.call_s3("head_object", Bucket=bucket, Key=key)
     except FileNotFoundError as err:
         raise StoreError(f"{where}: no such file") from err
     except OSError as err:
         raise StoreError(f"{where}: cannot read it: {err}") from err
     if int(head["ContentLength"]) != size_bytes:
         raise StoreError(f"{where}: size {head['ContentLength']} bytes, expected {size_bytes} (truncated or replaced)")
-    etag = head["ETag"]
-    reader = PinnedReader(source, src_bucket, src_key, size_bytes, etag, where)
+    reader = PinnedReader(source, bucket, key, size_bytes, head["ETag"], where)
     try:
         verify(reader)
     finally:
         reader.close()
+    return head["ETag"]
+
+
+def copy_pinned(target: "S3Store", source: "S3Store", source_path: str, etag: str, path: str, size_bytes: int) -> None:
+    """Copy the version ``etag`` of ``source_path`` to ``path`` server-side; StoreError, nothing published, when
+    the source is no longer that version."""
+    where = f"{source.url}/{source_path}"
+    src_bucket, src_key, _ = source.fs.split_path(source._full(source_path))
+    bucket, key, _ = target.fs.split_path(target._full(path))
     copy_source = {"Bucket": src_bucket, "Key": src_key}
     try:
         if size_bytes <= COPY_OBJECT_MAX_BYTES:
