@@ -191,9 +191,11 @@ def test_server_copy_is_offered_only_within_one_bucket_of_one_endpoint(seaweed, 
     assert store.can_copy_from(open_store(f"{s3_url}/b", **seaweed.options))
     other_bucket = open_store(f"s3://another-bucket/{s3_url.rsplit('/', 1)[1]}", **seaweed.options)
     other_endpoint = open_store(f"{s3_url}/b", **{**seaweed.options, "endpoint_url": "http://127.0.0.2:1"})
+    other_keys = open_store(f"{s3_url}/b", **{**seaweed.options, "key": "someone-else"})
     local = open_store(f"file://{tmp_path}/c")
     assert not store.can_copy_from(other_bucket)
     assert not store.can_copy_from(other_endpoint)
+    assert not store.can_copy_from(other_keys)
     assert not store.can_copy_from(local) and not local.can_copy_from(store)
     with pytest.raises(StoreError, match="cannot copy files of file://"):
         store.copy_from(local, "f.bin", "g.bin", 1, lambda reader: None)

@@ -47,8 +47,10 @@ class S3Store(FsspecStore):
         self.bucket = bucket_and_prefix.split("/", 1)[0]
 
     def can_copy_from(self, source: Store) -> bool:
-        """True for an S3 store in the same bucket of the same endpoint: the server copies its files."""
-        return isinstance(source, S3Store) and source.endpoint_url == self.endpoint_url and source.bucket == self.bucket
+        """True for an S3 store in the same bucket of the same endpoint, opened with the same keys (the
+        copy is made with this store's, which must read the source): the server copies its files."""
+        return (isinstance(source, S3Store) and source.endpoint_url == self.endpoint_url and source.bucket == self.bucket
+                and (source.fs.key, source.fs.secret) == (self.fs.key, self.fs.secret))  # fmt: skip
 
     def _prepare_copy_from(self, source: Store, source_path: str, path: str, size_bytes: int,
                            verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
