@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from hybridfleet.obs import metric_direction
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,34 +35,35 @@ class Workload:
     scripts: dict[str, str]  # framework -> training script, relative to the repository
     jobs: dict[str, str]  # framework -> job file ("" for digits, built by compression.digits_job)
     pack: str  # the pack script ("" when the job's data needs none)
-    metric: str
-    higher_is_better: bool
+    metric: str  # its name says which way is better (`hybridfleet.obs.metric_direction`)
     target: float
     quick_target: float
     steps: int | None  # None: the job file's own train.steps
     quick_steps: int
 
+    @property
+    def higher_is_better(self) -> bool:
+        return metric_direction.higher_is_better(self.metric)
+
     def reached(self, value: float | None, target: float) -> bool:
         """Whether a metric value meets the target in this workload's direction."""
-        if value is None:
-            return False
-        return value >= target if self.higher_is_better else value <= target
+        return metric_direction.reached(self.metric, value, target)
 
     def worse_by(self, anchor: float, other: float) -> float:
         """How much worse `other` is than `anchor` (positive: worse), in the metric's direction."""
-        return anchor - other if self.higher_is_better else other - anchor
+        return metric_direction.worse_by(self.metric, anchor, other)
 
 
 WORKLOADS = {
     "digits": Workload("digits", {"torch": "examples/digits/train_torch.py", "paddle": "examples/digits/train_paddle.py"},
-                       {"torch": "", "paddle": ""}, "", "test_accuracy", True, 0.93, 0.85, 150, 60),
+                       {"torch": "", "paddle": ""}, "", "test_accuracy", 0.93, 0.85, 150, 60),
     "fashion": Workload("fashion", {"torch": "examples/fashion/train_torch.py",
                                     "paddle": "examples/fashion/train_paddle.py"},
                         {"torch": "examples/fashion-hybrid.yaml", "paddle": "examples/fashion-hybrid-paddle.yaml"},
-                        "examples/fashion/pack_sites.py", "test_accuracy", True, 0.90, 0.75, None, 60),
+                        "examples/fashion/pack_sites.py", "test_accuracy", 0.90, 0.75, None, 60),
     "charlm": Workload("charlm", {"torch": "examples/charlm/train_torch.py", "paddle": "examples/charlm/train_paddle.py"},
                        {"torch": "examples/charlm-hybrid.yaml", "paddle": "examples/charlm-hybrid-paddle.yaml"},
-                       "examples/charlm/pack_sites.py", "test_bpc", False, 2.0, 3.5, None, 60),
+                       "examples/charlm/pack_sites.py", "test_bpc", 2.0, 3.5, None, 60),
 }
 
 

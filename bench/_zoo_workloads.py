@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from hybridfleet.obs import metric_direction
+
 REPO = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("torch", "paddle")
 
@@ -54,8 +56,7 @@ class Workload:
     name: str
     model_module: str
     data_module: str
-    metric: str
-    higher_is_better: bool
+    metric: str            # its name says which way is better (`hybridfleet.obs.metric_direction`)
     target: float          # the metric value "time to target" waits for (full run)
     quick_target: float    # the same for --quick
     batch_size: int
@@ -90,12 +91,17 @@ class Workload:
                   self.folder / f"{self.model_module}.py", self.folder / f"{self.data_module}.py"]
         return [str(p.relative_to(REPO)) for p in needed if not p.exists()]
 
+    @property
+    def higher_is_better(self) -> bool:
+        return metric_direction.higher_is_better(self.metric)
+
     def reached(self, value: float, target: float) -> bool:
-        return value >= target if self.higher_is_better else value <= target
+        """Whether a metric value meets the target in this workload's direction."""
+        return metric_direction.reached(self.metric, value, target)
 
     def gap(self, joint: float, alone: float) -> float:
         """How much worse ``joint`` is than ``alone``, relative to ``alone`` (negative: joint is better)."""
-        worse = alone - joint if self.higher_is_better else joint - alone
+        worse = metric_direction.worse_by(self.metric, alone, joint)
         return worse / abs(alone) if alone else float("inf")
 
     def modules(self) -> tuple[Any, Any]:
@@ -376,13 +382,13 @@ GLUE: dict[str, dict[str, Callable[..., Any]]] = {
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w for w in (
-        Workload("digits", "digits_model", "digits_data", "test_accuracy", True, target=0.95, quick_target=0.5,
+        Workload("digits", "digits_model", "digits_data", "test_accuracy", target=0.95, quick_target=0.5,
                  batch_size=32, steps=300, eval_every=25,
                  jobs={"torch": "digits-hybrid.yaml", "paddle": "digits-hybrid-paddle.yaml"}),
-        Workload("fashion", "fashion_model", "fashion_data", "test_accuracy", True, target=0.90, quick_target=0.5,
+        Workload("fashion", "fashion_model", "fashion_data", "test_accuracy", target=0.90, quick_target=0.5,
                  batch_size=64, steps=2000, eval_every=100,
                  jobs={"torch": "fashion-hybrid.yaml", "paddle": "fashion-hybrid-paddle.yaml"}),
-        Workload("charlm", "charlm_model", "charlm_data", "test_bpc", False, target=2.0, quick_target=4.0,
+        Workload("charlm", "charlm_model", "charlm_data", "test_bpc", target=2.0, quick_target=4.0,
                  batch_size=32, steps=2000, eval_every=100,
                  jobs={"torch": "charlm-hybrid.yaml", "paddle": "charlm-hybrid-paddle.yaml"}),
     )

@@ -12,7 +12,9 @@ registering a checkpoint of ``--ckpt-mb`` into a file:// store and one of ``--s3
 same) into an s3:// (SeaweedFS, started here with room for both copies) store vs a plain copy of
 the same bytes (``cp`` + fsync; s3fs ``put``, 50 MiB parts, 10 in flight), both reading a source already in
 the page cache, plus the bytes copied when the checkpoint is
-already in the store. MLflow comes from the ``bench`` extra (mlflow-skinny).
+already in the store; and registering an s3:// checkpoint that lives in the store's own bucket
+(copied server-side after one verification read) vs a plain server-side copy of its files
+(s3fs ``copy``, CopyObject per file). MLflow comes from the ``bench`` extra (mlflow-skinny).
 The JSON line's ratios are MLflow / ours (higher is better) and plain copy time / ours.
 """
 
@@ -76,14 +78,36 @@ def fill_mlflow(store, models: int, versions: int) -> float:
     return time.perf_counter() - start
 
 
-def write_checkpoint(root: Path, size_bytes: int) -> None:
+def write_checkpoint(root: Path | str, size_bytes: int, seed: int = 0) -> None:
     from hybridfleet.ckpt import save_checkpoint
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     n_tensors = 8
     per = size_bytes // n_tensors // 4
     tensors = {f"layer{i}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(n_tensors)}
     save_checkpoint(str(root), 1, tensors=tensors)
+
+
+def same_bucket(s3: dict, s3_size_bytes: int, work: Path) -> dict:
+    """Register a checkpoint that lives in the registry store's own bucket (server-side copy after one
+    verification read) vs a plain server-side copy of its files in that bucket (s3fs ``copy``: CopyObject per file)."""
+    import s3fs
+
+    from hybridfleet.registry import Registry
+
+    bucket = s3["bucket"]
+    write_checkpoint(f"s3://{bucket}/ckpt-same", s3_size_bytes, seed=1)  # other bytes than the file:// one
+    fs = s3fs.S3FileSystem(key=s3["key"], secret=s3["secret"], client_kwargs={"endpoint_url": s3["endpoint_url"]})
+    start = time.perf_counter()
+    fs.copy(f"{bucket}/ckpt-same", f"{bucket}/plain-server-copy", recursive=True)
+    plain = time.perf_counter() - start
+    reg = Registry(f"sqlite:///{work / 'reg-same.db'}", store=f"s3://{bucket}/registry-same")
+    start = time.perf_counter()
+    info = reg.register("bench/same", f"s3://{bucket}/ckpt-same")
+    ours = time.perf_counter() - start
+    return {"same_bucket_plain_s": plain, "register_same_bucket_s": ours, "same_bucket_fraction": plain / ours,
+            "same_bucket_client_written_bytes": reg.store.bytes_written - reg.store.size(info.manifest_path),
+            "same_bucket_server_copied_bytes": reg.store.bytes_copied_in_store}  # fmt: skip
 
 
 def read_once(root: Path) -> None:
@@ -138,6 +162,7 @@ def register_fraction(work: Path, size_bytes: int, s3: dict | None, s3_size_byte
             reg_s3.register("bench/big", str(small))
             ours_s3 = time.perf_counter() - start
             out.update(s3_plain_s=plain_s3, s3_register_s=ours_s3, s3_fraction=plain_s3 / ours_s3)
+            out.update(same_bucket(s3, s3_size_bytes, work))
         except OSError as err:  # reported, not hidden: the file:// figures still stand
             out["s3_error"] = str(err)[:200]
     return out
@@ -150,7 +175,7 @@ def start_seaweed(work: Path):
     if binary is None:
         return None, None
     (work / "seaweed").mkdir()
-    proc, port = seaweed._start(binary, work / "seaweed", volume_mb=512, volumes=8)  # room for two 1 GiB copies
+    proc, port = seaweed._start(binary, work / "seaweed", volume_mb=512, volumes=12)  # room for five 1 GiB copies
     endpoint = f"http://127.0.0.1:{port}"
     seaweed._wait_ready(proc, endpoint, work / "seaweed")
     env = {"endpoint_url": endpoint, "key": seaweed.ACCESS_KEY, "secret": seaweed.SECRET_KEY, "bucket": seaweed.BUCKET}
@@ -255,6 +280,10 @@ def main() -> None:
         print(f"{'s3:// (' + str(args.s3_mb) + ' MiB)':<10}{reg['s3_plain_s']:>12.3f}{reg['s3_register_s']:>14.3f}{reg['s3_fraction']:>16.2f}")
     else:
         print(f"s3://     {'failed: ' + reg['s3_error'] if 's3_error' in reg else 'skipped (--no-s3 or no SeaweedFS binary)'}")
+    if "register_same_bucket_s" in reg:
+        print(f"{'same bucket':<10}{reg['same_bucket_plain_s']:>12.3f}{reg['register_same_bucket_s']:>14.3f}"
+              f"{reg['same_bucket_fraction']:>16.2f}   (s3:// checkpoint in the store's bucket vs a plain server-side copy;"
+              f" client wrote {reg['same_bucket_client_written_bytes']} tensor bytes)")  # fmt: skip
     print(f"bytes copied registering it again (already in the store): {reg['already_in_store_copied_bytes']}")
     print(json.dumps({
         "bench": "registry", "versions": args.versions, "models": args.models, "ckpt_mb": args.ckpt_mb,
@@ -266,6 +295,10 @@ def main() -> None:
         "register_copy_fraction_s3": round(reg["s3_fraction"], 3) if "s3_fraction" in reg else None,
         "already_in_store_copied_bytes": reg["already_in_store_copied_bytes"],
         "s3_ckpt_mb": None if args.no_s3 else args.s3_mb, "s3_error": reg.get("s3_error"),
+        "register_same_bucket_s": round(reg["register_same_bucket_s"], 3) if "register_same_bucket_s" in reg else None,
+        "same_bucket_plain_s": round(reg["same_bucket_plain_s"], 3) if "same_bucket_plain_s" in reg else None,
+        "register_same_bucket_fraction": round(reg["same_bucket_fraction"], 3) if "same_bucket_fraction" in reg else None,
+        "same_bucket_client_written_bytes": reg.get("same_bucket_client_written_bytes"),
     }))  # fmt: skip
 
 

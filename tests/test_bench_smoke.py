@@ -309,7 +309,7 @@ def test_zoo_bench_names_every_file_an_example_missing_from_the_checkout_lacks()
         from _zoo_workloads import WORKLOADS, Workload
     finally:
         sys.path.remove(str(REPO / "bench"))
-    ghost = Workload("no-such-example", "ghost_model", "ghost_data", "test_bpc", False, target=2.0,
+    ghost = Workload("no-such-example", "ghost_model", "ghost_data", "test_bpc", target=2.0,
                      quick_target=4.0, batch_size=4, steps=4, eval_every=2,
                      jobs={"torch": "no-such-example.yaml", "paddle": "no-such-example-paddle.yaml"})
 

@@ -14,6 +14,7 @@ import pytest
 from hybridfleet.errors import StoreError
 from hybridfleet.store import Store, blob_path, copy_blob, file_digests, open_store
 from hybridfleet.store import s3 as s3_module
+from hybridfleet.store import s3_copy
 from hybridfleet.store.file import DIRECT_MIN_BYTES
 
 pytest_plugins = ["tests.seaweed"]
@@ -118,3 +119,83 @@ def test_copy_blob_between_two_s3_prefixes_reads_by_ranges(seaweed, s3_url, monk
     copy_blob(source, "f.bin", target, sha, len(data), crc)
     assert source.bytes_read - before == len(data)
     assert target.get_bytes(blob_path(sha)) == data
+
+
+# ------------------------------------------------------------------ server-side copies within one S3 bucket
+@pytest.fixture(params=["copy_object", "upload_part_copy"])
+def same_bucket(request, seaweed, s3_url, monkeypatch):
+    """(source, target): two prefixes of the test bucket; with ``upload_part_copy`` the copy is forced
+    into a multipart UploadPartCopy of 5 MiB parts (S3's minimum) instead of one CopyObject."""
+    if request.param == "upload_part_copy":
+        monkeypatch.setattr(s3_copy, "COPY_OBJECT_MAX_BYTES", 5 << 20)
+        monkeypatch.setattr(s3_copy, "COPY_PART_BYTES", 5 << 20)
+    monkeypatch.setattr(s3_copy, "READ_RANGE_BYTES", 4 << 20)  # several ranges in flight for the verification read
+    return open_store(f"{s3_url}/src", **seaweed.options), open_store(f"{s3_url}/dst", **seaweed.options)
+
+
+def test_copy_blob_within_one_bucket_is_copied_by_the_server_after_one_verification_read(same_bucket):
+    # Prepare: 12 MiB + 5 bytes (3 parts of an UploadPartCopy in the multipart case)
+    source, target = same_bucket
+    data = os.urandom((12 << 20) + 5)
+    source.put_bytes("f.bin", data)
+    sha, crc, _ = file_digests([data])
+    read_before, written_before = source.bytes_read, target.bytes_written
+    # Execute
+    copied = copy_blob(source, "f.bin", target, sha, len(data), crc)
+    # Assert: each byte read once (the check), none written through this process, the blob holds the bytes
+    assert target.can_copy_from(source)
+    assert copied == len(data)
+    assert source.bytes_read - read_before == len(data)
+    assert target.bytes_written - written_before == 0
+    assert target.bytes_copied_in_store == len(data)
+    assert file_digests([target.get_bytes(blob_path(sha))])[:2] == (sha, crc)
+
+
+@pytest.mark.parametrize("with_crc", [True, False])
+def test_copy_blob_within_one_bucket_of_a_corrupt_source_is_refused_and_copies_nothing(same_bucket, with_crc):
+    # Prepare: the digests of the original, then one byte of the source flipped
+    source, target = same_bucket
+    data = bytearray(os.urandom((6 << 20) + 1))
+    sha, crc, _ = file_digests([data])
+    data[len(data) // 2] ^= 0x01
+    source.put_bytes("f.bin", data)
+    # Execute / Assert
+    with pytest.raises(StoreError, match="crc32 mismatch" if with_crc else "sha256 mismatch"):
+        copy_blob(source, "f.bin", target, sha, len(data), crc if with_crc else None)
+    assert not target.exists(blob_path(sha))
+    assert target.ls("blobs/sha256") == []
+    assert target.bytes_copied_in_store == 0 and target.bytes_written == 0
+
+
+def test_server_copy_of_a_source_replaced_after_its_verification_is_refused_and_publishes_nothing(same_bucket):
+    # Prepare: a source that another writer replaces right after the verification read passed
+    source, target = same_bucket
+    source.put_bytes("f.bin", os.urandom((6 << 20) + 1))
+    size = source.size("f.bin")
+
+    def verify_then_replace(reader):
+        view = memoryview(bytearray(1 << 20))
+        while reader.readinto(view):
+            pass
+        source.put_bytes("f.bin", os.urandom(size))  # same size, other bytes
+
+    # Execute / Assert: the copy is pinned to the version that was read
+    with pytest.raises(StoreError, match="server-side copy refused .*nothing was published"):
+        target.copy_from(source, "f.bin", "blobs/x", size, verify_then_replace)
+    assert not target.exists("blobs/x")
+    assert target.ls("") == [] and target.bytes_copied_in_store == 0
+
+
+def test_server_copy_is_offered_only_within_one_bucket_of_one_endpoint(seaweed, s3_url, tmp_path):
+    store = open_store(f"{s3_url}/a", **seaweed.options)
+    assert store.can_copy_from(open_store(f"{s3_url}/b", **seaweed.options))
+    other_bucket = open_store(f"s3://another-bucket/{s3_url.rsplit('/', 1)[1]}", **seaweed.options)
+    other_endpoint = open_store(f"{s3_url}/b", **{**seaweed.options, "endpoint_url": "http://127.0.0.2:1"})
+    other_keys = open_store(f"{s3_url}/b", **{**seaweed.options, "key": "someone-else"})
+    local = open_store(f"file://{tmp_path}/c")
+    assert not store.can_copy_from(other_bucket)
+    assert not store.can_copy_from(other_endpoint)
+    assert not store.can_copy_from(other_keys)
+    assert not store.can_copy_from(local) and not local.can_copy_from(store)
+    with pytest.raises(StoreError, match="cannot copy files of file://"):
+        store.copy_from(local, "f.bin", "g.bin", 1, lambda reader: None)

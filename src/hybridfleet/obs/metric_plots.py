@@ -2,12 +2,8 @@
 
 A script reports whatever it measures (``ps.report(loss=..., test_accuracy=...)`` for a
 classifier, ``test_bpc`` for a character model); the report and the UI draw one plot for
-each metric key found in the run's ``metrics.jsonl`` whose name says which way is better:
-
-* higher is better: a word of the name (split at ``_`` and ``.``) is ``acc``, ``accuracy``, ``f1``,
-  ``auc``, ``precision``, ``recall`` or ``iou`` (``test_accuracy``, ``val_f1``);
-* lower is better: a word is ``loss``, ``bpc``, ``bpb``, ``perplexity``, ``ppl``, ``error``, ``mse``,
-  ``mae``, ``rmse``, ``wer`` or ``cer`` (``loss``, ``test_bpc``).
+each metric key found in the run's ``metrics.jsonl`` whose name says which way is better
+(`hybridfleet.obs.metric_direction`: ``test_accuracy``, ``val_f1`` higher; ``loss``, ``test_bpc`` lower).
 
 Other numbers in a record (steps, bytes, seconds, privacy budgets) are bookkeeping, not
 plotted here. Each plot shows the joint model (the mean over every worker at a step), one
@@ -22,27 +18,16 @@ import re
 from collections import defaultdict
 from typing import Callable
 
+from hybridfleet.obs.metric_direction import lower_is_better
 from hybridfleet.obs.runinfo import RunData
 
 ACCURACY_KEYS = ("test_accuracy", "val_accuracy", "accuracy")
 ACCURACY_SECTION = "accuracy"  # the accuracy family shares one plot (and its historic URL)
 DEFAULT_METRICS = ("loss", ACCURACY_SECTION)  # plotted (as "no data") for a run that reported no metric yet
-HIGHER_IS_BETTER = frozenset({"acc", "accuracy", "f1", "auc", "precision", "recall", "iou"})
-LOWER_IS_BETTER = frozenset({"loss", "bpc", "bpb", "perplexity", "ppl", "error", "mse", "mae", "rmse", "wer", "cer"})
 LABELS = {"loss": "training loss", "test_bpc": "held-out bits per character", "val_bpc": "validation bits per character",
           "test_accuracy": "test accuracy", "val_accuracy": "validation accuracy", "accuracy": "accuracy",
           "test_loss": "test loss", "val_loss": "validation loss", "test_perplexity": "test perplexity"}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.]{0,63}$")
-
-
-def lower_is_better(key: str) -> bool | None:
-    """True / False when the name of metric ``key`` says lower / higher is better; None when it says neither."""
-    words = set(re.split(r"[_.]", key.lower()))
-    if words & LOWER_IS_BETTER:
-        return True
-    if words & HIGHER_IS_BETTER:
-        return False
-    return None
 
 
 def is_metric_key(key: str) -> bool:

@@ -9,7 +9,9 @@ Registering a checkpoint copies only the blobs the store lacks, so a checkpoint 
 the same store (or sharing tensors with an earlier version) copies no tensor bytes. A blob
 already present is reused only after its sha256 matches its name; a copy that does not
 (a same-size file planted under a digest, a corrupted upload) is rewritten from the
-source and logged (``blob_rewritten``), never referenced by one more version. A
+source and logged (``blob_rewritten``), never referenced by one more version. A checkpoint
+in the store's own S3 bucket is copied by the S3 server (CopyObject / UploadPartCopy) after
+one verification read. A
 version's manifest sha256 is kept in the database; a pull checks it and every file's
 sha256 before anything is served.
 """
@@ -20,6 +22,7 @@ import hashlib
 import io
 import json
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ from hybridfleet.errors import CheckpointError, RegistryError, StoreError
 from hybridfleet.frameworks import import_framework
 from hybridfleet.frameworks.layout import FRAMEWORK_NAMES, convert_state
 from hybridfleet.obs.log import get_logger
-from hybridfleet.store import Store, blob_path, copy_blob, open_store, sha256_parts
+from hybridfleet.store import Store, blob_path, open_store, prepare_blob_copy, sha256_parts
 
 log = get_logger("registry.artifacts")
 
@@ -49,7 +52,8 @@ class Registered:
     manifest: Manifest
     manifest_path: str
     manifest_sha256: str
-    copied_bytes: int
+    copied_bytes: int  # payload bytes the store gained
+    server_copied_bytes: int = 0  # of those, bytes the storage service copied itself (same S3 bucket)
 
 
 def version_path(namespace: str, name: str, version: int) -> str:
@@ -81,31 +85,44 @@ def copy_into_store(source: Store, manifest: Manifest, target: Store, manifest_p
     does not is rewritten and logged). Each copied file streams from ``source`` to ``target`` once (no separate hashing pass;
     ``COPY_WORKERS`` files at a time, S3 targets get parallel multipart uploads) and is checked against its size and CRC-32
     (sha256 without one) on the way; a file that fails is never published as a blob, and
-    nothing is written under ``manifest_path`` until every blob is in place.
+    nothing is written under ``manifest_path`` until every blob is in place. A checkpoint in the
+    same S3 bucket as ``target`` is copied server-side after one verification read of each file
+    (`hybridfleet.store.s3_copy`): no tensor byte is written through this process, and every
+    file is read and checked before the first is copied, so a corrupt file leaves no blob.
     """
     if target.exists(manifest_path):
         raise RegistryError(f"{target.url}/{manifest_path} exists already; versions are immutable")
-    def copy_one(entry: FileEntry) -> tuple[FileEntry, int]:
+
+    def prepare(entry: FileEntry) -> tuple[FileEntry, Callable[[], int] | None]:
         blob = blob_path(entry.sha256)
-        copied = 0
+        copy = None
         if not _sound_blob(target, blob, entry):
             try:
-                copied = copy_blob(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
+                copy = prepare_blob_copy(source, entry.path, target, entry.sha256, entry.size_bytes, entry.crc32)
             except StoreError as err:
                 raise CheckpointError(f"{entry.name}: {err}") from err
         return FileEntry(name=entry.name, path=blob, role=entry.role, size_bytes=entry.size_bytes,
-                         sha256=entry.sha256, crc32=entry.crc32), copied  # fmt: skip
+                         sha256=entry.sha256, crc32=entry.crc32), copy  # fmt: skip
 
+    def run(entry: FileEntry, copy: Callable[[], int] | None) -> tuple[FileEntry, int]:
+        try:
+            return entry, copy() if copy is not None else 0
+        except StoreError as err:
+            raise CheckpointError(f"{entry.name}: {err}") from err
+
+    # every file is prepared (for server-side copies: read and checked) before any is copied
     with ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="hfleet-register") as pool:
-        futures = [pool.submit(copy_one, entry) for entry in manifest.files]
+        prepared = [f.result() for f in [pool.submit(prepare, entry) for entry in manifest.files]]
+        futures = [pool.submit(run, entry, copy) for entry, copy in prepared]
     done = [f.result() for f in futures]  # the first failure in manifest order is raised
     entries = [entry for entry, _ in done]
     copied = sum(n for _, n in done)
+    in_store = copied if target.can_copy_from(source) else 0
     out = Manifest(step=manifest.step, framework=manifest.framework, created_s=manifest.created_s,
                    files=entries, metrics=dict(manifest.metrics))  # fmt: skip
     data = out.to_json()
     target.put_bytes(manifest_path, data)
-    return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied)
+    return Registered(out, manifest_path, hashlib.sha256(data).hexdigest(), copied, in_store)
 
 
 def _sound_blob(store: Store, blob: str, entry: FileEntry) -> bool:

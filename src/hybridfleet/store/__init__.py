@@ -11,6 +11,7 @@ from hybridfleet.store.blobs import (
     crc32_parts,
     download_verified,
     file_digests,
+    prepare_blob_copy,
     put_blob,
     sha256_parts,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "download_verified",
     "file_digests",
     "open_store",
+    "prepare_blob_copy",
     "put_blob",
     "sha256_parts",
 ]

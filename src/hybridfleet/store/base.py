@@ -74,7 +74,9 @@ class Store(ABC):
     """Byte storage addressed by relative paths under one root URL.
 
     ``bytes_written`` / ``bytes_read`` count payload bytes moved through this
-    instance, so callers can check how much an operation really uploaded.
+    instance, so callers can check how much an operation really uploaded;
+    ``bytes_copied_in_store`` counts bytes the storage service copied itself (`copy_from`),
+    which never pass through this process.
     """
 
     url: str = ""
@@ -82,6 +84,7 @@ class Store(ABC):
     def __init__(self) -> None:
         self.bytes_written = 0
         self.bytes_read = 0
+        self.bytes_copied_in_store = 0
 
     # -- the narrow part each backend implements -------------------------------------------
     @abstractmethod
@@ -128,6 +131,15 @@ class Store(ABC):
         """A sequential reader of ``path``; backends may open the file itself instead."""
         return RangeReader(self, path, self._size(path))
 
+    def can_copy_from(self, source: "Store") -> bool:
+        """True when the service behind this store can copy ``source``'s files itself (`copy_from`)."""
+        return False
+
+    def _prepare_copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                           verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
+        """Backends that answer `can_copy_from` with True verify here and return the server-side copy."""
+        raise StoreError(f"{self.url} cannot copy files of {source.url} inside the storage service")
+
     # -- derived operations ---------------------------------------------------------------------
     def put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None] | None = None) -> None:
         """Write exactly ``size_bytes`` read from ``reader`` at ``path`` atomically.
@@ -143,6 +155,35 @@ class Store(ABC):
             raise StoreError(f"size_bytes must be >= 0 (got {size_bytes})")
         self._put_stream(path, reader, size_bytes, check or (lambda: None))
         self.bytes_written += size_bytes
+
+    def prepare_copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                          verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
+        """Verify ``source_path`` of ``source`` now; return the call that copies it to ``path`` inside the
+        storage service (where `can_copy_from`).
+
+        ``verify`` gets a reader of the source's ``size_bytes`` bytes; it reads them once and raises
+        when they are not the expected ones (then nothing is written, and it propagates). The
+        returned call copies exactly the bytes ``verify`` read (the object stays pinned); a source
+        that changed meanwhile is a StoreError and nothing appears at ``path``. No byte is written
+        through this process; the copy counts in ``bytes_copied_in_store``.
+        """
+        path = clean_path(path)
+        if not path:
+            raise StoreError("cannot write to the store root; give a file path")
+        if not self.can_copy_from(source):
+            raise StoreError(f"{self.url} cannot copy files of {source.url} inside the storage service")
+        copy = self._prepare_copy_from(source, clean_path(source_path), path, size_bytes, verify)
+
+        def copy_and_count() -> None:
+            copy()
+            self.bytes_copied_in_store += size_bytes
+
+        return copy_and_count
+
+    def copy_from(self, source: "Store", source_path: str, path: str, size_bytes: int,
+                  verify: Callable[[Reader], None]) -> None:  # fmt: skip
+        """`prepare_copy_from` and the copy at once."""
+        self.prepare_copy_from(source, source_path, path, size_bytes, verify)()
 
     def open_reader(self, path: str) -> Reader:
         """A sequential binary reader (``readinto``, ``close``) of ``path``; StoreError if it does not exist."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -119,16 +119,30 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
     The bytes are checked while they stream through: their size and CRC-32 (or, without
     ``crc32_hex``, their sha256) must match, else StoreError ("crc32 mismatch", "sha256
     mismatch", "size ... truncated") and nothing is published under the blob's path.
-    Parts go up in parallel where the target streams that way (S3 multipart). Returns the
-    payload bytes written.
+    Parts go up in parallel where the target streams that way (S3 multipart); where the
+    target copies server-side (see `prepare_blob_copy`) no byte is written through this
+    process. Returns the payload bytes the blob holds.
+    """
+    return prepare_blob_copy(source, path, target, sha256_hex, size_bytes, crc32_hex)()
+
+
+def prepare_blob_copy(source: Store, path: str, target: Store, sha256_hex: str, size_bytes: int,
+                      crc32_hex: str | None) -> Callable[[], int]:  # fmt: skip
+    """The copy of `copy_blob`, in two steps: what can be checked before writing is checked now, and
+    the returned call copies (returning the blob's payload bytes).
+
+    When the target's service copies the source's files itself (`Store.can_copy_from`: S3 stores
+    in one bucket), every byte is read and checked now, and the returned call has the server
+    copy exactly those bytes, none written through this process: a caller that prepares all its
+    files first publishes no blob when any of them is corrupt. Otherwise only the size is
+    checked now and the returned call streams the bytes, checking them on the way.
     """
     where = f"{source.url}/{path}"
     stored_size = source.size(path)
     if stored_size != size_bytes:
         raise StoreError(f"{where}: size {stored_size} bytes, manifest says {size_bytes} (truncated or replaced)")
-    reader = DigestingReader(source.open_reader(path), crc32=crc32_hex is not None, sha256=crc32_hex is None)
 
-    def check() -> None:
+    def check(reader: DigestingReader) -> None:
         if reader.size_bytes != size_bytes:
             raise StoreError(f"{where}: read {reader.size_bytes} bytes, manifest says {size_bytes} (truncated or replaced)")
         if crc32_hex is not None and reader.crc32 != crc32_hex:
@@ -136,13 +150,36 @@ def copy_blob(source: Store, path: str, target: Store, sha256_hex: str, size_byt
         if crc32_hex is None and reader.sha256 != sha256_hex:
             raise StoreError(f"{where}: sha256 mismatch (corrupt file); nothing was written")
 
-    try:
-        target.put_stream(blob_path(sha256_hex), reader, size_bytes, check)
-    finally:
-        close = getattr(reader.reader, "close", None)
-        if close is not None:
-            close()
-    return size_bytes
+    def digesting(raw: Reader) -> DigestingReader:
+        return DigestingReader(raw, crc32=crc32_hex is not None, sha256=crc32_hex is None)
+
+    if target.can_copy_from(source):
+        def verify(raw: Reader) -> None:
+            reader = digesting(raw)
+            scratch = memoryview(bytearray(_DIGESTS_SLICE_BYTES))
+            while reader.readinto(scratch):
+                pass
+            check(reader)
+
+        server_copy = target.prepare_copy_from(source, path, blob_path(sha256_hex), size_bytes, verify)
+
+        def copy_in_store() -> int:
+            server_copy()
+            return size_bytes
+
+        return copy_in_store
+
+    def stream() -> int:
+        reader = digesting(source.open_reader(path))
+        try:
+            target.put_stream(blob_path(sha256_hex), reader, size_bytes, lambda: check(reader))
+        finally:
+            close = getattr(reader.reader, "close", None)
+            if close is not None:
+                close()
+        return size_bytes
+
+    return stream
 
 
 def put_blob(store: Store, parts: list[Buffer], sha256_hex: str, crc32_hex: str | None = None) -> int:

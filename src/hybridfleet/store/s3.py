@@ -10,7 +10,8 @@ from typing import Any
 import s3fs
 
 from hybridfleet.errors import StoreError
-from hybridfleet.store.base import Reader, read_exactly
+from hybridfleet.store import s3_copy
+from hybridfleet.store.base import Reader, Store, read_exactly
 from hybridfleet.store.fsspec_store import FsspecStore
 
 # Streamed writes go up as a multipart upload with this many parts in flight (what boto3's
@@ -43,6 +44,19 @@ class S3Store(FsspecStore):
         fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, use_listings_cache=False, **options)
         super().__init__(fs, bucket_and_prefix, f"s3://{bucket_and_prefix}")
         self.endpoint_url = endpoint_url
+        self.bucket = bucket_and_prefix.split("/", 1)[0]
+
+    def can_copy_from(self, source: Store) -> bool:
+        """True for an S3 store in the same bucket of the same endpoint, opened with the same keys (the
+        copy is made with this store's, which must read the source): the server copies its files."""
+        return (isinstance(source, S3Store) and source.endpoint_url == self.endpoint_url and source.bucket == self.bucket
+                and (source.fs.key, source.fs.secret) == (self.fs.key, self.fs.secret))  # fmt: skip
+
+    def _prepare_copy_from(self, source: Store, source_path: str, path: str, size_bytes: int,
+                           verify: Callable[[Reader], None]) -> Callable[[], None]:  # fmt: skip
+        assert isinstance(source, S3Store)  # can_copy_from said so
+        etag = s3_copy.verify_pinned(source, source_path, size_bytes, verify)
+        return lambda: s3_copy.copy_pinned(self, source, source_path, etag, path, size_bytes)
 
     def _put_stream(self, path: str, reader: Reader, size_bytes: int, check: Callable[[], None]) -> None:
         if size_bytes < 2 * PART_BYTES:
