@@ -21,7 +21,7 @@ from typing import IO, Callable
 
 from hybridfleet.obs.discovery import Target
 from hybridfleet.obs.log import get_logger
-from hybridfleet.obs.metric_plots import lower_is_better
+from hybridfleet.obs.metric_direction import lower_is_better
 from hybridfleet.obs.scrape import Scraped, scrape_all
 
 _log = get_logger("obs.live")

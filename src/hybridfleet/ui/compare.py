@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hybridfleet.obs.metric_plots import ACCURACY_SECTION, joint_series, lower_is_better, metric_label, reported_sections
+from hybridfleet.obs.metric_direction import lower_is_better
+from hybridfleet.obs.metric_plots import ACCURACY_SECTION, joint_series, metric_label, reported_sections
 from hybridfleet.obs.report import render_plot
 from hybridfleet.obs.runinfo import RunData
 
