@@ -99,7 +99,7 @@ def test_a_site_that_never_trains_fails_the_run_naming_the_site_and_its_error(tm
 
 
 def test_run_status_follows_the_jobs_site_policy(tmp_path):
-    from hybridfleet.launch.psjob import run_status
+    from hybridfleet.launch.run_summary import run_status
 
     spec = load_spec(_job(tmp_path, "digits-hybrid.yaml"))  # hospital 2 workers, cloud 2 workers
     everyone = ["worker-hospital-0", "worker-hospital-1", "worker-cloud-0", "worker-cloud-1"]
