@@ -28,6 +28,16 @@ class TokenGate:
         self._cache: dict[str, tuple[float, Exception | None]] = {}
         self._lock = threading.Lock()
 
+    def is_cached(self, header: str | None) -> bool:
+        """True when `check` of ``header`` would answer from the cache (no registry call), allowed or not."""
+        try:
+            digest = token_digest(parse_bearer(header))
+        except AuthError:
+            return True  # refused by its shape alone
+        with self._lock:
+            hit = self._cache.get(digest)
+        return hit is not None and hit[0] >= time.monotonic()
+
     def check(self, header: str | None) -> None:
         token = parse_bearer(header)
         digest = token_digest(token)

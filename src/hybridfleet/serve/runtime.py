@@ -51,6 +51,7 @@ class Runtime(ABC):
     format: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    inline_ok = False  # a small request may run on the server's event loop (no lock, no thread pool of its own)
 
     @property
     def platform(self) -> str:
@@ -63,6 +64,7 @@ class Runtime(ABC):
 
 class OnnxRuntime(Runtime):
     format = "onnx"
+    inline_ok = True  # one session serves concurrent run() calls without a lock
 
     def __init__(self, path: Path, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 1):
         try:
