@@ -9,6 +9,10 @@ checkpoint converter expects (`hybridfleet.frameworks.layout`). Both start from 
 values: `initial_values` draws them with numpy from one seed.
 
     hfleet registry export charlm@prod --format onnx --model examples/charlm/charlm_model.py:build_torch -o out/charlm-onnx
+    hfleet registry export charlm@prod --format paddle-inference --model examples/charlm/charlm_model.py:build_paddle -o out/charlm-paddle
+
+(add ``--model-arg layers=N --model-arg d_model=N --model-arg context=N --model-arg heads=N`` for a model
+trained with other sizes; the export's input is int64 token ids ``[batch, context]``).
 
 Defaults: 4 layers, d_model 256, context 128, 4 heads (about 3.3M parameters);
 ``--layers --d-model --context --heads`` on the training scripts shrink it.

@@ -13,6 +13,8 @@ Every request but probes and metrics carries ``Authorization: Bearer <registry t
 bad token, 403 no reader role, 404 unknown model or version; a failing runtime is counted
 and answered 503, never with a traceback. A request is routed by `hybridfleet.serve.routing`;
 its routing key is the ``X-Routing-Key`` header or the ``routing_key`` request parameter.
+The infer routes are served by `hybridfleet.serve.infer` ahead of FastAPI (`OipApp`); FastAPI
+answers the rest.
 """
 
 from __future__ import annotations
