@@ -60,10 +60,6 @@ class InferEndpoint:
         self._series: dict[tuple[str, str], Any] = {}  # (version, code) -> counter child: one dict lookup per request
         self._latency: dict[str, Any] = {}
 
-    def authorized_without_lookup(self, authorization: str | None) -> bool:
-        """True when this request's token answer needs no registry call (auth off, or a cached answer)."""
-        return self.gate is None or self.gate.is_cached(authorization)
-
     def _count(self, version: str, code: str) -> None:
         child = self._series.get((version, code))
         if child is None:
@@ -76,13 +72,17 @@ class InferEndpoint:
             child = self._latency.setdefault(version, self.metrics.latency.labels(self.name, version))
         child.observe(seconds)
 
-    def __call__(self, headers: dict[bytes, bytes], model: str, version: str | None, body: bytes,
-                 started: float) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:  # fmt: skip
+    def __call__(self, headers: dict[bytes, bytes], model: str, version: str | None, body: bytes, started: float,
+                 refusal: Exception | None | bool = False) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:  # fmt: skip
+        """The answer; ``refusal`` is the token gate's cached answer when the caller has it (False: check now)."""
         state = self.rollout.state  # one read: the version checked is the version used
         if self.gate is not None:
-            auth = headers.get(b"authorization")
             try:
-                self.gate.check(auth.decode("latin-1") if auth is not None else None)
+                if refusal is False:
+                    auth = headers.get(b"authorization")
+                    self.gate.check(auth.decode("latin-1") if auth is not None else None)
+                elif refusal is not None:
+                    raise refusal
             except AuthError as err:
                 return 401, error_body(str(err)), _JSON
             except PermissionDeniedError as err:
@@ -146,9 +146,9 @@ class InferEndpoint:
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         auth = headers.get(b"authorization")
-        if size <= INLINE_MAX_BODY_BYTES and self.authorized_without_lookup(auth.decode("latin-1") if auth else None) \
-                and self._inline_runtimes():
-            status, payload, extra = self(headers, model, version, body, started)
+        refusal = None if self.gate is None else self.gate.cached_refusal(auth.decode("latin-1") if auth is not None else None)
+        if refusal is not False and size <= INLINE_MAX_BODY_BYTES and self._inline_runtimes():
+            status, payload, extra = self(headers, model, version, body, started, refusal)
         else:
             status, payload, extra = await run_in_threadpool(self, headers, model, version, body, started)
         await _send(send, status, payload, extra)
