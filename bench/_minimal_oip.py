@@ -1,6 +1,6 @@
 """The anchor of bench/serve.py: the least server that answers an OIP v2 JSON infer request.
 
-    python bench/_minimal_oip.py MODEL.onnx PORT
+    python bench/_minimal_oip.py MODEL.onnx PORT [MODEL_NAME]
 
 uvicorn + one onnxruntime session; no routing, no auth, no metrics, no input checks.
 """
@@ -15,6 +15,7 @@ import uvicorn
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
 options.inter_op_num_threads = 1
+MODEL_NAME = sys.argv[3] if len(sys.argv) > 3 else "digits"
 session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 
 
@@ -33,7 +34,7 @@ async def app(scope, receive, send):
         tensor = json.loads(body)["inputs"][0]
         x = np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"])
         y = session.run(None, {"input": x})[0]
-        payload = json.dumps({"model_name": "digits", "outputs": [{"name": "output", "datatype": "FP32",
+        payload = json.dumps({"model_name": MODEL_NAME, "outputs": [{"name": "output", "datatype": "FP32",
                               "shape": list(y.shape), "data": y.reshape(-1).tolist()}]}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": payload})

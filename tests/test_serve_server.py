@@ -173,6 +173,27 @@ def test_bad_infer_requests_get_a_400_with_the_reason(served, body, status, text
     assert r.status_code == 404 and "not served here" in r.json()["error"]
 
 
+def test_an_oversized_or_non_post_infer_request_is_refused_before_anything_runs(served, monkeypatch):
+    # Prepare: a small body limit, so a test body can pass it (chunked: no Content-Length to refuse it up front)
+    import httpx
+
+    from hybridfleet.serve import infer
+
+    _, token, server, _ = served
+    monkeypatch.setattr(infer, "MAX_BODY_BYTES", 1000)
+    base = f"http://{server.url}"
+    before = httpx.get(base + "/metrics").text.count('code="200"')
+    # Execute
+    declared = httpx.post(base + "/v2/models/digits/infer", content=b"x" * 2000, headers=_headers(token))
+    streamed = httpx.post(base + "/v2/models/digits/infer", content=iter([b"x" * 600, b"x" * 600]), headers=_headers(token))
+    got = httpx.get(base + "/v2/models/digits/versions/1/infer", headers=_headers(token))
+    # Assert: each refused with its reason as JSON, and no inference answered
+    assert declared.status_code == 400 and "request body of 2000 bytes is over the limit of 1000" in declared.json()["error"]
+    assert streamed.status_code == 400 and "more than 1000 bytes is over the limit" in streamed.json()["error"]
+    assert got.status_code == 405 and got.json() == {"error": "the infer endpoint takes POST"}
+    assert httpx.get(base + "/metrics").text.count('code="200"') == before
+
+
 def test_metrics_count_requests_and_latency_by_version(served):
     import httpx
 

@@ -9,6 +9,10 @@ checkpoint converter expects (`hybridfleet.frameworks.layout`). Both start from 
 values: `initial_values` draws them with numpy from one seed.
 
     hfleet registry export charlm@prod --format onnx --model examples/charlm/charlm_model.py:build_torch -o out/charlm-onnx
+    hfleet registry export charlm@prod --format paddle-inference --model examples/charlm/charlm_model.py:build_paddle -o out/charlm-paddle
+
+(add ``--model-arg layers=N --model-arg d_model=N --model-arg context=N --model-arg heads=N`` for a model
+trained with other sizes; the export's input is int64 token ids ``[batch, context]``).
 
 Defaults: 4 layers, d_model 256, context 128, 4 heads (about 3.3M parameters);
 ``--layers --d-model --context --heads`` on the training scripts shrink it.
@@ -60,9 +64,12 @@ def initial_values(layers: int = 4, d_model: int = 256, context: int = 128, seed
     return out
 
 
-def _check(d_model: int, heads: int) -> None:
+def _sizes(layers, d_model, context, heads, seed) -> tuple[int, int, int, int, int]:
+    """The sizes as integers (``hfleet registry export --model-arg`` passes text), d_model checked against heads."""
+    layers, d_model, context, heads, seed = (int(v) for v in (layers, d_model, context, heads, seed))
     if d_model % heads:
         raise ValueError(f"--d-model ({d_model}) must be a multiple of --heads ({heads})")
+    return layers, d_model, context, heads, seed
 
 
 def build_torch(layers: int = 4, d_model: int = 256, context: int = 128, heads: int = 4, seed: int = 0):
@@ -71,7 +78,7 @@ def build_torch(layers: int = 4, d_model: int = 256, context: int = 128, heads: 
     from torch import nn
     from torch.nn import functional as F
 
-    _check(d_model, heads)
+    layers, d_model, context, heads, seed = _sizes(layers, d_model, context, heads, seed)
 
     class Block(nn.Module):
         def __init__(self):
@@ -115,7 +122,8 @@ def build_paddle(layers: int = 4, d_model: int = 256, context: int = 128, heads:
     from paddle import nn
     from paddle.nn import functional as F
 
-    _check(d_model, heads)
+    layers, d_model, context, heads, seed = _sizes(layers, d_model, context, heads, seed)
+    head_dim = d_model // heads
 
     class Block(nn.Layer):
         def __init__(self):
@@ -126,9 +134,9 @@ def build_paddle(layers: int = 4, d_model: int = 256, context: int = 128, heads:
 
         def forward(self, x, mask):
             b, t = x.shape[0], x.shape[1]
-            q, k, v = (a.reshape([b, t, heads, -1]).transpose([0, 2, 1, 3])
+            q, k, v = (a.reshape([b, t, heads, head_dim]).transpose([0, 2, 1, 3])
                        for a in paddle.chunk(self.qkv(self.ln1(x)), 3, axis=-1))
-            att = F.softmax(paddle.matmul(q, k, transpose_y=True) / math.sqrt(q.shape[-1]) + mask[:t, :t], axis=-1)
+            att = F.softmax(paddle.matmul(q, k, transpose_y=True) / math.sqrt(head_dim) + mask[:t, :t], axis=-1)
             x = x + self.proj(paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([b, t, d_model]))
             return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -156,8 +164,10 @@ def build_paddle(layers: int = 4, d_model: int = 256, context: int = 128, heads:
     return model
 
 
-def sample_inputs(rows: int = 8, context: int = 128) -> np.ndarray:
-    """``rows`` windows of ``context`` bytes of the held-out test text (int64), on which an export is verified."""
+def sample_inputs(rows: int = 32, context: int = 128) -> np.ndarray:
+    """``rows`` windows of ``context`` bytes of the held-out test text (int64), on which an export is verified
+    (``context`` follows ``--model-arg context=N`` of the export)."""
     from charlm_data import load_test
 
+    rows, context = int(rows), int(context)
     return load_test(context, (context + 1) * rows)[:, :context].astype(np.int64)

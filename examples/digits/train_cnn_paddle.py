@@ -1,6 +1,7 @@
 """Train a small CNN with BatchNorm and dropout on the digits sites, through the parameter server (Paddle).
 
     hfleet run examples/digits-cnn-paddle.yaml
+    hfleet registry export digits-cnn@prod --format paddle-inference --model examples/digits/digits_model.py:build_cnn_paddle -o out/digits-cnn-paddle
 
 The script is an ordinary Paddle loop plus the three lines. BatchNorm's running statistics
 (``_mean``/``_variance``) follow the job's ``ps.buffers`` (averaged over the sites by
@@ -12,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 from digits_data import load_site, load_test
+from digits_model import build_cnn_paddle
 
 import hybridfleet.paddle as hf
 
@@ -19,11 +21,7 @@ paddle.set_device("cpu")
 
 # -- the model ---------------------------------------------------------------
 paddle.seed(0)  # every worker starts from the same weights
-model = paddle.nn.Sequential(
-    paddle.nn.Unflatten(1, (1, 8, 8)),
-    paddle.nn.Conv2D(1, 8, 3, padding=1), paddle.nn.BatchNorm2D(8), paddle.nn.ReLU(), paddle.nn.MaxPool2D(2),
-    paddle.nn.Flatten(), paddle.nn.Dropout(0.1), paddle.nn.Linear(8 * 4 * 4, 10),
-)
+model = build_cnn_paddle()  # conv + BatchNorm + pool + dropout + linear (digits_model.py)
 ps = hf.connect(model)
 
 # -- this worker's data and randomness ---------------------------------------------

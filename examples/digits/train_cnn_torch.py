@@ -1,6 +1,7 @@
 """Train a small CNN with BatchNorm and dropout on the digits sites, through the parameter server.
 
     hfleet run examples/digits-cnn.yaml
+    hfleet registry export digits-cnn@prod --format onnx --model examples/digits/digits_model.py:build_cnn_torch -o out/digits-cnn-onnx
 
 The script is an ordinary PyTorch loop plus the three lines. BatchNorm's running statistics
 follow the job's ``ps.buffers`` (averaged over the sites by default), so every worker
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from digits_data import load_site, load_test
+from digits_model import build_cnn_torch
 
 import hybridfleet.torch as hf
 
@@ -18,11 +20,7 @@ torch.set_num_threads(1)
 
 # -- the model ---------------------------------------------------------------
 torch.manual_seed(0)  # every worker starts from the same weights
-model = torch.nn.Sequential(
-    torch.nn.Unflatten(1, (1, 8, 8)),
-    torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-    torch.nn.Flatten(), torch.nn.Dropout(0.1), torch.nn.Linear(8 * 4 * 4, 10),
-)
+model = build_cnn_torch()  # conv + BatchNorm + pool + dropout + linear (digits_model.py)
 ps = hf.connect(model)
 
 # -- this worker's data and randomness ---------------------------------------------

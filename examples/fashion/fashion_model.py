@@ -20,6 +20,9 @@ BatchNorm separately, as the joint job's workers do): without it 0.32 test accur
 tests shrink it with ``--width 4``. Convolutions carry no bias (BatchNorm follows each).
 
     hfleet registry export fashion@prod --format onnx --model examples/fashion/fashion_model.py:build_torch -o out/fashion-onnx
+    hfleet registry export fashion@prod --format paddle-inference --model examples/fashion/fashion_model.py:build_paddle -o out/fashion-paddle
+
+(add ``--model-arg width=N`` when the model was trained with ``--width N``).
 """
 
 from __future__ import annotations

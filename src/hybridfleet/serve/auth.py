@@ -28,6 +28,19 @@ class TokenGate:
         self._cache: dict[str, tuple[float, Exception | None]] = {}
         self._lock = threading.Lock()
 
+    def cached_refusal(self, header: str | None) -> Exception | None | bool:
+        """Without a registry call: the error `check` would raise for ``header``, None when it would pass,
+        or False when the answer is not cached (then call `check`)."""
+        try:
+            digest = token_digest(parse_bearer(header))
+        except AuthError as err:
+            return err
+        with self._lock:
+            hit = self._cache.get(digest)
+        if hit is None or hit[0] < time.monotonic():
+            return False
+        return hit[1]
+
     def check(self, header: str | None) -> None:
         token = parse_bearer(header)
         digest = token_digest(token)

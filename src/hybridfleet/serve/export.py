@@ -104,7 +104,7 @@ def _export(groups: dict[str, dict[str, np.ndarray]], state: dict[str, Any], src
     exporters.check_format(fmt, framework)
     weights, _ = convert_state(groups["model"], state.get("layouts", {}), src_framework or framework, framework)
     get_adapter(framework).load_model_state(model, weights)
-    sample = load_sample(sample_path, factory, max_samples)
+    sample = load_sample(sample_path, factory, max_samples, model_args)
     expected = exporters.reference_outputs(model, framework, sample)
     expected_one = exporters.reference_outputs(model, framework, sample[:1])
     inputs, outputs = exporters.tensor_specs(sample, expected)

@@ -2,14 +2,17 @@
 
 A factory returns the framework model (a ``torch.nn.Module`` or ``paddle.nn.Layer``) with
 fresh weights; the registered version's weights are then loaded into it strictly. The
-factory's module may offer ``sample_inputs()`` returning real inputs (a float32 array)
-on which an export is verified.
+factory's module may offer ``sample_inputs()`` returning real inputs on which an export is
+verified: floating-point rows (taken as float32) or integer ones such as token ids (taken
+as int64). It receives those of the factory's arguments it names (a shrunk model's
+``context``, say), so the sample always fits the model built.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +34,24 @@ class Factory:
     module: ModuleType
     build: Callable[..., Any]
 
-    def sample_inputs(self) -> np.ndarray | None:
-        """The module's ``sample_inputs()`` as float32, or None when it offers none."""
+    def sample_inputs(self, kwargs: dict[str, str] | None = None) -> np.ndarray | None:
+        """The module's ``sample_inputs(...)`` (given the entries of ``kwargs`` it names) as a model
+        input array (`as_model_input`), or None when it offers none."""
         func = getattr(self.module, SAMPLE_FUNC, None)
-        return None if func is None else np.ascontiguousarray(func(), dtype=np.float32)
+        if func is None:
+            return None
+        accepted = inspect.signature(func).parameters
+        return as_model_input(func(**{k: v for k, v in (kwargs or {}).items() if k in accepted}), f"{SAMPLE_FUNC}()")
+
+
+def as_model_input(array: object, what: str) -> np.ndarray:
+    """``array`` as the dtype an exported model takes: float32 for real values, int64 for integers (token ids)."""
+    a = np.asarray(array)
+    if a.dtype.kind == "f":
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if a.dtype.kind in "iu":
+        return np.ascontiguousarray(a, dtype=np.int64)
+    raise UsageError(f"{what}: sample inputs must be floating-point or integer numbers (got dtype {a.dtype})")
 
 
 def load_factory(text: str) -> Factory:
@@ -89,18 +106,19 @@ def framework_of(model: Any) -> str | None:
     return None
 
 
-def load_sample(path: str | None, factory: Factory, limit: int) -> np.ndarray:
-    """Real inputs for verification: ``path`` (.npy), else the factory module's ``sample_inputs()``; at most ``limit`` rows."""
+def load_sample(path: str | None, factory: Factory, limit: int, kwargs: dict[str, str] | None = None) -> np.ndarray:
+    """Real inputs for verification: ``path`` (.npy), else the factory module's ``sample_inputs()`` (given the
+    factory arguments ``kwargs`` it names); float32 or int64 (`as_model_input`); at most ``limit`` rows."""
     if path:
         try:
-            sample = np.load(path, allow_pickle=False)
+            loaded = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
             raise UsageError(f"--sample {path}: not a readable .npy array ({err})") from err
+        sample = as_model_input(loaded, f"--sample {path}")
     else:
-        sample = factory.sample_inputs()
+        sample = factory.sample_inputs(kwargs)
         if sample is None:
             raise UsageError(f"--model {factory.text}: its module has no {SAMPLE_FUNC}(); give real inputs with --sample FILE.npy")
-    sample = np.ascontiguousarray(sample, dtype=np.float32)
     if sample.ndim < 2 or len(sample) == 0:
         raise UsageError(f"sample inputs must be a batch (N, ...) with N >= 1 (got shape {list(sample.shape)})")
     return sample[:limit]

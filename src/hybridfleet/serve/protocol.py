@@ -125,7 +125,7 @@ def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) ->
     if data is None:
         raise InferRequestError(f"input {name!r}: no 'data' and no binary_data_size parameter")
     try:
-        array = np.asarray(data, dtype=dtype.newbyteorder("="))
+        array = _integers(data, dtype, name) if dtype.kind in "iu" else np.asarray(data, dtype=dtype.newbyteorder("="))
     except (TypeError, ValueError, OverflowError) as err:
         raise InferRequestError(f"input {name!r}: data is not a list of {dtype.name} numbers ({err})") from None
     if array.size != math.prod(shape):
@@ -133,6 +133,18 @@ def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) ->
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise InferRequestError(f"input {name!r}: data holds NaN or infinity")
     return array.reshape(shape)
+
+
+def _integers(data: Any, dtype: np.dtype, name: str) -> np.ndarray:
+    """JSON integers as ``dtype``, refusing what a cast would silently change (1.5 -> 1, 300 -> 44 in INT8, true -> 1)."""
+    raw = np.asarray(data)
+    if raw.size and raw.dtype.kind not in "iu":
+        raise InferRequestError(f"input {name!r}: the model takes {dtype.name} and the data holds values that are not "
+                                f"integers (JSON {raw.dtype.name} values)")  # fmt: skip
+    limits = np.iinfo(dtype)
+    if raw.size and (raw.min() < limits.min or raw.max() > limits.max):
+        raise InferRequestError(f"input {name!r}: values outside {dtype.name}'s range {limits.min}..{limits.max}")
+    return raw.astype(dtype.newbyteorder("="))
 
 
 def encode_infer(model_name: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray],

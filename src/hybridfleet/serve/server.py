@@ -13,29 +13,25 @@ Every request but probes and metrics carries ``Authorization: Bearer <registry t
 bad token, 403 no reader role, 404 unknown model or version; a failing runtime is counted
 and answered 503, never with a traceback. A request is routed by `hybridfleet.serve.routing`;
 its routing key is the ``X-Routing-Key`` header or the ``routing_key`` request parameter.
+The infer routes are served by `hybridfleet.serve.infer` ahead of FastAPI (`OipApp`); FastAPI
+answers the rest.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
-from starlette.routing import Route
 
 from hybridfleet import __version__
 from hybridfleet.errors import AuthError, PermissionDeniedError
 from hybridfleet.serve.auth import TokenGate
-from hybridfleet.serve.protocol import HEADER_LENGTH, InferRequestError, encode_infer, parse_infer
+from hybridfleet.serve.infer import InferEndpoint, infer_target
 from hybridfleet.serve.routing import Rollout, RolloutState
 
-ROUTING_HEADER = "x-routing-key"
-ROUTING_PARAMETER = "routing_key"
-MAX_BODY_BYTES = 64 * 1024 * 1024
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -61,7 +57,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics | None = None) -> FastAPI:
+def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics | None = None) -> OipApp:
     """The OIP v2 app serving ``rollout``'s model; ``gate`` None only when auth was explicitly turned off."""
     metrics = metrics or ServeMetrics()
     app = FastAPI(title="hfleet serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -118,43 +114,6 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
         refused = authorize(request) or known(model, version, rollout.state)
         return refused or {"name": model, "ready": True}
 
-    def infer(request: Request, model: str, version: str | None, body: bytes) -> Response:
-        started = time.perf_counter()
-        state = rollout.state
-        refused = authorize(request) or known(model, version, state)
-        if refused:
-            return refused
-        if len(body) > MAX_BODY_BYTES:
-            return _error(400, f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}")
-        if version is not None:
-            number, runtime = int(version), state.runtimes[int(version)]
-        else:
-            key = request.headers.get(ROUTING_HEADER)
-            number, runtime = None, None
-        try:
-            parsed = parse_infer(body, request.headers.get(HEADER_LENGTH.lower()), (runtime or state.runtimes[state.stable]).inputs,
-                                 (runtime or state.runtimes[state.stable]).outputs)  # fmt: skip
-        except InferRequestError as err:
-            metrics.errors.labels(name, version or "", "bad_request").inc()
-            metrics.requests.labels(name, version or "", "400").inc()
-            return _error(400, str(err))
-        if runtime is None:
-            param_key = parsed.parameters.get(ROUTING_PARAMETER)
-            number, runtime = rollout.route(key if key is not None else (str(param_key) if param_key is not None else None), state)
-        label = str(number)
-        try:
-            outputs = runtime.run(parsed.inputs)
-        except Exception as err:  # noqa: BLE001 - a runtime failure is counted and answered, never a traceback
-            metrics.errors.labels(name, label, "runtime").inc()
-            metrics.requests.labels(name, label, "503").inc()
-            return _error(503, f"version {number} failed to run the request: {type(err).__name__}: {err}")
-        payload, header_length = encode_infer(name, number, parsed, outputs, runtime.outputs)
-        headers = {HEADER_LENGTH: str(header_length)} if header_length is not None else {}
-        metrics.requests.labels(name, label, "200").inc()
-        metrics.latency.labels(name, label).observe(time.perf_counter() - started)
-        media = "application/octet-stream" if header_length is not None else "application/json"
-        return Response(payload, media_type=media, headers=headers)
-
     @app.get("/v2/models/{model}")
     def metadata_any(request: Request, model: str) -> Any:
         return model_metadata(request, model, None)
@@ -171,20 +130,18 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
     def ready_version(request: Request, model: str, version: str) -> Any:
         return model_ready(request, model, version)
 
-    async def infer_endpoint(request: Request) -> Response:
-        params = request.path_params
-        return _too_large(request) or await run_in_threadpool(infer, request, params["model"], params.get("version"),
-                                                              await request.body())  # fmt: skip
-
-    # The hot path is a plain Starlette route, matched first: FastAPI's per-request dependency
-    # solving and telemetry cost more than the rest of a batch-1 request (bench/serve.py).
-    app.router.routes[:0] = [Route("/v2/models/{model}/infer", infer_endpoint, methods=["POST"]),
-                             Route("/v2/models/{model}/versions/{version}/infer", infer_endpoint, methods=["POST"])]
-    return app
+    return OipApp(app, InferEndpoint(rollout, gate, metrics))
 
 
-def _too_large(request: Request) -> JSONResponse | None:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return _error(400, f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
-    return None
+class OipApp:
+    """The served ASGI app: infer requests go straight to `InferEndpoint`, everything else to FastAPI."""
+
+    def __init__(self, app: FastAPI, endpoint: InferEndpoint):
+        self.app, self.endpoint = app, endpoint
+        self.state = app.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        target = infer_target(scope["path"]) if scope["type"] == "http" else None
+        if target is None:
+            return await self.app(scope, receive, send)
+        return await self.endpoint.asgi(scope, receive, send, *target)
