@@ -10,8 +10,9 @@ Every page is a Jinja2 template with autoescape, served with a strict
 Content-Security-Policy (scripts, styles and connections to the UI itself only, no inline
 script, no framing). A live run's page updates its figures from server-sent events
 (``/runs/JOB/STAMP/events``, read by ``/static/live.js``); without script it reloads itself
-every few seconds (a meta refresh inside <noscript>). Its plots are PNGs the UI draws from the run's files on each request. Process logs are served
-as text/plain, only files directly under the run's ``logs/``.
+every few seconds (a meta refresh inside <noscript>). Its plots are PNGs the UI draws
+from the run's files on each request. Process logs are served as text/plain, only files
+directly under the run's ``logs/``.
 Nothing here writes: a run's report is rendered in memory, its directory and the
 registry are only read, and no database is created.
 """
@@ -198,11 +199,11 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
                     refresh_s=LIVE_REFRESH_S if run.live else None, live_events=run.live)  # fmt: skip
 
     @app.get("/runs/{job}/{stamp}/events")
-    async def run_events(request: Request, job: str, stamp: str) -> Response:
+    async def run_events(job: str, stamp: str) -> Response:
         path = run_dir(job, stamp)
         if not slots.take():
-            return Response(f"too many live streams open (at most {slots.limit}); the page reloads itself instead\n",
-                            status_code=503, media_type="text/plain", headers={"Retry-After": "5"})  # fmt: skip
+            reason = f"too many live streams open (at most {slots.limit}): reload the page later for new figures\n"
+            return Response(reason, status_code=503, media_type="text/plain", headers={"Retry-After": "5"})
 
         async def events():
             try:

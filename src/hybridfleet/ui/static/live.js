@@ -15,10 +15,14 @@
     }
   }
 
-  function setSites(sites) {
+  function setSites(sites, metricKey) {
     var table = document.getElementById("sites");
     if (!table) {
       return;
+    }
+    var heads = table.querySelectorAll("th");
+    if (heads.length) {
+      heads[heads.length - 1].textContent = metricKey;  // the last column: the job's own metric
     }
     var rows = table.querySelectorAll("tr");
     for (var i = 1; i < rows.length; i++) {
@@ -42,8 +46,7 @@
   source.addEventListener("progress", function (message) {
     var data = JSON.parse(message.data);
     setText("progress", data.progress);
-    setText("metric-key", data.metric_key);
-    setSites(data.sites || []);
+    setSites(data.sites || [], data.metric_key);
   });
 
   source.addEventListener("end", function (message) {
