@@ -14,7 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from hybridfleet.obs.discovery import Target, write_targets
 from tests.browser import chromium_page
+from tests.test_obs_live_sites import worker_endpoint
 from tests.test_ui import in_process_ui
 from tests.test_ui_runs import _files, _worker_metrics, completed_summary, write_run
 
@@ -117,12 +119,15 @@ def test_a_bad_run_path_is_refused_with_404_and_changes_nothing(tmp_path):
     assert _files(tmp_path) == before
 
 
-def test_the_live_page_updates_its_figure_without_a_reload(tmp_path):
-    # Prepare
+def test_the_live_page_updates_its_figures_without_a_reload(tmp_path):
+    # Prepare: a live run whose hospital worker serves its metrics (a real prometheus endpoint)
     run = _live_run(tmp_path)
-    with in_process_ui(tmp_path, poll_s=POLL_S) as url, chromium_page() as page:
+    with worker_endpoint(20, 2000, 1900, test_accuracy=0.82) as (address, close_worker), \
+            in_process_ui(tmp_path, poll_s=POLL_S) as url, chromium_page() as page:
         from playwright.sync_api import expect
 
+        write_targets(run, [Target(address, {"job": "digits", "role": "worker", "site": "hospital",
+                                             "process": "worker-hospital-0"})])
         errors = []  # script errors (a CSP refusal among them) and failed loads other than the browser's favicon
         page.on("console", lambda m: errors.append(m.text)
                 if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
@@ -130,10 +135,17 @@ def test_the_live_page_updates_its_figure_without_a_reload(tmp_path):
                 if r.status >= 400 and not r.url.endswith("/favicon.ico") else None)
         page.goto(url + "/runs/digits/live")
         expect(page.locator("#progress")).to_contain_text("worker step 20 of 40")
+        first_row = page.locator("#sites tr >> nth=1").inner_text()
         page.evaluate("window.notReloaded = true")
-        # Execute
+        # Execute: a worker reports step 30; then it exits (its endpoint closes, the supervisor logs the exit)
         _report_step(run, 30)
         expect(page.locator("#progress")).to_contain_text("worker step 30 of 40", timeout=15000)
+        close_worker()
+        with (run / "events.jsonl").open("a") as f:
+            f.write(json.dumps({"ts": 1.7e9 + 40, "process": "worker-hospital-0", "event": "exit",
+                                "returncode": 0}) + "\n")
+        expect(page.locator("#sites tr.final")).to_contain_text("0/1 (1 exited, code 0) · final", timeout=15000)
+        exited_row = page.locator("#sites tr >> nth=1").inner_text()
         kept = page.evaluate("window.notReloaded === true")
         (run / "summary.json").write_text(json.dumps(completed_summary("digits")))
         expect(page.locator("#status")).to_have_text("COMPLETED", timeout=15000)
@@ -141,5 +153,8 @@ def test_the_live_page_updates_its_figure_without_a_reload(tmp_path):
         page.goto("about:blank")  # closes the stream before the server stops
     # Assert
     assert kept, "the page reloaded instead of updating in place"
+    assert first_row.split("\t")[:3] == ["hospital", "1/1", "20"] and "0.820" in first_row
+    # an exited worker keeps its last logged figures (metrics.jsonl: step 30, accuracy 0.830)
+    assert exited_row.split("\t") == ["hospital", "0/1 (1 exited, code 0) · final", "30", "3.0 kB", "3.0 kB", "0.830"]
     assert "The run has ended (completed)" in note
     assert errors == []
