@@ -192,8 +192,10 @@ class _Access:
 
 
 @contextmanager
-def in_process_ui(runs: Path, registry=None, no_registry_reason: str = "no registry configured", token=None):
-    """The UI app on a real socket, served by uvicorn in a thread; yields its base URL."""
+def in_process_ui(runs: Path, registry=None, no_registry_reason: str = "no registry configured", token=None,
+                  **app_options):
+    """The UI app on a real socket, served by uvicorn in a thread (``app_options``: more `create_app` arguments);
+    yields its base URL."""
     import threading
 
     import uvicorn
@@ -201,7 +203,7 @@ def in_process_ui(runs: Path, registry=None, no_registry_reason: str = "no regis
     from hybridfleet.ui.app import bind, create_app
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(runs, token=token, registry=registry, no_registry_reason=no_registry_reason), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(runs, token=token, registry=registry, no_registry_reason=no_registry_reason, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

@@ -7,16 +7,19 @@ registry principal: the token the UI was given (``--registry-token``), else the
 viewer's own, entered in the same form; never the database's owner.
 
 Every page is a Jinja2 template with autoescape, served with a strict
-Content-Security-Policy (no script at all, styles from the UI itself, no framing).
-A live run's page reloads itself every few seconds (a meta refresh, no script), and its
-plots are PNGs the UI draws from the run's files on each request. Process logs are served
-as text/plain, only files directly under the run's ``logs/``.
+Content-Security-Policy (scripts, styles and connections to the UI itself only, no inline
+script, no framing). A live run's page updates its figures from server-sent events
+(``/runs/JOB/STAMP/events``, read by ``/static/live.js``); without script it reloads itself
+every few seconds (a meta refresh inside <noscript>). Its plots are PNGs the UI draws
+from the run's files on each request. Process logs are served as text/plain, only files
+directly under the run's ``logs/``.
 Nothing here writes: a run's report is rendered in memory, its directory and the
 registry are only read, and no database is created.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import socket
@@ -25,7 +28,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridfleet.errors import (
@@ -43,7 +46,7 @@ from hybridfleet.obs.report import (
     RUN_SECTIONS, STYLE_CSP_SOURCE, build_report, metric_section, render_plot, sections_for,
 )
 from hybridfleet.obs.runinfo import list_runs, load_run
-from hybridfleet.ui import compare, pages, runs_view
+from hybridfleet.ui import compare, live_events, pages, runs_view
 from hybridfleet.ui.registry_view import RegistryAccess
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -55,8 +58,8 @@ LIVE_REFRESH_S = 5
 LOG_LIMIT_BYTES = 2 * 1024 * 1024  # a longer log is served from its last bytes
 _RUN_PLOTS = {key: draw for key, _, draw in RUN_SECTIONS}  # metric plots: any metric key (obs.metric_plots)
 _OPEN_PATHS = ("/login", "/static/ui.css")
-CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
-       "base-uri 'none'")  # fmt: skip
+CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; img-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")  # fmt: skip
 REPORT_CSP = f"default-src 'none'; style-src {STYLE_CSP_SOURCE}; img-src data:; frame-ancestors 'none'; base-uri 'none'"
 SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
                     "Cache-Control": "no-store"}  # fmt: skip
@@ -68,11 +71,15 @@ def _html(body: str, status: int = 200) -> HTMLResponse:
 
 
 def create_app(runs_root: Path, token: str | None = None, registry: RegistryAccess | None = None,
-               no_registry_reason: str = "no registry configured") -> FastAPI:  # fmt: skip
-    """The app over ``runs_root``; with ``token`` every request must carry it; ``registry``: the models pages' source."""
+               no_registry_reason: str = "no registry configured", max_streams: int = live_events.MAX_STREAMS,
+               poll_s: float = live_events.POLL_S) -> FastAPI:  # fmt: skip
+    """The app over ``runs_root``; with ``token`` every request must carry it; ``registry``: the models pages' source;
+    at most ``max_streams`` live event streams open at once, each polling its run every ``poll_s`` seconds."""
     app = FastAPI(title="hybridfleet", docs_url=None, redoc_url=None, openapi_url=None)
     root = Path(runs_root).resolve()
-    css = (resources.files("hybridfleet.ui") / "static" / "ui.css").read_bytes()
+    static = resources.files("hybridfleet.ui") / "static"
+    css, live_js = (static / "ui.css").read_bytes(), (static / "live.js").read_bytes()
+    slots = live_events.StreamSlots(max_streams)
 
     def ui_token_ok(request: Request) -> bool:
         if token is None:
@@ -127,6 +134,10 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
     @app.get("/static/ui.css")
     def stylesheet() -> Response:
         return Response(css, media_type="text/css")
+
+    @app.get("/static/live.js")
+    def live_script() -> Response:
+        return Response(live_js, media_type="text/javascript")
 
     @app.get("/login", response_class=HTMLResponse)
     def login_form(request: Request) -> HTMLResponse:
@@ -185,7 +196,23 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
         plots = [(key, title) for key, title, _ in sections_for(run)]
         return page(request, "run.html", title=f"Run {run.job} {stamp}",
                     run=runs_view.run_view(f"{job}/{stamp}", run, sites, plots, metric_key),
-                    refresh_s=LIVE_REFRESH_S if run.live else None)  # fmt: skip
+                    refresh_s=LIVE_REFRESH_S if run.live else None, live_events=run.live)  # fmt: skip
+
+    @app.get("/runs/{job}/{stamp}/events")
+    async def run_events(job: str, stamp: str) -> Response:
+        path = run_dir(job, stamp)
+        if not slots.take():
+            reason = f"too many live streams open (at most {slots.limit}): reload the page later for new figures\n"
+            return Response(reason, status_code=503, media_type="text/plain", headers={"Retry-After": "5"})
+
+        async def events():
+            try:
+                async for chunk in live_events.stream(path, live_snapshot, asyncio.sleep, poll_s):
+                    yield chunk
+            finally:
+                slots.release()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
 
     @app.get("/runs/{job}/{stamp}/plots/{key}.png")
     def run_plot(job: str, stamp: str, key: str) -> Response:

@@ -23,6 +23,7 @@ _ENV = Environment(loader=PackageLoader("hybridfleet.ui", "templates"), autoesca
 def render(template: str, **values: Any) -> str:
     """The page ``template`` (under ui/templates) with ``values``; every value is HTML-escaped."""
     values.setdefault("refresh_s", None)
+    values.setdefault("live_events", False)
     values.setdefault("registry", False)
     values.setdefault("signed_in", False)
     return _ENV.get_template(template).render(**values)
