@@ -42,12 +42,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, framework))
 
 
-@pytest.fixture(autouse=True)
-def _private_model_registry(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _private_model_registry(tmp_path_factory):
     # Jobs with a `registry:` block publish at the end of a run; tests publish to a
-    # registry of their own session, never to the project's .hfleet/registry.
-    if "HFLEET_REGISTRY" not in os.environ:
-        monkeypatch.setenv("HFLEET_REGISTRY", str(tmp_path_factory.getbasetemp() / "registry" / "registry.db"))
+    # registry of their own session, never to the project's .hfleet/registry. Session
+    # scoped, so session and module fixtures that run jobs (before any test) see it too.
+    if "HFLEET_REGISTRY" in os.environ:
+        yield
+        return
+    os.environ["HFLEET_REGISTRY"] = str(tmp_path_factory.getbasetemp() / "registry" / "registry.db")
+    try:
+        yield
+    finally:
+        os.environ.pop("HFLEET_REGISTRY", None)
 
 
 from tests.obs_fixtures import demo_run  # noqa: E402,F401  (session fixture: one demo run per framework)
