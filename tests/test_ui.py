@@ -171,9 +171,11 @@ class _Models:
         return [{"name": "default/digits", "description": "hospital + cloud digits classifier", "latest": 2}]
 
     def versions(self, name):
-        return [{"version": 1, "step": 200, "metrics": {"test_accuracy": 0.95}, "created_s": 1.7e9},
+        return [{"version": 1, "step": 200, "metrics": {"test_accuracy": 0.95}, "created_s": 1.7e9,
+                 "lineage": {"job": "digits-hybrid", "run_id": "20231114-000000"}},  # a run this UI does not hold
                 {"version": 2, "step": 300, "metrics": {"test_accuracy": 0.97}, "created_s": 1.7e9 + 60,
-                 "metric_sources": {"test_accuracy": {"source": "checkpoint", "origin": "manifest"}}}]
+                 "metric_sources": {"test_accuracy": {"source": "checkpoint", "origin": "manifest"}},
+                 "lineage": {"job": "digits-hybrid", "run_id": "20231114-000100"}}]
 
     def history(self, name):
         return [{"alias": "production", "action": "move", "to_version": 1, "reason": "first", "at_s": 1.7e9,
@@ -216,6 +218,8 @@ def in_process_ui(runs: Path, registry=None, no_registry_reason: str = "no regis
 
 
 def test_models_page_lists_models_versions_and_alias_history(tmp_path):
+    # Prepare: the run that produced v2 is under the UI's runs root; v1's run is not
+    (tmp_path / "digits-hybrid" / "20231114-000100").mkdir(parents=True)
     with in_process_ui(tmp_path, _Access()) as url, chromium_page() as page:
         # Execute
         page.goto(url + "/")
@@ -225,6 +229,10 @@ def test_models_page_lists_models_versions_and_alias_history(tmp_path):
         versions = page.locator("#versions tr").all_inner_texts()
         aliases = page.locator("#aliases").inner_text()
         current = page.locator("#current-aliases").inner_text()
+        links = page.locator("#versions td.lineage a").evaluate_all("els => els.map(e => e.getAttribute('href'))")
+    # Assert: each version names the run that produced it, linked to its page and report when served here
+    assert links == ["/runs/digits-hybrid/20231114-000100", "/runs/digits-hybrid/20231114-000100/report"]
+    assert "digits-hybrid / 20231114-000000 (not here)" in versions[2]
     # Assert: newest version first, metrics formatted with their source, alias history with time and actor
     assert versions[1].startswith("v2") and "test_accuracy = 0.97 (checkpoint)" in versions[1]
     assert "test_accuracy = 0.95 (claimed)" in versions[2] and "300" in versions[1]

@@ -122,6 +122,10 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
             raise HTTPException(404, "no such run")
         return path
 
+    def run_served(job: str, stamp: str) -> bool:
+        """True when this UI serves the run folder ``job/stamp`` (a version's lineage names it)."""
+        return bool(_PART.fullmatch(job) and _PART.fullmatch(stamp)) and (root / job / stamp).is_dir()
+
     def runs() -> list[tuple[str, object]]:
         out = []
         for path in list_runs(root):
@@ -292,7 +296,7 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
     @app.get("/models/{name:path}", response_class=HTMLResponse)  # names are namespace/model
     def model(request: Request, name: str) -> HTMLResponse:
         def render(view) -> HTMLResponse:
-            versions = [pages.version_view(v) for v in reversed(view.versions(name))]
+            versions = [pages.version_view(v, run_served) for v in reversed(view.versions(name))]
             current, history = pages.history_view(view.history(name))
             return page(request, "model.html", title=f"Model {name}", versions=versions, aliases=current,
                         history=history)  # fmt: skip

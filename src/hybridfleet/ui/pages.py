@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
@@ -64,8 +66,10 @@ def _metric_detail(record: Any) -> str:
     return ", ".join(parts)
 
 
-def version_view(v: dict[str, Any]) -> dict[str, Any]:
-    """One version: formatted metrics with their source (checkpoint, claimed, measured), tags, who and when."""
+def version_view(v: dict[str, Any], run_known: Callable[[str, str], bool] = lambda job, stamp: False) -> dict[str, Any]:
+    """One version: formatted metrics with their source (checkpoint, claimed, measured), tags, who and when,
+    and the run that produced it (``run``: its label, and ``href`` to its page and report when
+    ``run_known(job, stamp)`` says this UI serves that run; None for a version not made by a run)."""
     sources = v.get("metric_sources") if isinstance(v.get("metric_sources"), dict) else {}
     metrics = v.get("metrics") if isinstance(v.get("metrics"), dict) else {}
     shown = []
@@ -78,7 +82,17 @@ def version_view(v: dict[str, Any]) -> dict[str, Any]:
     tags = v.get("tags") if isinstance(v.get("tags"), dict) else {}
     return {"version": v.get("version"), "created": when(v.get("created_s")), "created_by": v.get("created_by", "-"),
             "framework": v.get("framework") or "-", "step": "-" if v.get("step") is None else v.get("step"),
-            "metrics": shown, "tags": sorted((str(k), str(t)) for k, t in tags.items())}  # fmt: skip
+            "metrics": shown, "tags": sorted((str(k), str(t)) for k, t in tags.items()),
+            "run": _run_of(v.get("lineage"), run_known)}  # fmt: skip
+
+
+def _run_of(lineage: Any, run_known: Callable[[str, str], bool]) -> dict[str, Any] | None:
+    """The producing run from a version's lineage (job + run id), linked when this UI serves it."""
+    if not isinstance(lineage, dict) or not isinstance(lineage.get("job"), str) or not isinstance(lineage.get("run_id"), str):
+        return None
+    job, stamp = lineage["job"], lineage["run_id"]
+    href = f"/runs/{quote(job, safe='')}/{quote(stamp, safe='')}" if run_known(job, stamp) else None
+    return {"label": f"{job} / {stamp}", "href": href, "report": f"{href}/report" if href else None}
 
 
 def history_view(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
