@@ -223,7 +223,9 @@ def test_an_unread_field_is_reported(tmp_path):
     extra = create_model("CheckpointSpec", __base__=models.CheckpointSpec, zz_unread=(int, 0), zz_read=(int, 0))
     job = create_model("JobSpec", __base__=models.JobSpec, checkpoint=(extra, extra()))
     source = tmp_path / "reader.py"
-    source.write_text("def f(spec: JobSpec):\n    c = spec.checkpoint\n    return c.zz_read\n")
+    # names no product source uses: the reads are tracked by name across files, not per scope
+    source.write_text("def zz_reader(zz_spec: JobSpec):\n    zz_checkpoint = zz_spec.checkpoint\n"
+                      "    return zz_checkpoint.zz_read\n")
 
     # Execute
     unread = unread_fields(job, [*_product_sources(), source])
