@@ -33,6 +33,7 @@ from hybridfleet.ps.wire.protocol import GRPC_OPTIONS, SERVICE
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import load_pki, make_dev_pki
 from tests.ps_helpers import PARAMS, initial_values, job_spec, raw
+from tests.test_ps_tls_native import needs_native  # skipped only outside CI, naming the install step
 
 NONE = get_codec("none")
 # Threads the shard may start beyond the test process's own, whatever N: the bulk pool, its
@@ -150,12 +151,11 @@ def test_thread_count_stays_under_one_bound_at_20_and_200_workers_and_every_push
             np.testing.assert_array_equal(values[key], ref)
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["native-tls", "ssl-module"])
+@pytest.mark.parametrize("native", [pytest.param("1", id="native-tls", marks=needs_native),
+                                    pytest.param("0", id="ssl-module")])
 def test_tls_handshakes_run_in_the_event_loop_and_forty_tls_workers_need_no_thread_each(tmp_path, monkeypatch,
                                                                                         native):
     # Prepare: the shard's TLS on the native extension or on the ssl module (HFLEET_NATIVE_TLS)
-    if native == "1" and tls._tls is None:
-        pytest.skip("the native TLS extension hybridfleet.ps.wire._tls is not built")
     monkeypatch.setenv(tls.ENV_SWITCH, native)
     make_dev_pki(tmp_path / "pki", clients=[])
 
