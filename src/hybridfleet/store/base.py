@@ -37,14 +37,19 @@ class RangeReader:
             end = min(self.size_bytes, self.position + self.chunk_bytes)
             self._chunk = memoryview(self.store.get_bytes(self.path, self.position, end))
             self.position += self._chunk.nbytes
-        view = memoryview(view).cast("B")
-        count = min(view.nbytes, self._chunk.nbytes)
-        view[:count] = self._chunk[:count]
-        self._chunk = self._chunk[count:]
+        count, self._chunk = serve_chunk(self._chunk, view)
         return count
 
     def close(self) -> None:
         self._chunk = memoryview(b"")
+
+
+def serve_chunk(chunk: memoryview, view: memoryview) -> tuple[int, memoryview]:
+    """Copy the start of ``chunk`` into ``view`` (``readinto``'s contract): (bytes copied, what is left)."""
+    view = memoryview(view).cast("B")
+    count = min(view.nbytes, chunk.nbytes)
+    view[:count] = chunk[:count]
+    return count, chunk[count:]
 
 
 def read_exactly(reader: Reader, view: memoryview, source: str) -> None:

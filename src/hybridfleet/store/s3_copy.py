@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fsspec.asyn import sync
 
 from hybridfleet.errors import StoreError
-from hybridfleet.store.base import Reader
+from hybridfleet.store.base import Reader, serve_chunk
 
 if TYPE_CHECKING:
     from hybridfleet.store.s3 import S3Store
@@ -73,10 +73,7 @@ class PinnedReader:
                 return 0
             self._chunk = memoryview(self._pending.popleft().result())
             self.store.bytes_read += self._chunk.nbytes
-        view = memoryview(view).cast("B")
-        count = min(view.nbytes, self._chunk.nbytes)
-        view[:count] = self._chunk[:count]
-        self._chunk = self._chunk[count:]
+        count, self._chunk = serve_chunk(self._chunk, view)
         return count
 
     def close(self) -> None:
