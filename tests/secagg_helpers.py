@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from hybridfleet.ps.secagg.rounds import SecureRounds
 from hybridfleet.ps.secagg.settings import SecAggSettings
 from hybridfleet.ps.wire.sharding import ParamSpec
+from tests.script_optim_helpers import run_workers
 
 PARAMS = [ParamSpec("w", (64, 64)), ParamSpec("b", (64,))]
 
@@ -46,21 +45,8 @@ def init(cluster, pushers: list[Pusher]) -> None:
 
 
 def run_round(pushers: list[Pusher], updates: list[dict]) -> None:
-    errors = []
-
-    def go(p, u):
-        try:
-            p.push(u)
-        except Exception as err:  # noqa: BLE001 - re-raised below in the test thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=go, args=(p, u)) for p, u in zip(pushers, updates)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    """Every pusher pushes its update in its own thread (a round); re-raises a pusher's error."""
+    run_workers(lambda rank: pushers[rank].push(updates[rank]), len(pushers))
 
 
 def updates(n: int, seed: int) -> list[dict[str, np.ndarray]]:

@@ -21,6 +21,15 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _run(job: dict, tmp_path: Path, **options) -> tuple[dict, list[dict]]:
+    """Run ``job`` from a file under ``tmp_path``: (its summary, every secure-aggregation log event)."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    summary = run_ps_job(load_spec(path), path, echo=False, show_progress=False, run_root=tmp_path / "runs", **options)
+    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.log"))
+    return summary, [json.loads(line) for line in logs.splitlines() if line.startswith("{") and '"secagg_' in line]
+
+
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
 def test_the_demo_job_with_secure_aggregation_reaches_the_demo_accuracy(tmp_path, framework):
@@ -30,16 +39,12 @@ def test_the_demo_job_with_secure_aggregation_reaches_the_demo_accuracy(tmp_path
     job["ps"]["secure_aggregation"] = True
     job["train"].update(site_baselines=False, eval_every_steps=0)
     job.pop("registry", None)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
 
-    summary = run_ps_job(load_spec(path), path, echo=False, show_progress=False, run_root=tmp_path / "runs")
+    summary, events = _run(job, tmp_path)
 
     assert summary["status"] == "completed", summary
     assert summary["test_accuracy"] >= 0.95, summary
-    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.log"))
-    unmasked = [json.loads(line) for line in logs.splitlines()
-                if line.startswith("{") and '"secagg_unmasked"' in line]
+    unmasked = [e for e in events if e["event"] == "secagg_unmasked"]
     assert unmasked and all(u["dropped"] == [] for u in unmasked)
     assert {u["shard"] for u in unmasked} == {0, 1}
     assert len(unmasked) >= job["train"]["steps"]  # every round of the job went through the masks
@@ -61,17 +66,12 @@ def test_local_sgd_with_secure_aggregation_survives_a_sigkilled_pusher(tmp_path,
     job["ps"]["secure_aggregation"] = {"threshold": 2}
     job["train"].update(site_baselines=False)
     job["max_restarts"] = 1
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
     killed: dict = {}
 
-    summary = run_ps_job(load_spec(path), path, echo=False, show_progress=False, run_root=tmp_path / "runs",
-                         on_started=kill_when_round(5, "worker-cloud-1", killed))
+    summary, events = _run(job, tmp_path, on_started=kill_when_round(5, "worker-cloud-1", killed))
 
     assert killed["pid"] is not None and summary["status"] == "completed", summary
     assert summary["restarts"] == 1 and summary["test_accuracy"] >= 0.95, summary
-    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.log"))
-    events = [json.loads(line) for line in logs.splitlines() if line.startswith("{") and '"secagg_' in line]
     dropped = [e for e in events if e["event"] == "secagg_unmasked" and e["dropped"]]
     assert dropped and all(e["dropped"] == ["cloud-1"] for e in dropped), dropped
     assert any(e["event"] == "secagg_evicted" and e["workers"] == ["cloud-1"] for e in events)
@@ -89,15 +89,11 @@ def test_the_demo_job_trains_on_a_sparse_secagg_graph(tmp_path, framework):
     job["train"].update(steps=80, site_baselines=False, eval_every_steps=0)
     job.pop("registry", None)
     job.pop("checkpoint", None)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
 
-    summary = run_ps_job(load_spec(path), path, echo=False, show_progress=False, run_root=tmp_path / "runs")
+    summary, events = _run(job, tmp_path)
 
     assert summary["status"] == "completed", summary
     assert summary["test_accuracy"] >= 0.8, summary
-    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.log"))
-    events = [json.loads(line) for line in logs.splitlines() if line.startswith("{") and '"secagg_' in line]
     rosters = [e for e in events if e["event"] == "secagg_roster"]
     assert rosters and all(e["degree"] == 2 and e["threshold"] == 3 and len(e["pushers"]) == 4 for e in rosters)
     unmasked = [e for e in events if e["event"] == "secagg_unmasked"]
