@@ -35,10 +35,8 @@ def test_shard_whose_address_is_taken_after_a_sigkill_comes_back_at_a_new_port_a
     # Prepare
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
-    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=120)
-    data = yaml.safe_load(job.read_text())
-    data["ps"]["snapshot_every_steps"] = 1
-    job.write_text(yaml.safe_dump(data))
+    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=120,
+               ps__snapshot_every_steps=1)
     held: dict = {}
 
     def take_shard_0s_address(sup, layout):

@@ -104,12 +104,8 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
     from hybridfleet.ps.worker.status import ShardStatusProbe
     from hybridfleet.spec import load_spec
 
-    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=200)
-    import yaml
-
-    data = yaml.safe_load(job.read_text())
-    data["ps"]["snapshot_every_steps"] = 10
-    job.write_text(yaml.safe_dump(data))
+    job = _job(tmp_path, "digits-hybrid.yaml", max_restarts=1, train__site_baselines=False, train__steps=200,
+               ps__snapshot_every_steps=10)
     killed = {}
 
     def kill_shard(sup, layout):
