@@ -133,22 +133,28 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self.state.poll_parked()
 
     def Pull(self, request, context):
-        if self.grpc_pull_limit is not None:
-            with self._grpc_pull_lock:
-                full = self._grpc_pulls >= self.grpc_pull_limit
-                if not full:
-                    self._grpc_pulls += 1
-            if full:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.grpc_pull_limit} pulls are waiting on this shard's gRPC port already; "
-                              f"pulls go by its bulk data plane (port {self.bulk_port})")
-            try:
-                yield from self._pull_grpc(request, context)
-            finally:
-                with self._grpc_pull_lock:
-                    self._grpc_pulls -= 1
+        with self._grpc_pull_slot(context):
+            yield from self._pull_grpc(request, context)
+
+    @contextmanager
+    def _grpc_pull_slot(self, context):
+        """One of the bounded pulls that may wait on gRPC (no bound without ``grpc_pull_limit``)."""
+        if self.grpc_pull_limit is None:
+            yield
             return
-        yield from self._pull_grpc(request, context)
+        with self._grpc_pull_lock:
+            full = self._grpc_pulls >= self.grpc_pull_limit
+            if not full:
+                self._grpc_pulls += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.grpc_pull_limit} pulls are waiting on this shard's gRPC port already; "
+                          f"pulls go by its bulk data plane (port {self.bulk_port})")
+        try:
+            yield
+        finally:
+            with self._grpc_pull_lock:
+                self._grpc_pulls -= 1
 
     def _pull_grpc(self, request, context):
         try:
