@@ -47,6 +47,16 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
     return None
 
 
+def not_served(name: str, model: str, version: str | None, state: Any) -> str | None:
+    """Why ``model`` (and ``version``) is not served in rollout ``state`` by the server of ``name``
+    (the 404's message), None when it is."""
+    if model != name:
+        return f"model {model!r} is not served here (this server serves {name!r})"
+    if version is not None and (not version.isdigit() or int(version) not in state.runtimes):
+        return f"version {version!r} of {name!r} is not served now (serving {sorted(state.runtimes)})"
+    return None
+
+
 def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
@@ -87,10 +97,9 @@ class InferEndpoint:
                 return 401, error_body(str(err)), _JSON
             except PermissionDeniedError as err:
                 return 403, error_body(str(err)), _JSON
-        if model != self.name:
-            return 404, error_body(f"model {model!r} is not served here (this server serves {self.name!r})"), _JSON
-        if version is not None and (not version.isdigit() or int(version) not in state.runtimes):
-            return 404, error_body(f"version {version!r} of {self.name!r} is not served now (serving {sorted(state.runtimes)})"), _JSON
+        missing = not_served(self.name, model, version, state)
+        if missing:
+            return 404, error_body(missing), _JSON
         runtime = state.runtimes[int(version)] if version is not None else None
         declared = runtime or state.runtimes[state.stable]
         length = headers.get(HEADER_LENGTH.lower().encode())

@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from hybridfleet import __version__
 from hybridfleet.errors import AuthError, PermissionDeniedError
 from hybridfleet.serve.auth import TokenGate
-from hybridfleet.serve.infer import InferEndpoint, infer_target
+from hybridfleet.serve.infer import InferEndpoint, infer_target, not_served
 from hybridfleet.serve.routing import Rollout, RolloutState
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -78,11 +78,8 @@ def create_app(rollout: Rollout, gate: TokenGate | None, metrics: ServeMetrics |
     def known(model: str, version: str | None, state: RolloutState) -> JSONResponse | None:
         """404 unless ``model`` (and ``version``) is served in ``state`` (one state per request: a
         rollout change between the check and the use cannot make the version vanish)."""
-        if model != name:
-            return _error(404, f"model {model!r} is not served here (this server serves {name!r})")
-        if version is not None and (not version.isdigit() or int(version) not in state.runtimes):
-            return _error(404, f"version {version!r} of {name!r} is not served now (serving {sorted(state.runtimes)})")
-        return None
+        missing = not_served(name, model, version, state)
+        return _error(404, missing) if missing else None
 
     @app.get("/v2/health/live")
     def live() -> dict[str, bool]:
