@@ -51,16 +51,10 @@ def figures(run, snapshot) -> dict[str, Any]:
     """What the live page's figures say now: status, the progress line, the metric column and each site's row."""
     view = runs_view.run_view("", run, snapshot.sites if snapshot else None, [],
                               snapshot.metric_key if snapshot else None)  # fmt: skip
-    return {"status": status_of(run), "live": run.live, "progress": progress_text(view),
+    return {"status": status_of(run), "live": run.live, "progress": view["progress"],
             "metric_key": view["metric_key"],
             "sites": [[s["name"], s["workers_text"] + (" · final" if s["final"] else ""), s["steps"], s["uplink"],
                        s["downlink"], s["metric"], s["final"]] for s in view["sites"]]}  # fmt: skip
-
-
-def progress_text(view: dict[str, Any]) -> str:
-    """The page's progress line (the same words as templates/run.html)."""
-    return (f"furthest worker: worker step {view['step']} of {view['total']} (each worker trains {view['total']} "
-            "steps; in bsp one step of every worker is one round)")  # fmt: skip
 
 
 def _event(name: str, data: dict[str, Any]) -> str:

@@ -196,6 +196,12 @@ def log_file(run_path: Path, name: str) -> Path | None:
     return path
 
 
+def progress_text(step: Any, total: Any) -> str:
+    """A live run's progress line, on its page and in its server-sent events."""
+    return (f"furthest worker: worker step {step} of {total} (each worker trains {total} steps; "
+            "in bsp one step of every worker is one round)")
+
+
 def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plots: list[tuple[str, str]],
              metric_key: str | None = None) -> dict:
     """One run: status, problems, live progress per site (``metric_key``: the metric its column shows),
@@ -219,6 +225,7 @@ def run_view(run_id: str, run: RunData, sites: dict[str, SiteState] | None, plot
     missing = [m for m in run.missing if not (run.live and m == "summary.json")]  # written at the end
     return {"id": run_id, "status": status_of(run), "path": str(run.path), "problems": list(run.problems),
             "live": run.live, "step": "-" if step is None else step, "total": total or "-",
+            "progress": progress_text("-" if step is None else step, total or "-"),
             "framework": framework(run), "duration": duration_text(duration_s(run)), "empty": trained_nothing(run),
             "sites": [_site(name, st) for name, st in sorted((sites or {}).items())],
             "metric_key": metric_key or "metric",
