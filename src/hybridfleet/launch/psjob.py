@@ -32,7 +32,7 @@ from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_confi
 from hybridfleet.obs.log import get_logger, redirect_log
 from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.obs.runinfo import JOB_COPY
-from hybridfleet.ps.worker.resolve import PORT_DIR_ENV
+from hybridfleet.ps.worker.resolve import PORT_DIR_ENV, port_file
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
 from hybridfleet.spec.resolved import resolved_job
@@ -199,7 +199,7 @@ def shard_process(spec: JobSpec, job_path: Path, layout: RunLayout, shard: int) 
     port = spec.ps.base_port + shard if spec.ps.base_port else 0
     argv = [sys.executable, "-m", "hybridfleet", "ps", "serve", str(job_path), "--shard", str(shard),
             "--host", spec.ps.host, "--port", str(port),
-            "--port-file", str(layout.run_dir / f"shard-{shard}.port"),
+            "--port-file", str(port_file(layout.run_dir, shard)),
             "--expected-workers", str(ps_clients(spec)),
             "--snapshot-store", snapshot_store(spec, layout.resume_from or layout.run_dir)]
     if layout.certs_dir is not None:
@@ -347,7 +347,7 @@ class MetricsCollector:
 
 def _wait_for_ports(layout: RunLayout, num_shards: int, sup: Supervisor) -> list[str]:
     deadline = time.monotonic() + SHARD_START_TIMEOUT_S
-    files = [layout.run_dir / f"shard-{i}.port" for i in range(num_shards)]
+    files = [port_file(layout.run_dir, i) for i in range(num_shards)]
     while time.monotonic() < deadline:
         if all(f.exists() and f.read_text().strip() for f in files):
             return [f.read_text().strip() for f in files]
