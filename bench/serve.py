@@ -1,6 +1,6 @@
 """`hfleet serve` against a minimal uvicorn + onnxruntime server, and the canary share it routes.
 
-    OMP_NUM_THREADS=1 python bench/serve.py [--quick] [--requests 400] [--canary-requests 10000]
+    OMP_NUM_THREADS=1 python bench/serve.py [--quick] [--requests 400] [--repeats 3] [--canary-requests 10000]
 
 Both servers run as their own process on 127.0.0.1 and serve the same ONNX export of each
 setting's model: the digits MLP (64-128-10), the larger digits MLP (``--hidden 2048,512``,
@@ -12,7 +12,10 @@ of batch 1 and 32. ``--quick`` runs the digits MLP only.
 request is routed). The canary share is counted over ``--canary-requests`` unkeyed
 requests. Same settings on both sides: one uvicorn worker, onnxruntime with one intra-op
 and one inter-op thread, the same ONNX file and bodies; the anchor has no auth, routing,
-input checks or metrics by its nature, and runs inference on the event loop. Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
+input checks or metrics by its nature, and runs inference on the event loop. Each side is
+measured ``--repeats`` times per setting, interleaved with the other side and the order
+alternating, and each side's median p50 and throughput are compared (one measurement of
+either side swings by up to 20 % on a 2-core machine). Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
 lowest over the four settings), ``p50_vs_minimal`` (hfleet / minimal, the highest) and
 ``canary_share_error_pp`` (|observed - 10| percentage points).
 """
@@ -99,6 +102,17 @@ def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model:
             "throughput_rps": len(latencies) / wall, "failures": failures[0], "versions": versions}  # fmt: skip
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One side's figures over its repeats: the median p50, p99 and throughput, each repeat kept under ``repeats``."""
+    out = {key: float(np.median([r[key] for r in runs])) for key in ("p50_ms", "p99_ms", "throughput_rps")}
+    versions: dict[str, int] = {}
+    for r in runs:
+        for v, n in r["versions"].items():
+            versions[v] = versions.get(v, 0) + n
+    return {**out, "failures": sum(r["failures"] for r in runs), "versions": versions,
+            "repeats": [{key: round(r[key], 3) for key in ("p50_ms", "p99_ms", "throughput_rps")} for r in runs]}
+
+
 @dataclass(frozen=True)
 class Setting:
     """One served model: the example factory, its arguments and real input rows."""
@@ -156,13 +170,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="digits model only, 100 requests per client, 1,000 canary requests")
     parser.add_argument("--requests", type=int, default=400, help="requests per client per setting")
     parser.add_argument("--canary-requests", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per side and setting, interleaved; the median is reported")
     args = parser.parse_args()
     if args.requests < 10:
         parser.error(f"--requests: must be >= 10 (got {args.requests})")
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be >= 1 (got {args.repeats})")
     if args.canary_requests < 100:
         parser.error(f"--canary-requests: must be >= 100 (got {args.canary_requests})")
     if args.quick:
-        args.requests, args.canary_requests = 100, 1000
+        args.requests, args.canary_requests, args.repeats = 100, 1000, 1
     labels = ["digits"] if args.quick else list(SETTINGS)
     results, share, skipped = [], None, {}
     for label in labels:
@@ -192,9 +209,15 @@ def main() -> None:
                     body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
                                                    "data": x.reshape(-1).tolist()}]}).encode()  # fmt: skip
                     row = {"model": label, "batch": batch}
-                    for side in ("minimal", "hfleet"):  # interleaved per setting: both see the same machine load
+                    for side in ("minimal", "hfleet"):
                         _load(ports[side], auth if side == "hfleet" else {}, body, 10, setting.model)  # warm-up
-                        row[side] = _load(ports[side], auth if side == "hfleet" else {}, body, args.requests, setting.model)
+                    runs: dict[str, list[dict]] = {"minimal": [], "hfleet": []}
+                    for repeat in range(args.repeats):  # interleaved, the order alternating: both see the same load
+                        for side in (("minimal", "hfleet") if repeat % 2 == 0 else ("hfleet", "minimal")):
+                            runs[side].append(_load(ports[side], auth if side == "hfleet" else {}, body, args.requests,
+                                                    setting.model))
+                    for side, measured in runs.items():
+                        row[side] = _median_run(measured)
                     results.append(row)
                     print(f"{label:<14} batch {batch:>2}  minimal p50 {row['minimal']['p50_ms']:6.2f} ms p99 "
                           f"{row['minimal']['p99_ms']:6.2f} ms {row['minimal']['throughput_rps']:7.0f} req/s | hfleet p50 "
@@ -217,7 +240,7 @@ def main() -> None:
     print(json.dumps({"bench": "serve", "sides": "hfleet serve (auth, 10% canary routing) vs minimal uvicorn+onnxruntime",
                       "throughput_vs_minimal": round(throughput, 3), "p50_vs_minimal": round(p50, 3),
                       "canary_share_error_pp": round(abs(share - WEIGHT), 3), "canary_requests": args.canary_requests,
-                      "clients": CLIENTS, "quick": args.quick, "settings_run": [r["model"] for r in results[::2]],
+                      "clients": CLIENTS, "repeats": args.repeats, "quick": args.quick, "settings_run": [r["model"] for r in results[::2]],
                       "settings_left_out": skipped, "settings": results}))  # fmt: skip
 
 
