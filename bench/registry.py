@@ -1,6 +1,6 @@
 """Model registry vs MLflow's Model Registry: resolve and search p95, REST resolve, register vs plain copy.
 
-    OMP_NUM_THREADS=1 python bench/registry.py [--quick] [--models 1000] [--versions 20000] [--ckpt-mb 1024]
+    OMP_NUM_THREADS=1 python bench/registry.py [--quick] [--models 1000] [--versions 20000] [--ckpt-mb 1024] [--repeats 3]
 
 Both registries use SQLite on this machine, in this process, with the same data:
 ``--versions`` versions spread over ``--models`` models, 3 tags each, alias ``prod`` on every
@@ -11,7 +11,7 @@ resolve over REST (`hfleet registry serve` in its own process, uvicorn, a token)
 registering a checkpoint of ``--ckpt-mb`` into a file:// store and one of ``--s3-mb`` (default the
 same) into an s3:// (SeaweedFS, started here with room for both copies) store vs a plain copy of
 the same bytes (``cp`` + fsync; s3fs ``put``, 50 MiB parts, 10 in flight), both reading a source already in
-the page cache, plus the bytes copied when the checkpoint is
+the page cache (file://: ``--repeats`` pairs, interleaved, medians compared), plus the bytes copied when the checkpoint is
 already in the store; and registering an s3:// checkpoint that lives in the store's own bucket
 (copied server-side after one verification read) vs a plain server-side copy of its files
 (s3fs ``copy``, CopyObject per file). MLflow comes from the ``bench`` extra (mlflow-skinny).
@@ -131,21 +131,36 @@ def plain_copy_file(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
-def register_fraction(work: Path, size_bytes: int, s3: dict | None, s3_size_bytes: int) -> dict:
-    """Register a checkpoint into a file:// (and s3://) store vs a plain copy of its bytes."""
+def register_fraction(work: Path, size_bytes: int, s3: dict | None, s3_size_bytes: int, repeats: int = 1) -> dict:
+    """Register a checkpoint into a file:// (and s3://) store vs a plain copy of its bytes.
+
+    The file:// pair is measured ``repeats`` times, interleaved and the order alternating, each
+    time into fresh folders (the previous copies deleted first); the medians are compared."""
     from hybridfleet.registry import Registry
 
     ckpt = work / "ckpt"
     write_checkpoint(ckpt, size_bytes)
     out: dict = {}
     read_once(ckpt)
-    plain = plain_copy_file(ckpt, work / "plain-copy")
-    reg = Registry(f"sqlite:///{work / 'reg-file.db'}", store=str(work / "store"))
-    start = time.perf_counter()
-    reg.register("bench/big", str(ckpt))
-    ours = time.perf_counter() - start
-    second = reg.register("bench/big", str(ckpt)).copied_bytes
-    out.update(file_plain_s=plain, file_register_s=ours, file_fraction=plain / ours, already_in_store_copied_bytes=second)
+    plains, ourses, second = [], [], None
+    for repeat in range(repeats):
+        for side in (("plain", "ours") if repeat % 2 == 0 else ("ours", "plain")):
+            if side == "plain":
+                shutil.rmtree(work / "plain-copy", ignore_errors=True)
+                plains.append(plain_copy_file(ckpt, work / "plain-copy"))
+                continue
+            shutil.rmtree(work / "store", ignore_errors=True)
+            (work / "reg-file.db").unlink(missing_ok=True)
+            reg = Registry(f"sqlite:///{work / 'reg-file.db'}", store=str(work / "store"))
+            start = time.perf_counter()
+            reg.register("bench/big", str(ckpt))
+            ourses.append(time.perf_counter() - start)
+            if second is None:
+                second = reg.register("bench/big", str(ckpt)).copied_bytes
+    plain, ours = float(np.median(plains)), float(np.median(ourses))
+    shutil.rmtree(work / "plain-copy", ignore_errors=True)
+    out.update(file_plain_s=plain, file_register_s=ours, file_fraction=plain / ours, already_in_store_copied_bytes=second,
+               file_plain_runs_s=[round(t, 4) for t in plains], file_register_runs_s=[round(t, 4) for t in ourses])
     if s3 is not None:
         import s3fs
 
@@ -216,13 +231,17 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20000)
     parser.add_argument("--ckpt-mb", type=int, default=1024)
     parser.add_argument("--no-s3", action="store_true", help="skip the s3:// store (SeaweedFS)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="file:// registrations and plain copies, interleaved; the medians are compared")
     parser.add_argument("--s3-mb", type=int, default=None, help="checkpoint size for the s3:// store (default: --ckpt-mb)")
     args = parser.parse_args()
     from _anchors import require  # bench/ is sys.path[0] when a bench runs
 
     require("bench/registry.py", {"mlflow": "MLflow (mlflow-skinny)", "s3fs": "s3fs", "fastapi": "FastAPI", "uvicorn": "uvicorn", "httpx": "httpx"})
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be >= 1 (got {args.repeats})")
     if args.quick:
-        args.models, args.versions, args.ckpt_mb, args.no_s3 = 20, 200, 32, True
+        args.models, args.versions, args.ckpt_mb, args.no_s3, args.repeats = 20, 200, 32, True, 1
     if args.s3_mb is None:
         args.s3_mb = args.ckpt_mb
     logging.disable(logging.INFO)
@@ -258,7 +277,7 @@ def main() -> None:
         s3 = None
         if not args.no_s3:
             seaweed_proc, s3 = start_seaweed(work)
-        reg = register_fraction(work, args.ckpt_mb << 20, s3, args.s3_mb << 20)
+        reg = register_fraction(work, args.ckpt_mb << 20, s3, args.s3_mb << 20, args.repeats)
     finally:
         if seaweed_proc is not None:
             from tests import seaweed
@@ -291,7 +310,8 @@ def main() -> None:
         "register_copy_fraction": round(min(fractions), 3), "rest_resolve_p95_ms": round(rest, 3),
         "resolve_p95_ms": {"ours": round(resolve_ours, 3), "mlflow": round(resolve_mlflow, 3)},
         "search_p95_ms": {"ours": round(search_ours, 3), "mlflow": round(search_mlflow, 3)},
-        "register_copy_fraction_file": round(reg["file_fraction"], 3),
+        "register_copy_fraction_file": round(reg["file_fraction"], 3), "repeats": args.repeats,
+        "file_plain_runs_s": reg["file_plain_runs_s"], "file_register_runs_s": reg["file_register_runs_s"],
         "register_copy_fraction_s3": round(reg["s3_fraction"], 3) if "s3_fraction" in reg else None,
         "already_in_store_copied_bytes": reg["already_in_store_copied_bytes"],
         "s3_ckpt_mb": None if args.no_s3 else args.s3_mb, "s3_error": reg.get("s3_error"),

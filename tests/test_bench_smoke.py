@@ -144,6 +144,7 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("zoo.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
     ("serve.py", ["--canary-requests", "50"], "--canary-requests: must be >= 100 (got 50)"),
     ("serve.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
+    ("registry.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute
