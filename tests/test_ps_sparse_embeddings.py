@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import script_optim_helpers as h
+from hybridfleet.codec import get_codec
 
 VOCAB, DIM, CLASSES, STEPS = 40, 4, 3, 30
 
@@ -281,3 +282,107 @@ def test_the_paddle_plain_script_with_a_refused_optimizer_differs_from_its_dense
             opt.step()
         results.append(emb.weight.numpy().copy())
     assert np.abs(results[0] - results[1]).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ only touched rows travel
+TABLE_ROWS, TABLE_DIM = 100_000, 64
+TOUCHED = np.arange(0, TABLE_ROWS, 100)  # 1% of the rows, no two adjacent: one run each
+FRAME_BYTES = 6 + 4 + 1  # magic, version, codec, dtype, ndim; one uint32 dim; the field count
+
+
+def _table(framework: str, sparse: bool):
+    """(model, optimizer, one training step) of a 100k x 64 embedding alone, SGD with momentum."""
+    if framework == "torch":
+        import torch
+
+        torch.manual_seed(0)
+        m = torch.nn.Embedding(TABLE_ROWS, TABLE_DIM, sparse=sparse)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(ps=None):
+            m.zero_grad(set_to_none=True)
+            (m(torch.from_numpy(TOUCHED)) ** 2).sum().backward()
+            ps.step() if ps is not None else opt.step()
+        return m, opt, step, lambda: m.weight.detach().numpy().copy()
+    import paddle
+
+    paddle.seed(0)
+    m = paddle.nn.Embedding(TABLE_ROWS, TABLE_DIM, sparse=sparse)
+    opt = paddle.optimizer.SGD(0.1, parameters=m.parameters())
+
+    def step(ps=None):
+        m.clear_gradients(set_to_zero=False)
+        (m(paddle.to_tensor(TOUCHED)) ** 2).sum().backward()
+        ps.step() if ps is not None else opt.step()
+    return m, opt, step, lambda: m.weight.numpy().copy()
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_a_sparse_table_pushes_only_its_touched_rows_and_trains_as_the_plain_script(shards, framework):
+    # Prepare: the plain script's two steps; the same through one shard, sparse=True and sparse=False
+    import importlib
+
+    hf = importlib.import_module(f"hybridfleet.{framework}")
+    ref, opt, step, values = _table(framework, sparse=True)
+    step()
+    step()
+    want = values()
+    pushed, got = {}, {}
+    for sparse in (True, False):
+        cluster = shards(framework, block_size_bytes=4 << 20)
+        m, opt, step, values = _table(framework, sparse)
+        ps = hf.connect(m, opt, config=cluster.config(0))
+        # Execute
+        step(ps)
+        step(ps)
+        pushed[sparse] = ps.session.client.bytes.sent["gradients"]
+        ps.close()
+        got[sparse] = values()
+        blocks = len(cluster.servers[0].state.plan.blocks)
+    # Assert: the bytes are those of the frames, exactly: rows-only carries each touched row's
+    # 64 values and one run (start, length) per row, dense every element
+    assert blocks == 7
+    rows_frame = FRAME_BYTES + 3 * 8 + 12  # three field lengths, params (runs, values)
+    assert pushed[True] == 2 * (blocks * rows_frame + TOUCHED.size * (8 + 4 * TABLE_DIM)) == 528_658
+    assert pushed[False] == 2 * (blocks * (FRAME_BYTES + 8) + 4 * TABLE_ROWS * TABLE_DIM) == 51_200_266
+    h.assert_close({"w": got[True]}, {"w": want})
+    h.assert_close({"w": got[False]}, {"w": want})
+
+
+def test_a_shard_refuses_a_malformed_rows_frame_naming_the_key_and_nothing_changes(shards):
+    # Prepare: a joined, initialised worker (raw client) and a rows frame whose run ends past the block
+    import struct
+
+    import grpc
+
+    from hybridfleet.codec.frame import pack_frame
+    from test_ps_script_optimizer import _raw_clients
+
+    cluster = shards("torch")
+    (a0,) = _raw_clients(cluster, 1)
+    before = cluster.params()
+    bad = bytes(pack_frame("rows", np.dtype(np.float32), (12,), [struct.pack("<IQ", 1, 3),
+                                                                 np.array([10, 3], "<u4"), np.ones(3, "<f4")]))
+    good_bias = bytes(get_codec("none").encode(np.zeros(4, "<f4")))
+    # Execute
+    with pytest.raises(grpc.RpcError) as err:
+        a0.push({"fc.weight": bad, "fc.bias": good_bias}, codec="none", base_versions=[0])
+    # Assert
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "key 'fc.weight': rows payload: runs must be non-empty, increasing, disjoint and within 12" \
+        in err.value.details()
+    status = cluster.status()[0]
+    assert status["version"] == 0 and status["members"]["a-0"]["clock"] == 0
+    assert all((cluster.params()[k] == v).all() for k, v in before.items())
+    # and a well-formed rows frame is applied as the dense gradient it stands for
+    a0.clock -= 1  # the refused push did not count
+    grad = np.zeros(12, "<f4")
+    grad[3:6] = 1.0
+    a0.push({"fc.weight": get_codec("rows").encode(grad), "fc.bias": good_bias}, codec="none", base_versions=[0])
+    after = cluster.params()
+    assert cluster.status()[0]["version"] == 1
+    moved = np.flatnonzero(after["fc.weight"] != before["fc.weight"])
+    assert moved.tolist() == [3, 4, 5]
+    a0.close()
+

@@ -86,6 +86,7 @@ class ParameterServerHandle(ABC):
         if self.buffers is not None:
             shapes.update(self.buffers.wire_shapes())
         self.session = PSSession(shapes, self.config, self.framework)
+        self.session.row_sparse = set(self.sparse) if self.layout is None else set()
         self._samples = 0  # counted by _count_samples in training-mode forward passes since the last step
         self.model.register_forward_pre_hook(self._count_samples)
         self._load(self.session.start({**self._canonical({k: self._to_numpy(p) for k, p in params.items()}),
