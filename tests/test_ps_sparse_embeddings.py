@@ -114,6 +114,8 @@ PADDLE = {
     "sgd": lambda paddle, p: paddle.optimizer.SGD(0.5, parameters=p),
     "sgd_weight_decay": lambda paddle, p: paddle.optimizer.SGD(0.5, parameters=p, weight_decay=0.01),
     "adagrad": lambda paddle, p: paddle.optimizer.Adagrad(0.3, parameters=p),
+    "sgd_clip": lambda paddle, p: paddle.optimizer.SGD(0.5, parameters=p,
+                                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05)),
 }
 
 
@@ -131,7 +133,7 @@ def _paddle_values(m):
 
 
 @pytest.mark.paddle
-@pytest.mark.parametrize("name, n_shards", [("sgd", 1), ("sgd_weight_decay", 2), ("adagrad", 2)])
+@pytest.mark.parametrize("name, n_shards", [("sgd", 1), ("sgd_weight_decay", 2), ("adagrad", 2), ("sgd_clip", 1)])
 def test_a_paddle_sparse_embedding_trains_as_the_plain_script(shards, name, n_shards):
     import paddle
 
