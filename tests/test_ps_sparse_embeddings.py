@@ -187,26 +187,6 @@ TORCH_REFUSED = {
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", list(TORCH_REFUSED))
-def test_connect_refuses_a_torch_optimizer_whose_sparse_update_differs_before_joining(shards, name):
-    import torch
-
-    import hybridfleet.torch as hf
-    from hybridfleet.errors import SpecError
-
-    make, reason = TORCH_REFUSED[name]
-    cluster = shards("torch")
-    m = _torch_model()
-    before = _torch_values(m)
-    with pytest.raises(SpecError, match=r"parameter 'emb\.weight' \(nn\.Embedding\(sparse=True\)\) has sparse "
-                                        rf"gradients: {reason}.*build the embedding with sparse=False"):
-        hf.connect(m, make(torch, m.parameters()), config=cluster.config(0))
-    status = cluster.status()[0]
-    assert status["members"] == {} and not status["initialized"]
-    h.assert_close(_torch_values(m), before, rtol=0)
-
-
-@pytest.mark.torch
 def test_the_torch_plain_script_itself_fails_on_what_is_refused():
     # the refusals above for Adam and weight decay state torch's own behaviour: the plain script raises
     import torch
@@ -220,8 +200,8 @@ def test_the_torch_plain_script_itself_fails_on_what_is_refused():
             opt.step()
 
 
+@pytest.mark.torch
 def test_a_torch_group_with_the_embedding_at_weight_decay_0_joins(shards):
-    pytest.importorskip("torch", reason="torch is not installed")
     import torch
 
     import hybridfleet.torch as hf
@@ -247,24 +227,30 @@ PADDLE_REFUSED = {
 }
 
 
-@pytest.mark.paddle
-@pytest.mark.parametrize("name", list(PADDLE_REFUSED))
-def test_connect_refuses_a_paddle_optimizer_whose_sparse_update_differs_before_joining(shards, name):
-    import paddle
+REFUSED = ([pytest.param("torch", n, marks=pytest.mark.torch, id=f"torch-{n}") for n in TORCH_REFUSED]
+           + [pytest.param("paddle", n, marks=pytest.mark.paddle, id=f"paddle-{n}") for n in PADDLE_REFUSED])
 
-    import hybridfleet.paddle as hf
+
+@pytest.mark.parametrize("framework, name", REFUSED)
+def test_connect_refuses_an_optimizer_whose_sparse_update_differs_before_joining(shards, framework, name):
+    # Prepare
+    import importlib
+
     from hybridfleet.errors import SpecError
 
-    make, reason = PADDLE_REFUSED[name]
-    cluster = shards("paddle")
-    m = _paddle_model()
-    before = _paddle_values(m)
+    lib, hf = importlib.import_module(framework), importlib.import_module(f"hybridfleet.{framework}")
+    model, values = (_torch_model, _torch_values) if framework == "torch" else (_paddle_model, _paddle_values)
+    make, reason = (TORCH_REFUSED if framework == "torch" else PADDLE_REFUSED)[name]
+    cluster = shards(framework)
+    m = model()
+    before = values(m)
+    # Execute / Assert: the message names the parameter, the optimizer and the fix; nothing joined or changed
     with pytest.raises(SpecError, match=r"parameter 'emb\.weight' \(nn\.Embedding\(sparse=True\)\) has sparse "
                                         rf"gradients: {reason}.*build the embedding with sparse=False"):
-        hf.connect(m, make(paddle, m.parameters()), config=cluster.config(0))
+        hf.connect(m, make(lib, m.parameters()), config=cluster.config(0))
     status = cluster.status()[0]
     assert status["members"] == {} and not status["initialized"]
-    h.assert_close(_paddle_values(m), before, rtol=0)
+    h.assert_close(values(m), before, rtol=0)
 
 
 @pytest.mark.paddle
