@@ -374,3 +374,35 @@ def test_a_shard_refuses_a_malformed_rows_frame_naming_the_key_and_nothing_chang
     assert moved.tolist() == [3, 4, 5]
     a0.close()
 
+
+
+@pytest.mark.torch
+def test_weight_decay_set_on_the_embeddings_group_after_connect_is_refused_at_the_step_before_pushing(shards):
+    # Prepare: trains one step, then the script sets weight_decay (the plain script's step would raise now)
+    import torch
+
+    import hybridfleet.torch as hf
+    from hybridfleet.errors import SpecError
+
+    cluster = shards("torch")
+    m = _torch_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ps = hf.connect(m, opt, config=cluster.config(0))
+    tokens, labels = _batches()[0]
+
+    def backward():
+        m.zero_grad(set_to_none=True)
+        logits = m["fc"](m["emb"](torch.from_numpy(tokens)).mean(1))
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).backward()
+
+    backward()
+    ps.step()
+    opt.param_groups[0]["weight_decay"] = 0.1
+    backward()
+    before = cluster.params()
+    # Execute / Assert
+    with pytest.raises(SpecError, match=r"torch\.optim\.SGD\(weight_decay=0\.1\) raises on sparse gradients"):
+        ps.step()
+    assert cluster.status()[0]["version"] == 1
+    assert all((cluster.params()[k] == v).all() for k, v in before.items())
+    ps.close()

@@ -21,6 +21,10 @@ With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
 ``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
 (see `hybridfleet.ps.worker.local`).
 
+An embedding built with ``sparse=True`` trains with the optimizers whose sparse update is
+their dense one; its gradient is read as the dense one and, under codec ``none``, pushed as
+its touched rows (`hybridfleet.ps.worker.sparse_grads`, `hybridfleet.codec.rows`).
+
 Buffers (BatchNorm statistics, counters) follow ``ps.buffers`` (`hybridfleet.ps.worker.buffers`):
 averaged over the round's workers by default, so the job's model is one model.
 
@@ -284,6 +288,8 @@ class ParameterServerHandle(ABC):
             self._step_script_optimizer()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
         else:
+            if self.sparse:  # a group changed since connect (weight_decay set, add_param_group) is refused as there
+                sparse_grads.refusal(self.framework, self.optimizer, self.sparse, params)
             desc = self.reader.describe()
             # in the optimizer's order: a global-norm clip sums in that order, as optimizer.step() does
             stepped = [n for g in desc["groups"] for n in g["params"]]
