@@ -290,7 +290,12 @@ def _set(path, value):
     (_set(["groups", 0, "hyper", "foreach"], {"x": 1}), "optimizer group 0 'foreach': {'x': 1} is not a plain"),
     (_set(["groups", 0, "params"], ["fc.weight", "fc.other"]), "names parameters the job does not have: fc.other"),
     (_set(["framework"], "paddle"), "optimizer description is for 'paddle'; this job trains with torch"),
-], ids=["class", "lr-type", "lr-negative", "betas", "nested", "unknown-param", "framework"])
+    (_set(["ctor", "lr_decay"], 0.1), "optimizer ctor: a torch optimizer sends only initial_accumulator_value "
+                                      "(got lr_decay)"),
+    (_set(["ctor", "initial_accumulator_value"], -1.0),
+     "optimizer ctor 'initial_accumulator_value': must be a number >= 0 (got -1.0)"),
+], ids=["class", "lr-type", "lr-negative", "betas", "nested", "unknown-param", "framework", "ctor-key",
+        "ctor-negative"])
 def test_a_push_with_an_optimizer_the_shards_cannot_run_is_refused_and_nothing_changes(shards, change, message):
     import json
 

@@ -27,42 +27,51 @@ def shards(tmp_path):
 
 # ------------------------------------------------------------------------------------ sparse embeddings
 @pytest.mark.torch
-def test_connect_refuses_a_torch_sparse_embedding_naming_it_and_the_fix_before_joining(shards):
+def test_a_torch_sparse_embedding_with_sgd_joins_and_trains(shards):
+    # the optimizers whose sparse update is the dense one train (tests/test_ps_sparse_embeddings.py)
     import torch
 
     import hybridfleet.torch as hf
-    from hybridfleet.errors import SpecError
 
     cluster = shards("torch")
+    torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
-    with pytest.raises(SpecError, match=r"parameter '0\.weight' has sparse gradients: '0\.weight' "
-                                        r"\(nn\.Embedding\(sparse=True\)\); the parameter server pushes dense "
-                                        r"gradients: build the embedding with sparse=False"):
-        hf.connect(m, torch.optim.SGD(m.parameters(), lr=0.1), config=cluster.config(0))
-    status = cluster.status()[0]
-    assert status["members"] == {} and not status["initialized"]
+    before = m[0].weight.detach().clone()
+    ps = hf.connect(m, torch.optim.SGD(m.parameters(), lr=0.1), config=cluster.config(0))
+    m(torch.tensor([1, 2, 2])).sum().backward()
+    ps.step()
+    ps.close()
+    moved = (m[0].weight.detach() != before).any(dim=1)
+    assert moved.tolist() == [False, True, True] + [False] * 7  # only the touched rows had a gradient
 
 
 @pytest.mark.paddle
-def test_connect_refuses_a_paddle_sparse_embedding_naming_it_and_the_fix_before_joining(shards):
+def test_a_paddle_sparse_embedding_under_the_jobs_optimizer_trains_as_a_dense_one(shards):
+    # without the script's optimizer the shards apply ps.optimizer to the dense reading of the gradient
+    import numpy as np
     import paddle
 
     import hybridfleet.paddle as hf
-    from hybridfleet.errors import SpecError
 
     class Net(paddle.nn.Layer):
-        def __init__(self):
+        def __init__(self, sparse):
             super().__init__()
-            self.emb = paddle.nn.Embedding(10, 4, sparse=True)
+            self.emb = paddle.nn.Embedding(10, 4, sparse=sparse)
             self.fc = paddle.nn.Linear(4, 2)
 
-    cluster = shards("paddle")
-    m = Net()
-    with pytest.raises(SpecError, match=r"parameter 'emb\.weight' has sparse gradients: 'emb\.weight' "
-                                        r"\(nn\.Embedding\(sparse=True\)\); .*build the embedding with sparse=False"):
-        hf.connect(m, config=cluster.config(0))
-    status = cluster.status()[0]
-    assert status["members"] == {} and not status["initialized"]
+    got = []
+    for sparse in (True, False):
+        cluster = shards("paddle", optimizer={"name": "adam", "lr": 0.1})
+        paddle.seed(0)
+        m = Net(sparse)
+        ps = hf.connect(m, config=cluster.config(0))
+        for rows in ([[3, 0, 3]], [[1, 9, 0]], [[5, 5, 2]]):
+            m.fc(m.emb(paddle.to_tensor(np.array(rows)))).sum().backward()
+            ps.step()
+            ps.zero_grad()
+        ps.close()
+        got.append({k: v.numpy().copy() for k, v in m.state_dict().items()})
+    h.assert_close(got[0], got[1])
 
 
 @pytest.mark.torch

@@ -8,6 +8,7 @@ import numpy as np
 import paddle
 from paddle.nn.layer.norm import _BatchNormBase
 
+from hybridfleet.ps.worker import sparse_grads
 from hybridfleet.ps.worker.frontend import ParameterServerHandle
 from hybridfleet.ps.worker.overlap import same_bits
 from hybridfleet.ps.worker.session import WorkerConfig
@@ -72,6 +73,8 @@ class PaddleParameterServer(ParameterServerHandle):
         return same_bits(array, self._to_numpy(tensor))
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
+        if tensor.is_selected_rows():  # the gradient of nn.Embedding(sparse=True), read as the dense one
+            return sparse_grads.paddle_dense(tensor)
         return tensor.detach().cpu().astype("float32").numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:

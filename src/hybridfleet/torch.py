@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridfleet.ps.worker import sparse_grads
 from hybridfleet.ps.worker.frontend import ParameterServerHandle
 from hybridfleet.ps.worker.overlap import same_bits
 from hybridfleet.ps.worker.session import WorkerConfig
@@ -62,7 +63,8 @@ class TorchParameterServer(ParameterServerHandle):
         return same_bits(array, self._to_numpy(tensor))
 
     def _to_numpy(self, tensor: Any) -> np.ndarray:
-        return tensor.detach().to("cpu", torch.float32).numpy()
+        # a sparse gradient (nn.Embedding(sparse=True)) is read as the dense one it stands for
+        return sparse_grads.torch_dense(tensor.detach()).to("cpu", torch.float32).numpy()
 
     def _assign(self, values: dict[str, np.ndarray]) -> None:
         # the shards keep float32 master weights; a float16 / bfloat16 parameter takes them cast to its dtype

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybridfleet.codec import CODECS, SPARSE_CODECS, codec_for, codec_options, get_codec, read_header
+from hybridfleet.codec import CODECS, SPARSE_CODECS, WIRE_CODECS, codec_for, codec_options, get_codec, read_header
 from hybridfleet.codec.frame import CODEC_IDS
 from hybridfleet.codec.indices import DELTA, INT32, delta_nbytes, encode_indices, smaller_coding
 from hybridfleet.codec.sparse import kept_count
@@ -51,7 +51,7 @@ def _replace_field(payload: bytes, index: int, body: bytes) -> bytes:
 
 def test_registry_names_match_the_job_spec_choices():
     assert set(CODECS) == set(CompressionSpec.model_fields["codec"].annotation.__args__)
-    assert set(CODECS) == set(CODEC_IDS)
+    assert set(CODECS) | set(WIRE_CODECS) == set(CODEC_IDS) and not set(CODECS) & set(WIRE_CODECS)
 
 
 def test_unknown_codec_name_lists_the_valid_ones():

@@ -38,7 +38,7 @@ MAX_NUMEL = 2**32 - 1
 
 # Wire ids, fixed forever: a new codec takes a new id, an id is never reused.
 CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "topk": 4, "randomk": 5, "sign": 6,
-                           "int4": 7, "powersgd": 8}
+                           "int4": 7, "powersgd": 8, "rows": 9}
 _NAMES_BY_ID = {code: name for name, code in CODEC_IDS.items()}
 
 DTYPE_CODES: dict[np.dtype, int] = {

@@ -12,16 +12,21 @@ from hybridfleet.codec.int4 import Int4Codec
 from hybridfleet.codec.int8 import Int8Codec
 from hybridfleet.codec.powersgd import PowerSGDCodec
 from hybridfleet.codec.randomk import RandomKCodec
+from hybridfleet.codec.rows import RowsCodec
 from hybridfleet.codec.sign import SignCodec
 from hybridfleet.codec.topk import TopKCodec
 
 _CLASSES: dict[str, type[Codec]] = {
     cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec, SignCodec,
-                Int4Codec, PowerSGDCodec)
+                Int4Codec, PowerSGDCodec, RowsCodec)
 }
 assert set(_CLASSES) == set(CODEC_IDS), "every codec needs a wire id in frame.CODEC_IDS"
 
-CODECS: tuple[str, ...] = tuple(CODEC_IDS)
+# codecs the worker picks per block on its own, never a job's ps.compression.codec
+WIRE_CODECS: tuple[str, ...] = ("rows",)
+CODECS: tuple[str, ...] = tuple(name for name in CODEC_IDS if name not in WIRE_CODECS)
+# codecs whose decode is the input exactly, in every input dtype
+LOSSLESS_CODECS: tuple[str, ...] = ("none", "rows")
 SPARSE_CODECS: tuple[str, ...] = tuple(name for name in CODECS if _CLASSES[name].sparse)
 
 

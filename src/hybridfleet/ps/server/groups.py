@@ -74,12 +74,18 @@ def parse_description(text: str, flavour: str, known_params: set[str]) -> dict |
                             *((f"parameter {n}", a) for n, a in desc["param_attrs"].items())]:
         _check_settings(where, settings)
     if flavour == "torch":
+        extra = sorted(set(desc["ctor"]) - _TORCH_CTOR_KEYS)
+        if extra:
+            raise Reject("INVALID_ARGUMENT", f"optimizer ctor: a torch optimizer sends only "
+                                             f"{', '.join(sorted(_TORCH_CTOR_KEYS))} (got {', '.join(extra[:5])})")
         _trial_torch(desc["class"], groups)
     return desc
 
 
 _RATES = {"lr", "learning_rate", "lr_mult", "lr_ratio", "weight_decay", "eps", "epsilon", "momentum",
-          "dampening", "rho", "alpha", "lr_decay", "initial_lr", "beta1", "beta2"}
+          "dampening", "rho", "alpha", "lr_decay", "initial_lr", "beta1", "beta2", "initial_accumulator_value"}
+# the torch constructor defaults a worker sends: those torch reads when it creates a parameter's state
+_TORCH_CTOR_KEYS = {"initial_accumulator_value"}
 
 
 def _is_number(value: Any) -> bool:
@@ -195,6 +201,7 @@ class _TorchRunner:
         cls = getattr(torch.optim, desc["class"])
         if self.cls is not cls:  # the first step; its groups are replaced below, step after step
             self.opt, self.cls = cls([torch.zeros(1)]), cls
+        self.opt.defaults.update(desc["ctor"])  # what torch reads when it creates a parameter's state
         for key, arr in params.items():
             t = self.tensors.get(key)
             if t is None or t.data_ptr() != arr.ctypes.data:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridfleet.codec.frame import read_header
+from hybridfleet.codec.rows import RowsCodec
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.aggregate import RoundAggregator, make_round
 from hybridfleet.ps.server.groups import ScriptOptimizer, differences, parse_description
@@ -18,6 +19,7 @@ from hybridfleet.ps.wire.buffers import DTYPE
 from hybridfleet.ps.wire.reject import Reject
 
 log = get_logger("ps.shard")
+_ROWS = RowsCodec()  # stateless: one instance serves every key
 
 # How far past its last applied step (or the shard's version, after a rejoin) a worker's
 # push may claim to be; anything beyond is refused, not recorded as the worker's clock.
@@ -219,6 +221,8 @@ class Rounds:
             try:
                 # the frame's header is checked against the key before anything is allocated
                 header, _ = read_header(payload, codec.name)
+                if header.codec_name == "rows" and not buffers.is_buffer(key):
+                    codec = _ROWS  # a row-sparse gradient's touched rows, exact: the dense block they stand for
                 if header.dtype != DTYPE or header.shape != (expected,):
                     raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "
                                                      f"{header.shape}, expected {expected} elements of float32 "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
+from hybridfleet.codec.rows import RowsCodec
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire import buffers
@@ -19,6 +20,7 @@ from hybridfleet.spec.rules import ROUND_SYNC_MODES
 from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
 
 log = get_logger("ps.worker")
+_ROWS = RowsCodec()  # stateless: one instance serves every key
 
 
 
@@ -152,7 +154,12 @@ class ShardExchange:
         if self._encoder is None:
             self._encoder = self._make_encoder()
         dense = buffers.is_buffer(name)  # buffers travel dense, without error feedback (see ps.wire.buffers)
-        return {key: buffers.dense_codec().encode(part) if dense else self._encoder(key, part)
+        # a row-sparse gradient (an embedding built with sparse=True) under codec none: only the
+        # touched rows' runs travel, exactly (see hybridfleet.codec.rows)
+        encode = (buffers.dense_codec().encode if dense
+                  else _ROWS.encode if name in self.row_sparse and self.codec_name == "none"
+                  else None)
+        return {key: encode(part) if encode is not None else self._encoder(key, part)
                 for key, part in self.plan.split(name, np.asarray(grad, dtype=DTYPE).reshape(-1)).items()}
 
     def _blocks_of(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

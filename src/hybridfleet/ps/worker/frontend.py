@@ -21,6 +21,10 @@ With ``ps.sync: local`` the script's own optimizer is the inner optimizer:
 ``ps.local_steps`` steps, exchanges the pseudo-gradient for the new global parameters
 (see `hybridfleet.ps.worker.local`).
 
+An embedding built with ``sparse=True`` trains with the optimizers whose sparse update is
+their dense one; its gradient is read as the dense one and, under codec ``none``, pushed as
+its touched rows (`hybridfleet.ps.worker.sparse_grads`, `hybridfleet.codec.rows`).
+
 Buffers (BatchNorm statistics, counters) follow ``ps.buffers`` (`hybridfleet.ps.worker.buffers`):
 averaged over the round's workers by default, so the job's model is one model.
 
@@ -39,6 +43,7 @@ from hybridfleet.ckpt.run_model import MODEL_DIR_ENV
 from hybridfleet.ckpt.site_buffers import save_site_buffers
 from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.ps.worker import sparse_grads
 from hybridfleet.ps.worker.buffers import BufferSync
 from hybridfleet.ps.worker.buffers import split as split_buffers
 from hybridfleet.ps.worker.canonical import CanonicalLayout
@@ -71,7 +76,11 @@ class ParameterServerHandle(ABC):
                             f"trains with {self.framework}; run the {job.framework} script, or set "
                             f"sites.{site}.framework: {self.framework} with its own entrypoint")
         params = self._named_parameters()
-        self._refuse_sparse_gradients()
+        # an embedding built with sparse=True: its gradient is read as the dense one (see sparse_grads.py);
+        # refused before joining where the shards' dense update would differ from the plain script's
+        self.sparse = self._sparse_gradient_parameters()
+        if self._script_optimizer_applies(optimizer):
+            sparse_grads.refusal(self.framework, optimizer, self.sparse, params)
         self.reader = self._optimizer_reader(optimizer, params)  # refuses an optimizer we cannot run, before joining
         # a worker of another framework than the job's maps to the job's names and layouts (see canonical.py)
         self.layout = CanonicalLayout.for_model(model, list(params), self.framework, job.framework, site)
@@ -81,6 +90,7 @@ class ParameterServerHandle(ABC):
         if self.buffers is not None:
             shapes.update(self.buffers.wire_shapes())
         self.session = PSSession(shapes, self.config, self.framework)
+        self.session.row_sparse = set(self.sparse) if self.layout is None else set()
         self._samples = 0  # counted by _count_samples in training-mode forward passes since the last step
         self.model.register_forward_pre_hook(self._count_samples)
         self._load(self.session.start({**self._canonical({k: self._to_numpy(p) for k, p in params.items()}),
@@ -101,21 +111,16 @@ class ParameterServerHandle(ABC):
 
             self._model_ckpt = ModelCheckpointer.from_env(self.config.job, self.framework, background=True)
 
-    def _refuse_sparse_gradients(self) -> None:
-        """Raise SpecError, before joining, naming each parameter whose gradient would be sparse.
-
-        The shards take dense gradients for every key; a row-sparse gradient (an embedding built
-        with ``sparse=True``) cannot be read as one without silently dropping or misplacing rows."""
-        sparse = self._sparse_gradient_parameters()
-        if sparse:
-            named = ", ".join(f"{name!r} ({layer})" for name, layer in sorted(sparse.items()))
-            first = next(iter(sorted(sparse)))
-            raise SpecError(f"parameter {first!r} has sparse gradients: {named}; the parameter server pushes dense "
-                            "gradients: build the embedding with sparse=False")
-
     def _sparse_gradient_parameters(self) -> dict[str, str]:
         """parameter name -> the layer that makes its gradient sparse (none by default)."""
         return {}
+
+    def _script_optimizer_applies(self, optimizer: Any) -> bool:
+        """Whether the shards would apply the script's optimizer (not ps.optimizer, not ps.sync: local)."""
+        job = self.config.job
+        mixed = any(site.framework and site.framework != job.framework for site in job.sites.values())
+        return (optimizer is not None and job.ps.sync != "local" and "optimizer" not in job.ps.model_fields_set
+                and not mixed)
 
     def _optimizer_reader(self, optimizer: Any, params: dict[str, Any]):
         """The reader of the script's optimizer when the shards apply it (None: ps.optimizer applies)."""
@@ -163,7 +168,8 @@ class ParameterServerHandle(ABC):
     def _hook_new_parameters(self, stage: GradientStage, params: dict[str, Any]) -> None:
         """A grad hook on each trainable parameter that has none yet (one unfrozen since joins here)."""
         for name, param in params.items():
-            if name not in self._hooked and self._trainable(param):
+            # a sparse gradient is made dense at step time: no staged copy of it
+            if name not in self._hooked and name not in self.sparse and self._trainable(param):
                 self._register_grad_hook(param, lambda tensor, name=name: stage.submit(name, tensor))
                 self._hooked.add(name)
 
@@ -282,6 +288,8 @@ class ParameterServerHandle(ABC):
             self._step_script_optimizer()
             self.session.local_step(self._canonical({n: self._to_numpy(p) for n, p in params.items()}))
         else:
+            if self.sparse:  # a group changed since connect (weight_decay set, add_param_group) is refused as there
+                sparse_grads.refusal(self.framework, self.optimizer, self.sparse, params)
             desc = self.reader.describe()
             # in the optimizer's order: a global-norm clip sums in that order, as optimizer.step() does
             stepped = [n for g in desc["groups"] for n in g["params"]]

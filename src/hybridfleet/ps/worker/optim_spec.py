@@ -66,6 +66,9 @@ def _checked_class(optimizer: Any, framework: str) -> str:
     return name
 
 
+_TORCH_STATE_DEFAULTS = ("initial_accumulator_value",)
+
+
 class TorchOptimizerReader:
     """Reads a ``torch.optim`` optimizer's class and parameter groups (every hyperparameter)."""
 
@@ -82,7 +85,12 @@ class TorchOptimizerReader:
             names = [self._name(p, i) for p in group["params"]]
             hyper = {k: _plain(v, f"optimizer group {i} {k!r}") for k, v in sorted(group.items()) if k != "params"}
             groups.append({"params": names, "hyper": hyper})
-        return {"framework": "torch", "class": self.name, "lr": None, "ctor": {}, "groups": groups, "param_attrs": {}}
+        # the constructor's defaults that torch reads when it creates a parameter's state (Adagrad's
+        # initial_accumulator_value: the group's own value is not used for it)
+        ctor = {k: _plain(self.optimizer.defaults[k], f"optimizer {k!r}") for k in _TORCH_STATE_DEFAULTS
+                if k in self.optimizer.defaults}
+        return {"framework": "torch", "class": self.name, "lr": None, "ctor": ctor, "groups": groups,
+                "param_attrs": {}}
 
     def _name(self, param: Any, group: int) -> str:
         name = self.names_of.get(id(param))

@@ -72,6 +72,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         self.secure = None  # hybridfleet.ps.secagg.rounds.SecureRounds when ps.secure_aggregation is on
         self.feedback = None  # hybridfleet.codec.feedback.ErrorFeedback with compression.error_feedback
         self.skipped_nonfinite = 0  # steps this worker skipped (for every worker) for a non-finite gradient
+        self.row_sparse: set[str] = set()  # parameters whose gradient is row-sparse: pushed as rows under codec none
 
     def _privacy(self):
         """The push's Gaussian mechanism; with a budget, the job's steps end before epsilon exceeds it."""
