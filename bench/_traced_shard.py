@@ -61,7 +61,8 @@ def main() -> None:
     for line in sys.stdin:
         gc.collect()
         out = {"proc": proc_memory(), "malloc": mallinfo(), "live": len(server.state.live_members()),
-               "bulk_authenticated": getattr(server.bulk, "_authenticated", None)}
+               "bulk_authenticated": getattr(server.bulk, "_authenticated", None),
+               "bulk_port": server.bulk.port if server.bulk is not None else None}
         if tracemalloc.is_tracing():
             out["traced"] = tracemalloc.get_traced_memory()[0]
             if line.strip():

@@ -73,9 +73,14 @@ def main() -> None:
     ap.add_argument("--codec", default="topk")
     ap.add_argument("--frames", type=int, default=10, help="tracemalloc frames per trace (0: off)")
     ap.add_argument("--top", type=int, default=12, help="tracebacks shown")
+    ap.add_argument("--connections", type=int, default=0,
+                    help="instead: open this many idle TLS connections of each kind to one shard and report each "
+                         "kind's bytes per connection")
     args = ap.parse_args()
     FRAMES["value"] = args.frames
     scale.serve_shards = traced_shards
+    if args.connections:
+        return per_connection(args.connections, args.numel)
     n = args.step * args.stages
     with tempfile.TemporaryDirectory(prefix="hf-shard-mem-") as tmp:
         workdir = Path(tmp)
@@ -127,6 +132,47 @@ def main() -> None:
     print(json.dumps({"bench": "shard_memory", "n": xs, "shards": args.shards, "numel": args.numel,
                       "codec": args.codec, "per_worker_per_shard": figures, "top_tracebacks": top,
                       "stages": [{"n": s["n"], "shards": s["shards"]} for s in stages]}))
+
+
+def per_connection(k: int, numel: int) -> None:
+    """One shard, no worker joined: its memory before and after ``k`` bulk-plane TLS connections
+    (each past its HELLO with its own worker token), then ``k`` gRPC TLS connections (each its own
+    channel credentials, so its own connection, one Status call each)."""
+    from hybridfleet.ps.worker.bulk_channel import BulkChannel
+    from hybridfleet.ps.worker.client import ClientSecurity
+    from hybridfleet.ps.worker.status import ShardStatusProbe
+
+    FRAMES["value"] = 0
+    with tempfile.TemporaryDirectory(prefix="hf-shard-conn-") as tmp:
+        fleet = scale.Fleet(Path(tmp), k, 1, "topk", "bsp", numel, k)
+        shard, cfg = fleet.shards[0], fleet.base_cfg
+        host, port = cfg["servers"][0].rsplit(":", 1)
+        try:
+            rows = [("none", ask(shard))]
+            bulk_port = rows[0][1]["bulk_port"]
+            bulks = []
+            for wid in fleet.ids:
+                sec = ClientSecurity.from_files(cfg["ca"], token=cfg["tokens"][wid])
+                chan = BulkChannel(host, int(bulk_port), sec.ssl_context, None, cfg["tokens"][wid])
+                bulks.append(chan._connect())
+            rows.append(("bulk", ask(shard)))
+            probes = [ShardStatusProbe(cfg["servers"][0], Path(cfg["certs"]), cfg["admin_token"]) for _ in range(k)]
+            for p in probes:
+                p.status(timeout_s=30)
+            rows.append(("grpc", ask(shard)))
+            for p in probes:
+                p.close()
+            for s in bulks:
+                s.close()
+        finally:
+            fleet.close()
+    out = {}
+    for (_, a), (name, b) in zip(rows, rows[1:]):
+        out[name] = {"rss_kib": round((b["proc"]["VmRSS"] - a["proc"]["VmRSS"]) / k, 1),
+                     "heap_in_use_kib": round((b["malloc"]["in_use"] - a["malloc"]["in_use"]) / 1024 / k, 1),
+                     "heap_free_kib": round((b["malloc"]["free"] - a["malloc"]["free"]) / 1024 / k, 1)}
+        print(f"  {name}: {out[name]} per connection ({k} connections)")
+    print(json.dumps({"bench": "shard_memory_connections", "connections": k, "per_connection": out}))
 
 
 if __name__ == "__main__":
