@@ -50,11 +50,11 @@ def main() -> None:
     job, shard, port_file, certs, expected, frames = sys.argv[1:7]
     if int(frames):
         tracemalloc.start(int(frames))
-    from hybridfleet.ps.alloc import tune_allocator
+    from hybridfleet.ps.alloc import SHARD_MALLOC_ARENAS, tune_allocator
     from hybridfleet.ps.server.serve import server_security, start_shard
     from hybridfleet.spec import load_spec
 
-    tune_allocator()
+    tune_allocator(arenas=SHARD_MALLOC_ARENAS)  # as `hfleet ps serve` does
     spec = load_spec(job)
     server = start_shard(spec, int(shard), "127.0.0.1", 0, server_security(spec, certs), int(expected))
     Path(port_file).write_text(f"127.0.0.1:{server.port}\n")

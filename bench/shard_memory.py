@@ -31,6 +31,7 @@ import scale  # noqa: E402
 from _shards import REPO  # noqa: E402
 
 FRAMES = {"value": 10}
+FIRST_ROUND = {"workers": 0}  # the first stage's workers: its BSP round must not wait for the later stages
 
 
 def traced_shards(job: Path, count: int, workdir: Path, *, expected_workers: int, certs: Path | None = None,
@@ -40,7 +41,8 @@ def traced_shards(job: Path, count: int, workdir: Path, *, expected_workers: int
     env.pop("HFLEET_METRICS_PORT", None)
     files = [workdir / f"{job.stem}-traced-{i}.port" for i in range(count)]
     procs = [subprocess.Popen([sys.executable, str(REPO / "bench" / "_traced_shard.py"), str(job), str(i),
-                               str(files[i]), str(certs), str(expected_workers), str(FRAMES["value"])],
+                               str(files[i]), str(certs), str(FIRST_ROUND["workers"] or expected_workers),
+                               str(FRAMES["value"])],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for i in range(count)]
     deadline = time.monotonic() + timeout_s
@@ -78,6 +80,7 @@ def main() -> None:
                          "kind's bytes per connection")
     args = ap.parse_args()
     FRAMES["value"] = args.frames
+    FIRST_ROUND["workers"] = args.step
     scale.serve_shards = traced_shards
     if args.connections:
         return per_connection(args.connections, args.numel)
@@ -88,10 +91,13 @@ def main() -> None:
         try:
             stages = []
             for g in range(args.stages):
+                t0 = time.perf_counter()
                 fleet.start(g)
                 fleet.all({"op": "start"}, groups=[g])
+                t1 = time.perf_counter()
                 for _ in range(args.rounds):
                     fleet.all({"op": "round"})
+                print(f"stage {g}: joins {t1 - t0:.1f} s, rounds {time.perf_counter() - t1:.1f} s", file=sys.stderr)
                 dumps = [str(workdir / f"snap-{g}-{j}.bin") if args.frames else "" for j in range(args.shards)]
                 stages.append({"n": args.step * (g + 1),
                                "shards": [ask(p, d) for p, d in zip(fleet.shards, dumps)], "dumps": dumps})
