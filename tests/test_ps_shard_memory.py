@@ -1,8 +1,9 @@
 """What a shard holds per connected worker does not grow back (docs/SCALE.md, "Memory per worker").
 
 Memory counts, not timings: glibc's own count of the heap bytes in use (``mallinfo2``) around
-real native TLS connections that moved a megabyte each way, and tracemalloc around a real
-`ShardState` that 40 more workers joined and pushed a round into.
+real native TLS connections that moved a megabyte each way, tracemalloc around a real
+`ShardState` that 40 more workers joined and pushed a round into, and glibc's own list of
+its arenas (``malloc_info``) in a process with the shard's allocator settings.
 """
 
 from __future__ import annotations
@@ -148,3 +149,45 @@ def test_forty_more_workers_that_join_and_push_add_a_few_kib_of_python_memory_ea
     assert grown / 40 < PYTHON_PER_WORKER_BOUND, f"{grown / 40 / KIB:.1f} KiB of Python memory per worker"
     # sgd, lr 0.5: the means of 1..40 and of 1..80
     np.testing.assert_array_equal(state.params["w"], np.full(numel, -0.5 * (20.5 + 40.5), np.float32))
+
+
+_ARENAS_PROBE = r"""
+import ctypes, sys, tempfile, threading
+from hybridfleet.ps.alloc import SHARD_MALLOC_ARENAS, tune_allocator
+if sys.argv[1] == "shard":
+    assert tune_allocator(arenas=SHARD_MALLOC_ARENAS)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.fopen.restype = ctypes.c_void_p
+barrier = threading.Barrier(9)
+def work():
+    libc.malloc(4096)  # a thread's first malloc takes an arena of its own while the limit allows
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+barrier.wait()
+with tempfile.NamedTemporaryFile("r") as out:
+    f = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(f))
+    libc.fclose(ctypes.c_void_p(f))
+    print(out.read().count("<heap nr="))
+for t in threads: t.join()
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's; this libc is not glibc")
+def test_a_shard_process_shares_two_malloc_arenas_between_its_threads():
+    # Prepare / Execute: 8 threads malloc at once, with the shard's allocator settings and without
+    import subprocess
+    import sys
+
+    from hybridfleet.ps.alloc import SHARD_MALLOC_ARENAS
+
+    def arenas(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _ARENAS_PROBE, mode], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    # Assert: glibc's default gives the threads arenas of their own; the shard's settings keep two
+    assert SHARD_MALLOC_ARENAS == 2
+    assert arenas("shard") == SHARD_MALLOC_ARENAS
+    assert arenas("default") > SHARD_MALLOC_ARENAS
