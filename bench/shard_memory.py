@@ -1,15 +1,18 @@
 """Where a shard's memory per worker goes: tracemalloc and /proc of real shards as workers join.
 
-    python bench/shard_memory.py                       # 2 shards, workers join 20 at a time up to 60
-    python bench/shard_memory.py --step 40 --stages 3 --shards 4 --numel 1000000 --frames 0
+    python bench/shard_memory.py                       # 2 shards, workers join 20 at a time up to 80
+    python bench/shard_memory.py --frames 10           # and tracemalloc's Python bytes, by traceback
+    python bench/shard_memory.py --connections 60      # bytes per idle connection: bulk plane, gRPC
 
 The fleet is bench/scale.py's (real TLS + token shards, real `PSClient`s with their own tokens
 and connections, top-k 1% + EF, BSP), except that each shard runs bench/_traced_shard.py, which
 serves exactly as `hfleet ps serve` does and answers memory questions on stdin. Workers join
 ``--step`` at a time (one client process each); after each group joined and ``--rounds`` rounds
 ran, every shard reports its RSS, smaps_rollup, glibc heap (in use / free) and, with ``--frames``
-> 0, its traced Python bytes. Printed per worker (slope over the stages, per shard): each of
-those, and the tracemalloc tracebacks whose bytes grew most between the first and last stage.
+> 0, its traced Python bytes (tracing slows the shards several times, and its snapshots inflate
+their free heap: read the heap figures of a run without it). Printed per worker (slope over the
+stages, per shard): each of those, and the tracemalloc tracebacks whose bytes grew most between
+the first and last stage.
 The JSON last line carries the same figures.
 """
 
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale  # noqa: E402
 from _shards import REPO  # noqa: E402
 
-FRAMES = {"value": 10}
+FRAMES = {"value": 0}
 FIRST_ROUND = {"workers": 0}  # the first stage's workers: its BSP round must not wait for the later stages
 
 
@@ -68,12 +71,12 @@ def slope(xs, ys) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--step", type=int, default=20, help="workers that join per stage (one client process)")
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--numel", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=2, help="BSP rounds after each stage's joins")
     ap.add_argument("--codec", default="topk")
-    ap.add_argument("--frames", type=int, default=10, help="tracemalloc frames per trace (0: off)")
+    ap.add_argument("--frames", type=int, default=0, help="tracemalloc frames per trace (0: off)")
     ap.add_argument("--top", type=int, default=12, help="tracebacks shown")
     ap.add_argument("--connections", type=int, default=0,
                     help="instead: open this many idle TLS connections of each kind to one shard and report each "
