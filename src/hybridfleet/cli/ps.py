@@ -36,10 +36,10 @@ def serve(
 ) -> None:
     """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
     from hybridfleet.launch.helpers import restart_count
-    from hybridfleet.ps.alloc import tune_allocator
+    from hybridfleet.ps.alloc import SHARD_MALLOC_ARENAS, tune_allocator
     from hybridfleet.ps.server.serve import server_security, start_shard
 
-    tune_allocator()
+    tune_allocator(arenas=SHARD_MALLOC_ARENAS)
     spec = load_spec(job)
     security = server_security(spec, certs, insecure_plaintext, no_auth)  # UsageError naming the flags
     came_back = port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file()

@@ -41,6 +41,10 @@
 #endif
 
 #define WRITE_BUFFER_BYTES (256 * 1024) /* records sent per send syscall: ~16 instead of one */
+/* The pair's size between large writes: one record's worth. A connection keeps only this
+ * while idle, and takes the large pair for a write of more than this (see `pair_for`), so
+ * that a shard with thousands of idle connections does not hold 256 KiB for each. */
+#define IDLE_WRITE_BUFFER_BYTES (17 * 1024)
 #ifndef READ_BUFFER_BYTES
 #define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
 #endif
@@ -98,7 +102,11 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
     /* ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as the ssl module maps them */
     SSL_CTX_set_verify(ctx, verify_mode == 0 ? SSL_VERIFY_NONE
                             : SSL_VERIFY_PEER | (verify_mode == 2 ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), NULL);
-    SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY);
+    /* RELEASE_BUFFERS: OpenSSL frees a connection's read-ahead buffer (READ_BUFFER_BYTES) and its
+     * record buffer whenever they are empty, instead of keeping them at their high-water mark for
+     * the connection's life; a busy connection takes them again from the heap. */
+    SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY |
+                              SSL_MODE_RELEASE_BUFFERS);
     SSL_CTX_set_read_ahead(ctx, 1);
     SSL_CTX_set_default_read_buffer_len(ctx, READ_BUFFER_BYTES);
     if (self->ctx) SSL_CTX_free(self->ctx);
@@ -128,6 +136,7 @@ typedef struct {
     double timeout; /* < 0: wait forever for progress */
     int busy, closed;
     BIO *net; /* OpenSSL writes records into a BIO pair; this half sends them in large writes */
+    int net_size; /* the pair's buffer: IDLE_WRITE_BUFFER_BYTES, or WRITE_BUFFER_BYTES during a large write */
     char *hostname; /* what the certificate is checked against, for error messages */
 } ConnObject;
 
@@ -346,10 +355,28 @@ static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname) {
     return -1;
 }
 
+/* Give the connection a write pair of ``size`` bytes, once the current one is drained (what is
+ * still in it stays where it is: the swap waits for the next call). 0 on success, -1 when no
+ * memory was left (the old pair is kept). */
+static int pair_for(ConnObject *self, int size) {
+    if (self->net_size == size || self->ssl == NULL || BIO_ctrl_pending(self->net) != 0) return 0;
+    BIO *inner = NULL, *outer = NULL;
+    if (!BIO_new_bio_pair(&inner, size, &outer, 1)) {
+        ERR_clear_error();
+        return -1;
+    }
+    SSL_set0_wbio(self->ssl, inner); /* frees the old inner half, which unpairs the old outer one */
+    BIO_free(self->net);
+    self->net = outer;
+    self->net_size = size;
+    return 0;
+}
+
 /* Run ``op`` with the GIL released; returns the Progress (result ST_OK/ST_EOF) or NULL-equivalent -1 with an exception. */
 static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p, const char *what) {
     memset(p, 0, sizeof *p);
     p->last_progress = now_s();
+    if (op == OP_WRITE_ALL && n > IDLE_WRITE_BUFFER_BYTES) pair_for(self, WRITE_BUFFER_BYTES); /* else the small one */
     self->busy = 1;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
@@ -359,6 +386,7 @@ static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline
         if (PyErr_CheckSignals() < 0) { self->busy = 0; ERR_clear_error(); goto done_error; }
     }
     self->busy = 0;
+    if (self->net_size != IDLE_WRITE_BUFFER_BYTES && !self->closed) pair_for(self, IDLE_WRITE_BUFFER_BYTES);
     switch (p->result) {
     case ST_OK:
     case ST_EOF:
@@ -402,7 +430,9 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     BIO *sock_bio = BIO_new_socket(fd, BIO_NOCLOSE), *inner = NULL, *outer = NULL;
-    if (sock_bio == NULL || !BIO_new_bio_pair(&inner, WRITE_BUFFER_BYTES, &outer, 0)) {
+    /* the outer half is only read from (what OpenSSL wrote into the inner one): its own buffer, for
+     * writes into it that never come, is one byte */
+    if (sock_bio == NULL || !BIO_new_bio_pair(&inner, IDLE_WRITE_BUFFER_BYTES, &outer, 1)) {
         BIO_free(sock_bio);
         SSL_free(ssl);
         return raise_ssl_error(ERR_get_error(), NULL, NULL);
@@ -443,6 +473,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
     }
     self->ssl = ssl;
     self->net = outer;
+    self->net_size = IDLE_WRITE_BUFFER_BYTES;
     self->fd = fd; /* owned from here on */
     self->timeout = -1;
     return 0;
