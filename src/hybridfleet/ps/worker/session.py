@@ -135,9 +135,9 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
             self.client.clock = max(self.client.clock, max(info["versions"]))
         self.step_count = self.client.clock
         if not info["initialized"] and cfg.initialises:
-            init = {}
+            init = {}  # each block sent from the values' own memory: no copy of the model is made to send it
             for name, arr in params.items():
-                init.update({k: np.ascontiguousarray(v, dtype=DTYPE).tobytes()
+                init.update({k: memoryview(np.ascontiguousarray(v, dtype=DTYPE)).cast("B")
                              for k, v in self.plan.split(name, np.asarray(arr, dtype=DTYPE).reshape(-1)).items()})
             self.client.push(init, codec="none", kind="INIT")
         # start from our own values: when they are the job's initial values (workers seeded alike),
