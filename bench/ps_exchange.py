@@ -189,7 +189,8 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1, help="shard processes (default 1)")
     ap.add_argument("--optimizer", choices=sorted(SLOTS), default="sgd", help="the shards' optimizer (default sgd)")
     args = ap.parse_args()
-    for flag, value, least in (("--mb", args.mb, 1), ("--rounds", args.rounds, 1), ("--shards", args.shards, 1)):
+    size_flag = "--size-mb" if any(a.startswith("--size-mb") for a in sys.argv[1:]) else "--mb"  # as typed
+    for flag, value, least in ((size_flag, args.mb, 1), ("--rounds", args.rounds, 1), ("--shards", args.shards, 1)):
         if value is not None and value < least:
             ap.error(f"{flag}: must be >= {least} (got {value})")
     from _anchors import require  # bench/ is sys.path[0] when a bench runs

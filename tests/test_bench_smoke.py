@@ -145,6 +145,10 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("serve.py", ["--canary-requests", "50"], "--canary-requests: must be >= 100 (got 50)"),
     ("serve.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
     ("registry.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
+    ("ps_exchange.py", ["--size-mb", "0"], "--size-mb: must be >= 1 (got 0)"),  # the alias of --mb
+    ("ps_exchange.py", ["--mb", "-4"], "--mb: must be >= 1 (got -4)"),
+    ("ps_exchange.py", ["--rounds", "0"], "--rounds: must be >= 1 (got 0)"),
+    ("ps_exchange.py", ["--shards", "0"], "--shards: must be >= 1 (got 0)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute
