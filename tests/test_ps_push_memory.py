@@ -23,6 +23,7 @@ from hybridfleet.codec.frame import FrameParts, frame_pieces
 from hybridfleet.ps.worker.client import ClientSecurity
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 from hybridfleet.spec import load_spec
+from tests.ps_helpers import initial_values, join_and_init, start_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_BYTES = 32 << 20
@@ -120,3 +121,35 @@ def test_a_step_of_a_32_mib_model_allocates_far_less_than_the_model_and_reuses_t
             np.testing.assert_allclose(v, params[k] - 3 * LR * grads[k], rtol=0, atol=1e-5)
     finally:
         session.close()
+
+
+def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(tmp_path):
+    # Prepare: two workers, one BSP shard, one round pushed by both
+    cluster = start_cluster(tmp_path)
+    state = cluster.servers[0].state
+    a, b = cluster.client("a"), cluster.client("b")
+    try:
+        join_and_init(cluster, a)
+        join_and_init(cluster, b, init=False)
+        for client, g in ((a, 1.0), (b, 3.0)):
+            blocks = {k: get_codec("none").encode(part) for name, v in initial_values().items()
+                      for k, part in client.plan.split(name, np.full(v.size, g, np.float32)).items()}
+            client.push(blocks, codec="none", base_versions=[0])
+        assert state.version == 1
+
+        # Execute / Assert: the copy made for a's pull stays until b has pulled the same version too
+        pulled_a = a.pull(wait_for_versions=[1])
+        assert state._wire_cache, "the first puller's copy is kept for the others"
+        pulled_b = b.pull(wait_for_versions=[1])
+        assert state._wire_cache == {}
+
+        # Assert: both got the round's values (SGD lr 0.5 on the mean gradient 2.0), and a repeated
+        # full pull is still answered, from a new copy
+        expected = initial_values()["fc.bias"] - 1.0
+        for pulled in (pulled_a, pulled_b, a.pull(full=True)):
+            got = next(p for p in pulled if p.key.startswith("fc.bias"))
+            np.testing.assert_allclose(np.frombuffer(got.payload(), np.float32), expected, rtol=1e-6)
+    finally:
+        a.close()
+        b.close()
+        cluster.stop()
