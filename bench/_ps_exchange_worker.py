@@ -32,9 +32,10 @@ def main() -> None:
     shapes = {f"layer{i}.weight": (numel // tensors,) for i in range(tensors)}
     rng = np.random.default_rng(rank)
     params = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
-    grads = {k: rng.standard_normal(s, dtype=np.float32) * 1e-3 for k, s in shapes.items()}
     session = PSSession(shapes, config, "torch")
     params = session.start(params)  # train on the session's parameters, as a script does: its own values go
+    # a script's gradients exist from its first backward on, after the session started
+    grads = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-3) for k, s in shapes.items()}
     times = []
     for _ in range(rounds + 1):  # the first round warms up connections and buffers
         t0 = time.perf_counter()

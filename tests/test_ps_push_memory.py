@@ -153,3 +153,35 @@ def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(t
         a.close()
         b.close()
         cluster.stop()
+
+
+def test_a_worker_joining_with_other_values_receives_the_jobs_values_in_place(shard):
+    # Prepare: the shard initialised by one session, which then leaves
+    spec, address = shard
+    rng = np.random.default_rng(1)
+    job_values = {k: rng.standard_normal(s, dtype=np.float32) for k, s in SHAPES.items()}
+    own_values = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+
+    def session() -> PSSession:
+        return PSSession(SHAPES, WorkerConfig(job=spec, site="a", servers=[address],
+                                              security=ClientSecurity(insecure=True)), "torch")
+
+    first = session()
+    first.start(job_values)
+    first.close()
+    joiner = session()
+    try:
+        # Execute: a start whose values differ from the job's, so every value is pulled
+        tracemalloc.start()
+        try:
+            out = joiner.start(own_values)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+
+        # Assert: the session's one copy of the parameters, and no receive buffer beside it
+        assert peak < MODEL_BYTES + MODEL_BYTES // 4, f"start allocated {peak} bytes for a {MODEL_BYTES}-byte model"
+        for k, v in out.items():
+            np.testing.assert_array_equal(v, job_values[k])
+    finally:
+        joiner.close()

@@ -331,5 +331,5 @@ def values_digest(arrays) -> str:
 
     h = hashlib.sha256()
     for a in arrays:
-        h.update(np.ascontiguousarray(a, dtype=DTYPE).tobytes())
+        h.update(memoryview(np.ascontiguousarray(a, dtype=DTYPE)).cast("B"))  # hashed in place, not copied
     return h.hexdigest()

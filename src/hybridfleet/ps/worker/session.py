@@ -143,7 +143,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         # start from our own values: when they are the job's initial values (workers seeded alike),
         # the first pull brings only what changed since, not every parameter again
         self._flat = {k: np.ascontiguousarray(params[k], dtype=DTYPE).reshape(-1).copy() for k in self.shapes}
-        self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests()))
+        self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests(), into=self._pull_target))
         if cfg.aggregates:
             self._start_hub()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),
