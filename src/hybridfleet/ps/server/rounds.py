@@ -298,8 +298,11 @@ class Rounds:
 
     def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
-        or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics."""
+        or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics.
+        With the job's optimizer ``grads`` is consumed: each key's update is let go once it is
+        stepped, so a round's sums are freed key by key while the next keys' temporaries exist."""
         self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
+        keys = list(grads)
         params = {}
         for key, grad in grads.items():
             if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)
@@ -311,15 +314,16 @@ class Rounds:
                 self.script_optimizer = self.new_script_optimizer()
             self.script_optimizer.step(self.params, params, desc)
         else:
-            for key, grad in params.items():
-                self.optimizer.step(key, self.params[key], grad)
+            for key in list(params):
+                grads.pop(key)
+                self.optimizer.step(key, self.params[key], params.pop(key))
         self.version += 1
-        for key in grads:
+        for key in keys:
             self.key_version[key] = self.version
         self.applied_pushes += 1
         if self.compress_down:
-            self._encode_deltas(list(grads))
-        self._published(list(grads))
+            self._encode_deltas(keys)
+        self._published(keys)
         if self.on_applied is not None:
             self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 
