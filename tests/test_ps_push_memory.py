@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +186,37 @@ def test_a_worker_joining_with_other_values_receives_the_jobs_values_in_place(sh
             np.testing.assert_array_equal(v, job_values[k])
     finally:
         joiner.close()
+
+
+def test_bsp_round_sums_are_let_go_once_the_round_is_applied(tmp_path):
+    # Prepare: two workers, one BSP shard; the first push's values become the round's sums
+    cluster = start_cluster(tmp_path)
+    state = cluster.servers[0].state
+    a, b = cluster.client("a"), cluster.client("b")
+    try:
+        join_and_init(cluster, a)
+        join_and_init(cluster, b, init=False)
+
+        def push(client, g: float) -> None:
+            blocks = {k: get_codec("none").encode(part) for name, v in initial_values().items()
+                      for k, part in client.plan.split(name, np.full(v.size, g, np.float32)).items()}
+            client.push(blocks, codec="none", base_versions=[0])
+
+        push(a, 1.0)
+        sums = [weakref.ref(arr) for arr in state.rounds[0].sums.values()]
+        assert sums and all(r() is not None for r in sums)
+        alive_when_applied = []
+        state.on_applied = lambda: alive_when_applied.append(sum(r() is not None for r in sums))
+
+        # Execute: the second push closes and applies the round
+        push(b, 3.0)
+
+        # Assert: applied (SGD lr 0.5 on the mean 2.0); every sum was let go within the apply, before
+        # the push that closed the round returned
+        assert state.version == 1 and state.rounds == {}
+        assert alive_when_applied == [0]
+        np.testing.assert_allclose(cluster.params()["fc.bias"], initial_values()["fc.bias"] - 1.0, rtol=1e-6)
+    finally:
+        a.close()
+        b.close()
+        cluster.stop()

@@ -303,12 +303,10 @@ class Rounds:
         stepped, so a round's sums are freed key by key while the next keys' temporaries exist."""
         self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
         keys = list(grads)
-        params = {}
-        for key, grad in grads.items():
+        for key in keys:
             if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)
-                buffers.apply_update(self.params[key], grad)
-            else:
-                params[key] = grad
+                buffers.apply_update(self.params[key], grads[key])
+        params = {key: grad for key, grad in grads.items() if not buffers.is_buffer(key)}
         if desc is not None:
             if self.script_optimizer is None:
                 self.script_optimizer = self.new_script_optimizer()
