@@ -262,7 +262,7 @@ class Rounds:
         if skippers:
             self._skip_round(skippers)
         else:
-            self._apply(update, desc)
+            self._apply(update, desc, consume=self.secagg is None)  # secure aggregation keeps its update
         return True
 
     def _skip_round(self, skippers: set[str]) -> None:
@@ -296,11 +296,12 @@ class Rounds:
         """A fresh runner of the script's optimizer over this shard's keys (plan fixed)."""
         return ScriptOptimizer(self.flavour, {b.key: b.param for b in self.plan.blocks_for_shard(self.shard)})
 
-    def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
+    def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None, consume: bool = False) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
         or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics.
-        With the job's optimizer ``grads`` is consumed: each key's update is let go once it is
-        stepped, so a round's sums are freed key by key while the next keys' temporaries exist."""
+        ``consume`` (the caller owns ``grads``): with the job's optimizer each key's update is
+        removed from ``grads`` once stepped, so a round's sums are freed key by key while the next
+        keys' temporaries exist."""
         self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
         keys = list(grads)
         for key in keys:
@@ -313,7 +314,8 @@ class Rounds:
             self.script_optimizer.step(self.params, params, desc)
         else:
             for key in list(params):
-                grads.pop(key)
+                if consume:
+                    grads.pop(key)
                 self.optimizer.step(key, self.params[key], params.pop(key))
         self.version += 1
         for key in keys:
