@@ -5,15 +5,26 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import torch  # noqa: F401  the job's framework: a real worker has it loaded, so "framework" counts it
 
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig, client_security_from_env
 from hybridfleet.spec import load_spec
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def main() -> None:
     job, rank, rounds, numel, tensors = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    framework_rss = resident_bytes()  # torch, numpy and hybridfleet imported, no tensor yet
     spec = load_spec(job)
     site = list(spec.sites)[rank]
     config = WorkerConfig(job=spec, site=site, rank=rank, site_rank=0, servers=os.environ["HFLEET_SERVERS"].split(","),
@@ -21,9 +32,10 @@ def main() -> None:
     shapes = {f"layer{i}.weight": (numel // tensors,) for i in range(tensors)}
     rng = np.random.default_rng(rank)
     params = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
-    grads = {k: rng.standard_normal(s, dtype=np.float32) * 1e-3 for k, s in shapes.items()}
     session = PSSession(shapes, config, "torch")
-    session.start(params)
+    params = session.start(params)  # train on the session's parameters, as a script does: its own values go
+    # a script's gradients exist from its first backward on, after the session started
+    grads = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-3) for k, s in shapes.items()}
     times = []
     for _ in range(rounds + 1):  # the first round warms up connections and buffers
         t0 = time.perf_counter()
@@ -33,7 +45,7 @@ def main() -> None:
     session.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(json.dumps({"rank": rank, "round_s": times[1:], "sent": moved["sent"], "received": moved["received"],
-                      "peak_rss_bytes": peak_rss}))
+                      "peak_rss_bytes": peak_rss, "framework_rss_bytes": framework_rss}))
 
 
 if __name__ == "__main__":

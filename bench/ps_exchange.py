@@ -25,6 +25,10 @@ Memory (TLS run): ``shard_rss_over_slice`` is the largest shard's peak RSS over 
 of the parameters, ``shard_rss_over_target`` its peak RSS over 1.25 x (slice + optimizer
 slots) + 128 MiB, ``worker_rss_over_model`` a worker's peak RSS over the model's bytes (the
 worker holds its parameters and gradients besides what the session keeps).
+``worker_framework_rss_mib`` is "framework": a worker's resident set after importing the
+job's framework (torch), numpy and the worker session, before any tensor exists;
+``worker_rss_over_target`` = a worker's peak RSS / (2 x model + framework), at most 1 when the
+worker holds no more than its parameters and one gradient's worth of bytes.
 """
 
 from __future__ import annotations
@@ -158,7 +162,10 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
             "shard_rss_bytes": max(shard_rss), "worker_rss_bytes": max(r["peak_rss_bytes"] for r in results),
             "shard_rss_over_slice": max(r / s for r, s in zip(shard_rss, slices)),
             "shard_rss_over_target": max(r / (1.25 * s * (1 + slots) + (128 << 20)) for r, s in zip(shard_rss, slices)),
-            "worker_rss_over_model": max(r["peak_rss_bytes"] for r in results) / (numel * 4)}
+            "worker_rss_over_model": max(r["peak_rss_bytes"] for r in results) / (numel * 4),
+            "worker_framework_rss_bytes": max(r["framework_rss_bytes"] for r in results),
+            "worker_rss_over_target": max(r["peak_rss_bytes"] / (2 * numel * 4 + r["framework_rss_bytes"])
+                                          for r in results)}
 
 
 def run_gloo(numel: int, rounds: int) -> dict:
@@ -174,13 +181,18 @@ def run_gloo(numel: int, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 MB, 3 rounds")
-    ap.add_argument("--mb", type=int, default=None, help="parameter set size in MB (default 64)")
+    ap.add_argument("--mb", "--size-mb", dest="mb", type=int, default=None,
+                    help="parameter set size in MB (default 64); --size-mb is the same flag")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--python-tls", action="store_true", help="also measure TLS in Python's ssl module")
     ap.add_argument("--grpc", action="store_true", help="also measure Push/Pull over gRPC instead of the bulk data plane")
     ap.add_argument("--shards", type=int, default=1, help="shard processes (default 1)")
     ap.add_argument("--optimizer", choices=sorted(SLOTS), default="sgd", help="the shards' optimizer (default sgd)")
     args = ap.parse_args()
+    size_flag = "--size-mb" if any(a.startswith("--size-mb") for a in sys.argv[1:]) else "--mb"  # as typed
+    for flag, value, least in ((size_flag, args.mb, 1), ("--rounds", args.rounds, 1), ("--shards", args.shards, 1)):
+        if value is not None and value < least:
+            ap.error(f"{flag}: must be >= {least} (got {value})")
     from _anchors import require  # bench/ is sys.path[0] when a bench runs
 
     require("bench/ps_exchange.py", {"torch": "PyTorch"})
@@ -229,11 +241,13 @@ def main() -> None:
     result.update({"shards": args.shards, "optimizer": args.optimizer,
                    "shard_rss_mib": round(ps["shard_rss_bytes"] / (1 << 20), 1),
                    "worker_rss_mib": round(ps["worker_rss_bytes"] / (1 << 20), 1),
+                   "worker_framework_rss_mib": round(ps["worker_framework_rss_bytes"] / (1 << 20), 1),
                    **{k: round(ps[k], 3) for k in ("shard_rss_over_slice", "shard_rss_over_target",
-                                                    "worker_rss_over_model")}})
+                                                    "worker_rss_over_model", "worker_rss_over_target")}})
     print(f"peak RSS: shard {result['shard_rss_mib']} MiB ({result['shard_rss_over_slice']} x its slice, "
           f"{result['shard_rss_over_target']} x 1.25 (slice + slots) + 128 MiB), worker {result['worker_rss_mib']} "
-          f"MiB ({result['worker_rss_over_model']} x the model)")
+          f"MiB ({result['worker_rss_over_model']} x the model, {result['worker_rss_over_target']} x 2 x model + "
+          f"framework {result['worker_framework_rss_mib']} MiB)")
     if ps_pytls:
         result["ps_python_tls_s"] = round(ps_pytls["median_s"], 4)
         result["python_tls_vs_plaintext"] = round(ps_pytls["median_s"] / ps_plain["median_s"], 3)

@@ -145,6 +145,10 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("serve.py", ["--canary-requests", "50"], "--canary-requests: must be >= 100 (got 50)"),
     ("serve.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
     ("registry.py", ["--repeats", "0"], "--repeats: must be >= 1 (got 0)"),
+    ("ps_exchange.py", ["--size-mb", "0"], "--size-mb: must be >= 1 (got 0)"),  # the alias of --mb
+    ("ps_exchange.py", ["--mb", "-4"], "--mb: must be >= 1 (got -4)"),
+    ("ps_exchange.py", ["--rounds", "0"], "--rounds: must be >= 1 (got 0)"),
+    ("ps_exchange.py", ["--shards", "0"], "--shards: must be >= 1 (got 0)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute
@@ -166,8 +170,12 @@ def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_r
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc.stdout)
     assert result["bench"] == "ps_exchange" and result["mb"] == 4
-    for key in ("ratio", "wire_efficiency", "tls_vs_plaintext", "ps_s", "ps_plaintext_s", "gloo_s"):
-        assert result[key] > 0
+    for key in ("ratio", "wire_efficiency", "tls_vs_plaintext", "ps_s", "ps_plaintext_s", "gloo_s",
+                "shard_rss_over_slice", "shard_rss_over_target", "worker_rss_over_model", "worker_rss_over_target",
+                "worker_framework_rss_mib"):
+        assert result[key] > 0, key
+    # the worker's bound counts its framework: the peak is above what torch and the session take alone
+    assert result["worker_rss_mib"] > result["worker_framework_rss_mib"]
     assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
     assert isinstance(result["native_tls"], bool)
 

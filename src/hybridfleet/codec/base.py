@@ -65,6 +65,12 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r} computes in {flat.dtype}; the gradient holds values beyond its range")
         return pack_frame(self.name, array.dtype, shape, self._encode_fields(flat))
 
+    def encode_parts(self, x: np.ndarray):
+        """The frame of `encode` as a sender may write it: bytes here; a codec whose field is the
+        input's own bytes (``none``) returns `FrameParts` sharing ``x``'s memory instead of a copy
+        (then ``x`` must not change until the frame is sent)."""
+        return self.encode(x)
+
     def decode(self, payload: bytes, expected_numel: int | None = None, *, view: bool = False) -> np.ndarray:
         """The dense tensor in `payload`, with its original shape and dtype (a new, writable array;
         with ``view`` it may instead share `payload`'s memory, writable only if `payload` is, so a

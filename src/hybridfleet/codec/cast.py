@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridfleet.codec.base import Codec
-from hybridfleet.codec.frame import Frame
+from hybridfleet.codec.base import Codec, check_gradient
+from hybridfleet.codec.frame import Frame, FrameParts, check_numel, pack_frame_parts
 
 FP16_MAX = float(np.finfo(np.float16).max)
 _BF16_MAX_MAGNITUDE = 0x7F7F  # largest finite bfloat16, sign bit cleared
@@ -22,6 +22,16 @@ class NoneCodec(Codec):
 
     def _encode_fields(self, flat: np.ndarray) -> list:
         return [flat.astype(flat.dtype.newbyteorder("<"), copy=False)]
+
+    def encode_parts(self, x: np.ndarray) -> FrameParts | bytes:
+        """`encode`'s frame with the values sent from ``x``'s own memory when ``x`` is contiguous and
+        little-endian (a gradient's bytes are not copied into a frame); otherwise `encode`'s bytes."""
+        array = check_gradient(x, self.name)
+        if not array.flags.c_contiguous or array.dtype != array.dtype.newbyteorder("<"):
+            return self.encode(array)
+        shape = tuple(array.shape)
+        check_numel(shape)
+        return pack_frame_parts(self.name, array.dtype, shape, [array.reshape(-1)])
 
     def _decode_fields(self, frame: Frame) -> np.ndarray:
         dtype = frame.header.dtype.newbyteorder("<")

@@ -111,20 +111,28 @@ def check_numel(shape: tuple[int, ...]) -> int:
     return numel
 
 
+def _header(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], lengths: list[int]) -> bytes:
+    return b"".join(
+        (
+            _FIXED.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec_name], DTYPE_CODES[np.dtype(dtype)], len(shape)),
+            struct.pack(f"<{len(shape)}I", *shape),
+            struct.pack("<B", len(lengths)),
+            struct.pack(f"<{len(lengths)}Q", *lengths),
+        )
+    )
+
+
+def _raw(fields: list) -> list[memoryview]:
+    return [memoryview(f if isinstance(f, (bytes, bytearray)) else np.ascontiguousarray(f)).cast("B") for f in fields]
+
+
 def pack_frame(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields: list) -> bytearray:
     """One frame holding `fields` (bytes or arrays, written as their raw little-endian bytes).
 
     Each field is copied once, straight into the frame.
     """
-    raw = [memoryview(f if isinstance(f, (bytes, bytearray)) else np.ascontiguousarray(f)).cast("B") for f in fields]
-    header = b"".join(
-        (
-            _FIXED.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec_name], DTYPE_CODES[np.dtype(dtype)], len(shape)),
-            struct.pack(f"<{len(shape)}I", *shape),
-            struct.pack("<B", len(raw)),
-            struct.pack(f"<{len(raw)}Q", *(len(r) for r in raw)),
-        )
-    )
+    raw = _raw(fields)
+    header = _header(codec_name, dtype, shape, [len(r) for r in raw])
     out = bytearray(len(header) + sum(len(r) for r in raw))
     view = memoryview(out)
     view[: len(header)] = header
@@ -133,6 +141,36 @@ def pack_frame(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields:
         view[pos : pos + len(r)] = r
         pos += len(r)
     return out
+
+
+class FrameParts:
+    """One frame as the pieces a sender writes in order, never joined: the header, then each
+    field's own memory (a contiguous array's bytes are not copied). ``len()`` is the frame's size
+    and ``bytes()`` the very frame `pack_frame` makes of the same fields. The pieces share the
+    fields' memory: the frame holds what the arrays hold when it is sent."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: list):
+        self.parts = tuple(parts)
+        self.nbytes = sum(len(p) for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def pack_frame_parts(codec_name: str, dtype: np.dtype, shape: tuple[int, ...], fields: list) -> FrameParts:
+    """The frame `pack_frame` makes, as `FrameParts`: a contiguous array field is sent from its own memory."""
+    raw = _raw(fields)
+    return FrameParts([_header(codec_name, dtype, shape, [len(r) for r in raw]), *raw])
+
+
+def frame_pieces(payload) -> tuple:
+    """The buffers to send, in order, for ``payload`` (bytes-like, or `FrameParts`)."""
+    return payload.parts if isinstance(payload, FrameParts) else (payload,)
 
 
 def read_header(payload: bytes, codec_name: str = "codec") -> tuple[FrameHeader, int]:

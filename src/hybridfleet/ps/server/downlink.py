@@ -85,7 +85,7 @@ class Downlink:
                     if not waiting and self._pull_waiters.get(blocked) is waiting:
                         del self._pull_waiters[blocked]
                 self._maybe_finish_rounds()
-            return self._pull_answer(since_version, init_digest)
+            return self._pull_answer(worker_id, since_version, init_digest)
 
     def pull_now(self, worker_id: str, since_version: int, wait_for_version: int, worker_clock: int,
                  init_digest: str = "", waiter: Any = None, expired: bool = False
@@ -99,7 +99,7 @@ class Downlink:
             self._member(worker_id)
             blocked = self._pull_blocked(worker_id, wait_for_version, worker_clock)
             if blocked is None:
-                return self._pull_answer(since_version, init_digest)
+                return self._pull_answer(worker_id, since_version, init_digest)
             if self.secagg is not None and self.secagg.failed:
                 raise Reject("ABORTED", self.secagg.failed)
             if expired or waiter is None:
@@ -128,14 +128,28 @@ class Downlink:
             if "clock" in self._pull_waiters:
                 self._wake_pullers("clock")
 
-    def _pull_answer(self, since_version: int, init_digest: str
+    def _pull_answer(self, worker_id: str, since_version: int, init_digest: str
                      ) -> tuple[int, list[tuple[str, list[memoryview], int, int]]]:
         """The answer of a pull that is ready (called under the shard's lock)."""
         if since_version < 0 and init_digest and init_digest == self.init_digest:
             since_version = 0  # the caller holds the initial values already
         if self.compress_down:
             return self.version, self._pull_compressed(since_version)
-        return self.version, self._changed_since(since_version)
+        answer = self.version, self._changed_since(since_version)
+        if self.in_rounds:
+            self._answered(worker_id)
+        return answer
+
+    def _answered(self, worker_id: str) -> None:
+        """In round modes, once every live worker has been answered at this version the shard lets
+        go of its wire copies: none is asked for again before the next round closes (a late or
+        repeated pull makes one anew), so the push buffers of that round do not sit beside a
+        copy of the slice. Each copy is freed when the last send still using it ends."""
+        if self._pulled[0] != self.version:
+            self._pulled = (self.version, set())
+        self._pulled[1].add(worker_id)
+        if self._wire_cache and self.live_members() <= self._pulled[1]:
+            self._drop_wire_copies(list(self._wire_cache))
 
     def _changed_since(self, since_version: int) -> list[tuple[str, list[memoryview], int, int]]:
         """The values of the keys changed since ``since_version``, worked out once per version and

@@ -266,7 +266,7 @@ class Rounds:
         if skippers:
             self._skip_round(skippers)
         else:
-            self._apply(update, desc)
+            self._apply(update, desc, consume=self.secagg is None)  # secure aggregation keeps its update
         return True
 
     def _skip_round(self, skippers: set[str]) -> None:
@@ -300,30 +300,34 @@ class Rounds:
         """A fresh runner of the script's optimizer over this shard's keys (plan fixed)."""
         return ScriptOptimizer(self.flavour, {b.key: b.param for b in self.plan.blocks_for_shard(self.shard)})
 
-    def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None) -> None:
+    def _apply(self, grads: dict[str, np.ndarray], desc: dict | None = None, consume: bool = False) -> None:
         """Step the keys of ``grads`` (those that had a gradient) with the script's optimizer ``desc``,
-        or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics."""
+        or with the job's ``ps.optimizer``; buffers take the round's sample-weighted statistics.
+        ``consume`` (the caller owns ``grads``): with the job's optimizer each key's update is
+        removed from ``grads`` once stepped, so a round's sums are freed key by key while the next
+        keys' temporaries exist."""
         self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
-        params = {}
-        for key, grad in grads.items():
+        keys = list(grads)
+        for key in keys:
             if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)
-                buffers.apply_update(self.params[key], grad)
-            else:
-                params[key] = grad
+                buffers.apply_update(self.params[key], grads[key])
+        params = {key: grad for key, grad in grads.items() if not buffers.is_buffer(key)}
         if desc is not None:
             if self.script_optimizer is None:
                 self.script_optimizer = self.new_script_optimizer()
             self.script_optimizer.step(self.params, params, desc)
         else:
-            for key, grad in params.items():
-                self.optimizer.step(key, self.params[key], grad)
+            for key in list(params):
+                if consume:
+                    grads.pop(key)
+                self.optimizer.step(key, self.params[key], params.pop(key))
         self.version += 1
-        for key in grads:
+        for key in keys:
             self.key_version[key] = self.version
         self.applied_pushes += 1
         if self.compress_down:
-            self._encode_deltas(list(grads))
-        self._published(list(grads))
+            self._encode_deltas(keys)
+        self._published(keys)
         if self.on_applied is not None:
             self.on_applied()  # e.g. the snapshotter capturing every N versions, under this lock
 
@@ -335,5 +339,5 @@ def values_digest(arrays) -> str:
 
     h = hashlib.sha256()
     for a in arrays:
-        h.update(np.ascontiguousarray(a, dtype=DTYPE).tobytes())
+        h.update(memoryview(np.ascontiguousarray(a, dtype=DTYPE)).cast("B"))  # hashed in place, not copied
     return h.hexdigest()

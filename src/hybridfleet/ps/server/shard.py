@@ -82,6 +82,7 @@ class ShardState(Membership, Rounds, Downlink):
         self._pull_waiters: dict[str | int, set[threading.Condition]] = {}
         self.pull_wakeups = 0  # waiting pulls woken by an event that could make them ready
         self._changed_cache: tuple[int, dict[int, list]] = (-1, {})  # version -> since -> pull items
+        self._pulled: tuple[int, set[str]] = (-1, set())  # version -> workers answered at it (round modes)
         self._keys_of: tuple[ShardingPlan | None, list[str], int] = (None, [], 0)
         self._codec = None
         # compressed downlink (codec != none): workers hold `broadcast`, not `params`;

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from hybridfleet.codec.frame import frame_pieces
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.resolve import Resolver
@@ -352,19 +353,23 @@ class PSClient:
         self.bytes.add_sent("control", msg)
         yield msg
         for key, payload in payloads.items():
-            view = memoryview(payload)
-            for offset in range(0, len(view), CHUNK_BYTES):
-                piece = view[offset:offset + CHUNK_BYTES]
-                msg = fastwire.encode_push_chunk(key, offset, len(view), piece)
-                self.bytes.add("sent", category, len(piece))
-                self.bytes.add("sent", "framing", len(msg) - len(piece), msg)  # the whole message, once
-                yield msg
+            total, offset = len(payload), 0
+            for part in frame_pieces(payload):  # a frame's header, then its values from their own memory
+                view = memoryview(part).cast("B")
+                for start in range(0, len(view), CHUNK_BYTES):
+                    piece = view[start:start + CHUNK_BYTES]
+                    msg = fastwire.encode_push_chunk(key, offset, total, piece)
+                    offset += len(piece)
+                    self.bytes.add("sent", category, len(piece))
+                    self.bytes.add("sent", "framing", len(msg) - len(piece), msg)  # the whole message, once
+                    yield msg
 
     def _bulk_push(self, shard: int, header: ps_pb2.PushHeader, part: dict[str, bytes], category: str):
         self.bytes.add_sent("control", header)
-        reply = self._bulk[shard].push(header, [part[k.key] for k in header.keys])
-        for k in header.keys:
-            self.bytes.add_sent(category, part[k.key])
+        pieces = [piece for k in header.keys for piece in frame_pieces(part[k.key])]
+        reply = self._bulk[shard].push(header, pieces)
+        for piece in pieces:
+            self.bytes.add_sent(category, piece)
         return reply
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,

@@ -184,7 +184,8 @@ class ShardExchange:
                 return lambda key, block: self.feedback.encode(key, block, stage=True,
                                                                rows=matrix_rows(self.plan, key))
             return lambda key, block: self.feedback.encode(key, block, stage=True)
-        return lambda key, block: codec.encode(block)
+        # a raw block is sent from the gradient's own memory (no frame copy of the model per step)
+        return lambda key, block: codec.encode_parts(block)
 
     def _settle_feedback(self, applied: bool) -> None:
         """Commit the residuals of this push's encoding when the push was applied, else restore
