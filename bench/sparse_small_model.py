@@ -50,6 +50,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     args = parser.parse_args()
     chosen = [v for v in args.only.split(",") if v] or list(VARIANTS)
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--only: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps: must be >= 1 (got {args.steps})")
     steps = args.steps or (100 if args.quick else 300)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

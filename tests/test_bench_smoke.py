@@ -149,6 +149,8 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("ps_exchange.py", ["--mb", "-4"], "--mb: must be >= 1 (got -4)"),
     ("ps_exchange.py", ["--rounds", "0"], "--rounds: must be >= 1 (got 0)"),
     ("ps_exchange.py", ["--shards", "0"], "--shards: must be >= 1 (got 0)"),
+    ("sparse_small_model.py", ["--only", "dense,nope"], "--only: unknown nope (choose from dense, topk_1pct"),
+    ("sparse_small_model.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
 ])
 def test_bench_rejects_bad_settings_before_starting_anything(script, args, message):
     # Prepare / Execute
@@ -333,3 +335,46 @@ def test_zoo_bench_names_every_file_an_example_missing_from_the_checkout_lacks()
     assert WORKLOADS["digits"].missing("torch") == [] and WORKLOADS["digits"].missing("paddle") == []
     assert all(w.glue_ready for w in WORKLOADS.values())  # fashion and charlm: tests/test_bench_zoo_glue.py
     assert ghost.gap(joint=2.2, alone=2.0) == pytest.approx(0.1) and ghost.reached(1.9, 2.0)
+
+
+def test_dp_noise_bench_quick_ends_with_the_discrete_over_numpy_ratio():
+    # Prepare / Execute
+    proc = run_bench("dp_noise.py", "--quick", timeout_s=120)
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "dp_noise" and result["numel"] == 1_000_000 and result["sides"] == "discrete/numpy"
+    assert result["ratio"] > 0 and result["discrete_s"] > 0 and result["numpy_s"] > 0
+    assert set(result["sampler_s_by_sigma2"]) == {"1000000"}
+
+
+@pytest.mark.slow
+@pytest.mark.torch  # the variants are torch jobs of examples/digits-cnn.yaml
+def test_sparse_small_model_bench_ends_with_each_variants_accuracy_and_the_ratio():
+    # Prepare / Execute: two variants, four steps each
+    proc = run_bench("sparse_small_model.py", "--only", "dense,topk_1pct", "--steps", "4", timeout_s=300)
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "sparse_small_model" and result["steps"] == 4 and result["anchor"] == "dense"
+    assert set(result["accuracy"]) == {"dense", "topk_1pct"}
+    assert all(0.0 <= a <= 1.0 for a in result["accuracy"].values())
+    assert result["ratio"] == round(result["accuracy"]["topk_1pct"] / result["accuracy"]["dense"], 4)
+
+
+@pytest.mark.slow
+def test_shard_memory_bench_ends_with_the_memory_per_worker_per_shard():
+    # Prepare / Execute: one shard, 4 then 8 workers, a small model
+    proc = run_bench("shard_memory.py", "--step", "4", "--stages", "2", "--shards", "1", "--numel", "20000",
+                     "--rounds", "1", timeout_s=240)
+
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["bench"] == "shard_memory" and result["n"] == [4, 8] and result["shards"] == 1
+    per = result["per_worker_per_shard"]
+    for key in ("rss_kib", "heap_in_use_kib", "heap_free_kib", "threads"):
+        assert isinstance(per[key], (int, float)), key
+    assert len(result["stages"]) == 2
