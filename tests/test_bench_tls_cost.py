@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # its workers are bench/ps_exchange.py's, which load torch as a torch job's worker does
 def test_tls_cost_bench_reports_the_cpu_tls_adds_and_the_ciphers_own_cost():
     # Prepare / Execute: a 4 MB exchange, one timed round per run (TLS + tokens, then plaintext)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
