@@ -124,6 +124,13 @@ def test_a_step_of_a_32_mib_model_allocates_far_less_than_the_model_and_reuses_t
         session.close()
 
 
+def _push_constant(client, g: float) -> None:
+    """Push round 0's gradient ``g`` for every parameter, raw, block by block of the client's plan."""
+    blocks = {k: get_codec("none").encode(part) for name, v in initial_values().items()
+              for k, part in client.plan.split(name, np.full(v.size, g, np.float32)).items()}
+    client.push(blocks, codec="none", base_versions=[0])
+
+
 def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(tmp_path):
     # Prepare: two workers, one BSP shard, one round pushed by both
     cluster = start_cluster(tmp_path)
@@ -133,9 +140,7 @@ def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(t
         join_and_init(cluster, a)
         join_and_init(cluster, b, init=False)
         for client, g in ((a, 1.0), (b, 3.0)):
-            blocks = {k: get_codec("none").encode(part) for name, v in initial_values().items()
-                      for k, part in client.plan.split(name, np.full(v.size, g, np.float32)).items()}
-            client.push(blocks, codec="none", base_versions=[0])
+            _push_constant(client, g)
         assert state.version == 1
 
         # Execute / Assert: the copy made for a's pull stays until b has pulled the same version too
@@ -197,19 +202,14 @@ def test_bsp_round_sums_are_let_go_once_the_round_is_applied(tmp_path):
         join_and_init(cluster, a)
         join_and_init(cluster, b, init=False)
 
-        def push(client, g: float) -> None:
-            blocks = {k: get_codec("none").encode(part) for name, v in initial_values().items()
-                      for k, part in client.plan.split(name, np.full(v.size, g, np.float32)).items()}
-            client.push(blocks, codec="none", base_versions=[0])
-
-        push(a, 1.0)
+        _push_constant(a, 1.0)
         sums = [weakref.ref(arr) for arr in state.rounds[0].sums.values()]
         assert sums and all(r() is not None for r in sums)
         alive_when_applied = []
         state.on_applied = lambda: alive_when_applied.append(sum(r() is not None for r in sums))
 
         # Execute: the second push closes and applies the round
-        push(b, 3.0)
+        _push_constant(b, 3.0)
 
         # Assert: applied (SGD lr 0.5 on the mean 2.0); every sum was let go within the apply, before
         # the push that closed the round returned

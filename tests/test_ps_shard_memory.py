@@ -81,7 +81,7 @@ def _send_both_ways(server, client, data: np.ndarray, into: np.ndarray) -> None:
 
 
 @needs_native
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's; this libc is not glibc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason=f"mallinfo2 is glibc's; this machine's libc is {platform.libc_ver()[0] or 'not identified'}")
 def test_an_idle_native_tls_connection_keeps_no_buffer_at_its_high_water_mark(tmp_path):
     # Prepare: the shard's and the workers' TLS settings; the transfer buffers exist before counting
     pki = make_dev_pki(tmp_path / "pki", clients=[])
@@ -174,7 +174,7 @@ for t in threads: t.join()
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's; this libc is not glibc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason=f"malloc arenas are glibc's; this machine's libc is {platform.libc_ver()[0] or 'not identified'}")
 def test_a_shard_process_shares_two_malloc_arenas_between_its_threads():
     # Prepare / Execute: 8 threads malloc at once, with the shard's allocator settings and without
     import subprocess
