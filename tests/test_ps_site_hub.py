@@ -13,6 +13,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -190,6 +191,46 @@ def test_silent_connections_do_not_block_real_followers(site, pki_dir):
     finally:
         for s in silent:
             s.close()
+
+
+class _SlowRelease:
+    """The hub's pending-handshake slots, each release held back 0.3 s: the window in which a failed
+    handshake's thread has not yet given its slot back."""
+
+    def __init__(self, slots):
+        self._slots = slots
+
+    def take(self, fd, source):
+        self._slots.take(fd, source)
+
+    def release(self, fd):
+        time.sleep(0.3)
+        return self._slots.release(fd)
+
+
+def test_a_follower_keeps_its_slot_when_a_failed_handshake_on_a_reused_descriptor_lets_go_late(site, pki_dir,
+                                                                                               monkeypatch):
+    """A connection whose TLS handshake fails keeps its descriptor open until its slot is released,
+    so a follower accepted meanwhile never gets the same number and never loses its slot to the
+    failed one's late release (which read "evicted before its handshake completed")."""
+    job, hub, tokens = site
+    hub._slots = _SlowRelease(hub._slots)
+    first = socket.socket()  # the first follower's socket, made now: the hub's next descriptor is the dead one's
+    real_connect = socket.create_connection
+
+    def connect_first(address, timeout=None, *args, **kwargs):
+        monkeypatch.setattr(socket, "create_connection", real_connect)
+        first.settimeout(timeout)
+        first.connect(address)
+        return first
+
+    dead = socket.create_connection(("127.0.0.1", hub.port))
+    dead.close()  # EOF during the hub's TLS handshake
+    assert wait_until(lambda: hub.refused == 1)  # failed; its release is still 0.3 s away
+    monkeypatch.setattr(socket, "create_connection", connect_first)
+    links = _honest(pki_dir, hub, tokens)
+    _assert_honest_sum(hub, links)
+    assert hub.refused == 1
 
 
 def test_a_follower_checks_the_hub_is_its_own_sites(pki_dir):

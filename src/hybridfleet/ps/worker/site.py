@@ -177,7 +177,11 @@ class SiteHub:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.security.ssl_context is not None:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                conn = self.security.ssl_context.wrap_socket(conn, server_side=True)
+                # The handshake runs outside ``wrap_socket``: a failed one there closes the
+                # descriptor at once, and the next accepted connection, given the same number,
+                # would lose its slot to this one's release below. Closed only in `finally`.
+                conn = self.security.ssl_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                conn.do_handshake()
             try:
                 raw = _recv(conn, HELLO_MAX_BYTES, deadline=deadline)
             except ProtocolError as err:
