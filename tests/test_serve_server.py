@@ -4,6 +4,7 @@ rollback mid-traffic with no failed request, tokens, TLS, bad input and metrics.
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 import threading
@@ -162,6 +163,12 @@ def test_requests_without_a_valid_reader_token_are_refused_and_nothing_runs(serv
     (b'{"inputs": [{"name": "input", "shape": [2, 64], "datatype": "FP32", "data": [1.0]}]}', 400, "1 values for shape [2, 64]"),
     (b'{"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": []}]}', 400, "unknown input 'x'"),
     (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "parameters": {"binary_data_size": 256}}]}', 400, "binary bytes announced"),
+    (b'{"inputs": [{"name": ["input"], "shape": [1, 64], "datatype": "FP32", "data": []}]}', 400, "unknown input ['input']"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "parameters": [1], "data": []}]}', 400, "input 'input': 'parameters' must be an object"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [' + b",".join([b"0"] * 64) + b']}], "outputs": [{"name": ["output"]}]}', 400, "unknown output ['output']"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [' + b",".join([b"0"] * 64) + b']}], "outputs": [{"name": "output", "parameters": 1}]}', 400, "output 'output': 'parameters' must be an object"),
+    (b'{"inputs": [{"name": "input", "shape": [true, 64], "datatype": "FP32", "data": []}]}', 400, "shape must be a list of non-negative integers"),
+    (b'{"inputs": [{"name": "input", "shape": [0, 64], "datatype": "FP32", "data": []}]}', 400, "the batch is empty"),
 ])  # fmt: skip
 def test_bad_infer_requests_get_a_400_with_the_reason(served, body, status, text):
     import httpx
@@ -224,7 +231,8 @@ def test_hfleet_serve_command_over_tls_with_a_token(exported, tmp_path):
                              "--certs", str(tmp_path / "certs"), "--cache-dir", str(tmp_path / "cache")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        client = httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=str(tmp_path / "certs" / "ca.pem"))
+        client = httpx.Client(base_url=f"https://127.0.0.1:{port}",
+                              verify=ssl.create_default_context(cafile=str(tmp_path / "certs" / "ca.pem")))
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -16,20 +16,24 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from typing import Any, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
 from hybridfleet.errors import AuthError, PermissionDeniedError
 from hybridfleet.serve.auth import TokenGate
-from hybridfleet.serve.protocol import HEADER_LENGTH, InferRequestError, encode_infer, parse_infer
-from hybridfleet.serve.routing import Rollout
+from hybridfleet.serve.protocol import HEADER_LENGTH, InferRequestError, TensorCodec
+from hybridfleet.serve.routing import Rollout, RolloutState
+from hybridfleet.serve.runtime import Runtime
 
 ROUTING_HEADER = "x-routing-key"
 ROUTING_PARAMETER = "routing_key"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 INLINE_MAX_BODY_BYTES = 64 * 1024  # ~16k FP32 values as JSON: well under a millisecond to parse and run
-_WANTED_HEADERS = {b"authorization", b"content-length", ROUTING_HEADER.encode(), HEADER_LENGTH.lower().encode()}
+_AUTHORIZATION, _CONTENT_LENGTH = b"authorization", b"content-length"
+_ROUTING, _HEADER_LENGTH = ROUTING_HEADER.encode(), HEADER_LENGTH.lower().encode()
+_WANTED_HEADERS = {_AUTHORIZATION, _CONTENT_LENGTH, _ROUTING, _HEADER_LENGTH}
 _JSON = [(b"content-type", b"application/json")]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -67,20 +71,18 @@ class InferEndpoint:
     def __init__(self, rollout: Rollout, gate: TokenGate | None, metrics: Any):
         self.rollout, self.gate, self.metrics = rollout, gate, metrics
         self.name = rollout.model_name
-        self._series: dict[tuple[str, str], Any] = {}  # (version, code) -> counter child: one dict lookup per request
-        self._latency: dict[str, Any] = {}
+        self._codecs: weakref.WeakKeyDictionary[Runtime, TensorCodec] = weakref.WeakKeyDictionary()
+        self._inline: tuple[RolloutState | None, bool] = (None, False)  # (state, whether its runtimes run inline)
 
-    def _count(self, version: str, code: str) -> None:
-        child = self._series.get((version, code))
-        if child is None:
-            child = self._series.setdefault((version, code), self.metrics.requests.labels(self.name, version, code))
-        child.inc()
+    def codec(self, runtime: Runtime) -> TensorCodec:
+        """The request codec of ``runtime``'s tensors, built once per loaded model."""
+        codec = self._codecs.get(runtime)
+        if codec is None:
+            codec = self._codecs.setdefault(runtime, TensorCodec(runtime.inputs, runtime.outputs))
+        return codec
 
-    def _observe(self, version: str, seconds: float) -> None:
-        child = self._latency.get(version)
-        if child is None:
-            child = self._latency.setdefault(version, self.metrics.latency.labels(self.name, version))
-        child.observe(seconds)
+    def _count(self, version: str, code: str, seconds: float | None = None) -> None:
+        self.metrics.requests.answered(self.name, version, code, seconds)
 
     def __call__(self, headers: dict[bytes, bytes], model: str, version: str | None, body: bytes, started: float,
                  refusal: Exception | None | bool = False) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:  # fmt: skip
@@ -89,7 +91,7 @@ class InferEndpoint:
         if self.gate is not None:
             try:
                 if refusal is False:
-                    auth = headers.get(b"authorization")
+                    auth = headers.get(_AUTHORIZATION)
                     self.gate.check(auth.decode("latin-1") if auth is not None else None)
                 elif refusal is not None:
                     raise refusal
@@ -102,16 +104,15 @@ class InferEndpoint:
             return 404, error_body(missing), _JSON
         runtime = state.runtimes[int(version)] if version is not None else None
         declared = runtime or state.runtimes[state.stable]
-        length = headers.get(HEADER_LENGTH.lower().encode())
+        length = headers.get(_HEADER_LENGTH)
         try:
-            parsed = parse_infer(body, length.decode("latin-1") if length is not None else None, declared.inputs,
-                                 declared.outputs)  # fmt: skip
+            parsed = self.codec(declared).parse(body, length.decode("latin-1") if length is not None else None)
         except InferRequestError as err:
             self.metrics.errors.labels(self.name, version or "", "bad_request").inc()
             self._count(version or "", "400")
             return 400, error_body(str(err)), _JSON
         if runtime is None:
-            key = headers.get(ROUTING_HEADER.encode())
+            key = headers.get(_ROUTING)
             param_key = parsed.parameters.get(ROUTING_PARAMETER)
             routing_key = key.decode("latin-1") if key is not None else (str(param_key) if param_key is not None else None)
             number, runtime = self.rollout.route(routing_key, state)
@@ -124,9 +125,8 @@ class InferEndpoint:
             self.metrics.errors.labels(self.name, label, "runtime").inc()
             self._count(label, "503")
             return 503, error_body(f"version {number} failed to run the request: {type(err).__name__}: {err}"), _JSON
-        payload, header_length = encode_infer(self.name, number, parsed, outputs, runtime.outputs)
-        self._count(label, "200")
-        self._observe(label, time.perf_counter() - started)
+        payload, header_length = self.codec(runtime).encode(self.name, number, parsed, outputs)
+        self._count(label, "200", time.perf_counter() - started)
         if header_length is None:
             return 200, payload, _JSON
         return 200, payload, [(b"content-type", b"application/octet-stream"),
@@ -138,7 +138,7 @@ class InferEndpoint:
         headers = {k: v for k, v in scope["headers"] if k in _WANTED_HEADERS}
         if scope["method"] != "POST":
             return await _send(send, 405, error_body("the infer endpoint takes POST"), _JSON)
-        declared = headers.get(b"content-length", b"")
+        declared = headers.get(_CONTENT_LENGTH, b"")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return await _send(send, 400, error_body(f"request body of {int(declared)} bytes is over the limit of {MAX_BODY_BYTES}"), _JSON)
         chunks, size = [], 0
@@ -154,7 +154,7 @@ class InferEndpoint:
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        auth = headers.get(b"authorization")
+        auth = headers.get(_AUTHORIZATION)
         refusal = None if self.gate is None else self.gate.cached_refusal(auth.decode("latin-1") if auth is not None else None)
         if refusal is not False and size <= INLINE_MAX_BODY_BYTES and self._inline_runtimes():
             status, payload, extra = self(headers, model, version, body, started, refusal)
@@ -163,7 +163,10 @@ class InferEndpoint:
         await _send(send, status, payload, extra)
 
     def _inline_runtimes(self) -> bool:
-        return all(r.inline_ok for r in self.rollout.state.runtimes.values())
+        state = self.rollout.state
+        if self._inline[0] is not state:  # once per rollout state, not per request
+            self._inline = (state, all(r.inline_ok for r in state.runtimes.values()))
+        return self._inline[1]
 
 
 async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -36,80 +36,135 @@ class InferRequest:
     binary_outputs: set[str] = field(default_factory=set)
 
 
-def parse_infer(body: bytes, header_length: str | None, specs: list[TensorSpec], output_specs: list[TensorSpec]) -> InferRequest:
-    """The request in ``body`` checked against the model's input and output tensors."""
-    if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise InferRequestError(f"{HEADER_LENGTH} must be an integer (got {header_length!r})") from None
-        if not 0 < n <= len(body):
-            raise InferRequestError(f"{HEADER_LENGTH} {n} is outside the body's {len(body)} bytes")
-        head, raw = body[:n], memoryview(body)[n:]
-    else:
-        head, raw = body, memoryview(b"")
-    try:
-        doc = json.loads(head)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InferRequestError(f"request body is not JSON: {err}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
-        raise InferRequestError("request must be a JSON object with an 'inputs' list")
-    parameters = doc.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise InferRequestError("'parameters' must be an object")
-    by_name = {s.name: s for s in specs}
-    inputs: dict[str, np.ndarray] = {}
-    offset = 0
-    for item in doc["inputs"]:
-        if not isinstance(item, dict):
-            raise InferRequestError("each input must be an object with name, shape, datatype, data")
-        name = item.get("name")
-        spec = by_name.get(name)
-        if spec is None:
-            raise InferRequestError(f"unknown input {name!r}; this model takes {', '.join(by_name)}")
-        if name in inputs:
-            raise InferRequestError(f"input {name!r} given twice")
-        shape = _shape(item.get("shape"), spec)
-        if item.get("datatype") != spec.datatype:
-            raise InferRequestError(f"input {name!r}: datatype {item.get('datatype')!r}, the model takes {spec.datatype}")
-        dtype = np.dtype(NUMPY_DTYPES[spec.datatype]).newbyteorder("<")
-        count = math.prod(shape)
-        size = (item.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or size != count * dtype.itemsize:
-                raise InferRequestError(f"input {name!r}: binary_data_size {size!r} != {count} x {dtype.itemsize} bytes of shape {shape}")
-            if offset + size > len(raw):
-                raise InferRequestError(f"input {name!r}: {size} binary bytes announced, {len(raw) - offset} left in the body")
-            array = np.frombuffer(raw[offset:offset + size], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-            offset += size
+class TensorCodec:
+    """The OIP REST codec of one model's signature: `parse` a request against its input and output
+    tensors, `encode` its outputs. Built once per loaded model, so a request looks up only what
+    varies: the tensors it names."""
+
+    def __init__(self, specs: list[TensorSpec], output_specs: list[TensorSpec]):
+        # name -> (spec, little-endian wire dtype, native dtype)
+        self._inputs = {s.name: (s, np.dtype(NUMPY_DTYPES[s.datatype]).newbyteorder("<"),
+                                 np.dtype(NUMPY_DTYPES[s.datatype]).newbyteorder("=")) for s in specs}
+        self._input_names = ", ".join(self._inputs)
+        self._required = [s.name for s in specs]
+        self._outputs = [s.name for s in output_specs]
+        self._known_outputs = set(self._outputs)
+        self._datatypes = {s.name: s.datatype for s in output_specs}
+
+    def parse(self, body: bytes, header_length: str | None) -> InferRequest:
+        """The request in ``body`` checked against the model's input and output tensors."""
+        if header_length is not None:
+            try:
+                n = int(header_length)
+            except ValueError:
+                raise InferRequestError(f"{HEADER_LENGTH} must be an integer (got {header_length!r})") from None
+            if not 0 < n <= len(body):
+                raise InferRequestError(f"{HEADER_LENGTH} {n} is outside the body's {len(body)} bytes")
+            head, raw = body[:n], memoryview(body)[n:]
         else:
-            array = _from_json(item.get("data"), dtype, shape, name)
-        inputs[name] = array
-    if offset != len(raw):
-        raise InferRequestError(f"{len(raw) - offset} bytes of binary data after the last binary input")
-    missing = [s.name for s in specs if s.name not in inputs]
-    if missing:
-        raise InferRequestError(f"missing input(s): {', '.join(missing)}")
-    known_outputs = {s.name for s in output_specs}
-    requested = doc.get("outputs")
-    names: list[str] | None = None
-    binary: set[str] = set(known_outputs) if parameters.get("binary_data_output") is True else set()
-    if requested is not None:
-        if not isinstance(requested, list) or not all(isinstance(o, dict) for o in requested):
-            raise InferRequestError("'outputs' must be a list of objects with a name")
-        names = []
-        binary = set()
-        for o in requested:
-            if o.get("name") not in known_outputs:
-                raise InferRequestError(f"unknown output {o.get('name')!r}; this model gives {', '.join(sorted(known_outputs))}")
-            names.append(o["name"])
-            if (o.get("parameters") or {}).get("binary_data") is True:
-                binary.add(o["name"])
-    request_id = doc.get("id")
-    return InferRequest(inputs, str(request_id) if request_id is not None else None, parameters, names, binary)
+            head, raw = body, memoryview(b"")
+        try:
+            doc = json.loads(head)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise InferRequestError(f"request body is not JSON: {err}") from None
+        if type(doc) is not dict or type(doc.get("inputs")) is not list:
+            raise InferRequestError("request must be a JSON object with an 'inputs' list")
+        parameters = doc.get("parameters") or {}
+        if type(parameters) is not dict:
+            raise InferRequestError("'parameters' must be an object")
+        inputs: dict[str, np.ndarray] = {}
+        offset = 0
+        for item in doc["inputs"]:
+            if type(item) is not dict:
+                raise InferRequestError("each input must be an object with name, shape, datatype, data")
+            name = item.get("name")
+            known = self._inputs.get(name) if isinstance(name, str) else None
+            if known is None:
+                raise InferRequestError(f"unknown input {name!r}; this model takes {self._input_names}")
+            spec, wire, native = known
+            if name in inputs:
+                raise InferRequestError(f"input {name!r} given twice")
+            shape = _shape(item.get("shape"), spec)
+            if item.get("datatype") != spec.datatype:
+                raise InferRequestError(f"input {name!r}: datatype {item.get('datatype')!r}, the model takes {spec.datatype}")
+            item_parameters = item.get("parameters")
+            if item_parameters is not None and type(item_parameters) is not dict:
+                raise InferRequestError(f"input {name!r}: 'parameters' must be an object")
+            size = item_parameters.get("binary_data_size") if item_parameters else None
+            if size is not None:
+                count = math.prod(shape)
+                if type(size) is not int or size != count * wire.itemsize:
+                    raise InferRequestError(f"input {name!r}: binary_data_size {size!r} != {count} x {wire.itemsize} bytes of shape {shape}")
+                if offset + size > len(raw):
+                    raise InferRequestError(f"input {name!r}: {size} binary bytes announced, {len(raw) - offset} left in the body")
+                array = np.frombuffer(raw[offset:offset + size], dtype=wire).reshape(shape).astype(native)
+                offset += size
+            else:
+                array = _from_json(item.get("data"), native, shape, name)
+            inputs[name] = array
+        if offset != len(raw):
+            raise InferRequestError(f"{len(raw) - offset} bytes of binary data after the last binary input")
+        if len(inputs) != len(self._required):
+            missing = [n for n in self._required if n not in inputs]
+            raise InferRequestError(f"missing input(s): {', '.join(missing)}")
+        requested = doc.get("outputs")
+        names: list[str] | None = None
+        binary: set[str] = set(self._known_outputs) if parameters.get("binary_data_output") is True else set()
+        if requested is not None:
+            if type(requested) is not list or not all(type(o) is dict for o in requested):
+                raise InferRequestError("'outputs' must be a list of objects with a name")
+            names = []
+            binary = set()
+            for o in requested:
+                name = o.get("name")
+                if not isinstance(name, str) or name not in self._known_outputs:
+                    raise InferRequestError(f"unknown output {name!r}; this model gives {', '.join(sorted(self._known_outputs))}")
+                output_parameters = o.get("parameters")
+                if output_parameters is not None and type(output_parameters) is not dict:
+                    raise InferRequestError(f"output {name!r}: 'parameters' must be an object")
+                names.append(name)
+                if output_parameters and output_parameters.get("binary_data") is True:
+                    binary.add(name)
+        request_id = doc.get("id")
+        return InferRequest(inputs, str(request_id) if request_id is not None else None, parameters, names, binary)
+
+    def encode(self, model_name: str, version: int, request: InferRequest,
+               outputs: dict[str, np.ndarray]) -> tuple[bytes, int | None]:  # fmt: skip
+        """(response body, JSON header length when binary outputs follow, else None)."""
+        items, blobs = [], []
+        for name in request.outputs or self._outputs:
+            array = np.ascontiguousarray(outputs[name])
+            item: dict[str, Any] = {"name": name, "datatype": self._datatypes[name], "shape": list(array.shape)}
+            if name in request.binary_outputs:
+                blob = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+                item["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                item["data"] = array.reshape(-1).tolist()
+            items.append(item)
+        doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version), "outputs": items}
+        if request.id is not None:
+            doc["id"] = request.id
+        head = json.dumps(doc, separators=(",", ":")).encode()
+        if not blobs:
+            return head, None
+        return head + b"".join(blobs), len(head)
 
 
 def _shape(shape: Any, spec: TensorSpec) -> tuple[int, ...]:
+    if type(shape) is list and len(shape) == len(spec.shape):  # the common case, checked in one pass
+        for got, want in zip(shape, spec.shape):
+            if type(got) is not int or got < 0 or (want != -1 and want != got):
+                break
+        else:
+            if shape and shape[0] == 0 or math.prod(shape) > MAX_ELEMENTS:
+                return _refuse_shape(shape, spec)
+            return tuple(shape)
+    return _refuse_shape(shape, spec)
+
+
+def _refuse_shape(shape: Any, spec: TensorSpec) -> tuple[int, ...]:
+    """Raise the InferRequestError that says what is wrong with ``shape`` for ``spec``."""
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise InferRequestError(f"input {spec.name!r}: shape must be a list of non-negative integers (got {shape!r})")
     if len(shape) != len(spec.shape) or any(want not in (-1, got) for want, got in zip(spec.shape, shape)):
@@ -118,14 +173,15 @@ def _shape(shape: Any, spec: TensorSpec) -> tuple[int, ...]:
         raise InferRequestError(f"input {spec.name!r}: {math.prod(shape)} elements is over the limit of {MAX_ELEMENTS}")
     if shape and shape[0] == 0:
         raise InferRequestError(f"input {spec.name!r}: the batch is empty")
-    return tuple(shape)
+    return tuple(shape)  # fits (an int subclass the fast path does not take)
 
 
 def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``data`` as an array of ``dtype`` (native byte order) and ``shape``, all values finite."""
     if data is None:
         raise InferRequestError(f"input {name!r}: no 'data' and no binary_data_size parameter")
     try:
-        array = _integers(data, dtype, name) if dtype.kind in "iu" else np.asarray(data, dtype=dtype.newbyteorder("="))
+        array = _integers(data, dtype, name) if dtype.kind in "iu" else np.asarray(data, dtype=dtype)
     except (TypeError, ValueError, OverflowError) as err:
         raise InferRequestError(f"input {name!r}: data is not a list of {dtype.name} numbers ({err})") from None
     if array.size != math.prod(shape):
@@ -145,28 +201,3 @@ def _integers(data: Any, dtype: np.dtype, name: str) -> np.ndarray:
     if raw.size and (raw.min() < limits.min or raw.max() > limits.max):
         raise InferRequestError(f"input {name!r}: values outside {dtype.name}'s range {limits.min}..{limits.max}")
     return raw.astype(dtype.newbyteorder("="))
-
-
-def encode_infer(model_name: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray],
-                 specs: list[TensorSpec]) -> tuple[bytes, int | None]:  # fmt: skip
-    """(response body, JSON header length when binary outputs follow, else None)."""
-    names = request.outputs or [s.name for s in specs]
-    datatypes = {s.name: s.datatype for s in specs}
-    items, blobs = [], []
-    for name in names:
-        array = np.ascontiguousarray(outputs[name])
-        item: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(array.shape)}
-        if name in request.binary_outputs:
-            blob = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-            item["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        else:
-            item["data"] = array.reshape(-1).tolist()
-        items.append(item)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version), "outputs": items}
-    if request.id is not None:
-        doc["id"] = request.id
-    head = json.dumps(doc, separators=(",", ":")).encode()
-    if not blobs:
-        return head, None
-    return head + b"".join(blobs), len(head)

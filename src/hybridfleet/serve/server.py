@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hybridfleet import __version__
@@ -31,6 +31,7 @@ from hybridfleet.errors import AuthError, PermissionDeniedError
 from hybridfleet.serve.auth import TokenGate
 from hybridfleet.serve.infer import InferEndpoint, infer_target, not_served
 from hybridfleet.serve.routing import Rollout, RolloutState
+from hybridfleet.serve.stats import RequestStats
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -40,10 +41,8 @@ class ServeMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("hybridfleet_serve_requests_total", "Inference requests answered, by version and HTTP code",
-                                ["model", "version", "code"], registry=self.registry)  # fmt: skip
-        self.latency = Histogram("hybridfleet_serve_request_duration_seconds", "Inference request time in the server",
-                                 ["model", "version"], buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.requests = RequestStats(LATENCY_BUCKETS_S)  # requests by version and code, latency by version
+        self.registry.register(self.requests)
         self.errors = Counter("hybridfleet_serve_errors_total", "Failed inference requests, by version and kind",
                               ["model", "version", "kind"], registry=self.registry)  # fmt: skip
         self.refresh_errors = Counter("hybridfleet_serve_rollout_refresh_errors_total",
