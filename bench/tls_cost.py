@@ -6,14 +6,19 @@
 The exchange is bench/ps_exchange.py's: two workers push a dense float32 gradient of the
 whole parameter set through ONE shard on its bulk data plane and pull the result (BSP,
 server-side SGD), once with TLS + tokens (the default security) and once in plaintext.
-Every process of a run (the shard and both workers) is a child of this one and is
-waited for, so ``getrusage(RUSAGE_CHILDREN)`` before and after a run gives the user +
-system CPU-seconds of all of them together. Both runs do the same work apart from
-TLS (start-up, imports, warm-up round, the rounds), so
+Each process measures the CPU-seconds (user + system, all threads) of the timed rounds:
+every worker its own (``getrusage(RUSAGE_SELF)``) from the end of its warm-up round to the
+end of its last round, and rank 0 the shard's (``/proc/PID/stat``) over the same rounds.
+Start-up, imports, handshakes and the warm-up round are left out: they are the same few
+seconds in both runs and their run-to-run spread (about +-0.5 CPU-s) was larger than what
+TLS adds to a round. So
 
-    tls_cpu_s_per_round = (CPU of the TLS run - CPU of the plaintext run) / rounds run
+    tls_cpu_s_per_round = (rounds CPU of the TLS run - rounds CPU of the plaintext run) / timed rounds
 
-with rounds run = timed rounds + the warm-up round. The cipher's own cost for the same
+The whole runs are reported too (``getrusage(RUSAGE_CHILDREN)`` around each: every process
+is a child of this one and is waited for), as ``tls_run_cpu_s`` / ``plaintext_run_cpu_s`` and
+``whole_run_tls_cpu_s_per_round`` (their difference over the rounds run, warm-up included).
+The cipher's own cost for the same
 bytes: a round moves 4 x the tensor bytes through TLS (2 pushes in, 2 pulls out), each
 byte encrypted once and decrypted once, so this process seals and opens that many bytes
 with ``cryptography``'s AES-256-GCM in 16 KiB records (TLS's record size) and times it
@@ -21,9 +26,16 @@ with ``time.process_time``. ``tls_cpu_over_cipher`` = tls_cpu_s_per_round / ciph
 1.0 means TLS costs exactly its cipher; the handshake, record framing and extra copies
 make up the rest.
 
+``cryptography`` carries its own OpenSSL, which may be faster than the one the bulk plane's
+TLS links (the system's). So the same bytes are also sealed and opened, in the same records,
+by the AES-256-GCM of the OpenSSL the native TLS extension links
+(``hybridfleet.ps.wire._tls.seal_open``): ``tls_cpu_over_stack_cipher`` is TLS's cost over
+the cipher it actually runs, the rest of the first ratio is the two libraries' speeds.
+
 The last line is JSON: tls_cpu_s_per_round, cipher_cpu_s_per_round, tls_cpu_over_cipher,
-the CPU-seconds of both runs and their rounds, and aes_gcm_gb_s (this CPU's AES-GCM speed
-in the same run).
+stack_cipher_cpu_s_per_round, tls_cpu_over_stack_cipher (None without the extension), the
+rounds' and the whole runs' CPU-seconds, aes_gcm_gb_s and stack_aes_gcm_gb_s (the two
+AES-GCM speeds in the same run) and both OpenSSL versions.
 """
 
 from __future__ import annotations
@@ -67,12 +79,35 @@ def cipher_cpu_s(total_bytes: int) -> float:
     nonce = os.urandom(12)
     sealed = aead.encrypt(nonce, record, None)
     records = -(-total_bytes // RECORD_BYTES)
+    for _ in range(64):  # warm-up: the first records run slower (caches, clock)
+        aead.decrypt(nonce, aead.encrypt(nonce, record, None), None)
     started = time.process_time()
     for _ in range(records):
         # one nonce for every record: only the cost is measured here, nothing is kept secret
         aead.encrypt(nonce, record, None)
         aead.decrypt(nonce, sealed, None)
     return time.process_time() - started
+
+
+def stack_cipher_cpu_s(total_bytes: int) -> float | None:
+    """CPU-seconds the native TLS extension's OpenSSL takes to seal and open ``total_bytes`` with
+    AES-256-GCM in 16 KiB records; None when the extension is not built."""
+    from hybridfleet.ps.wire.tls import native_seal_open
+
+    if not native_seal_open(64 * RECORD_BYTES, RECORD_BYTES):  # warm-up, as for cipher_cpu_s
+        return None
+    started = time.process_time()
+    native_seal_open(total_bytes, RECORD_BYTES)
+    return time.process_time() - started
+
+
+def openssl_versions() -> dict:
+    """The OpenSSL of the native TLS extension (None: not built) and the one inside ``cryptography``."""
+    from cryptography.hazmat.backends.openssl import backend
+
+    from hybridfleet.ps.wire.tls import native_openssl_version
+
+    return {"stack_openssl": native_openssl_version(), "cipher_openssl": backend.openssl_version_text()}
 
 
 def main() -> None:
@@ -91,21 +126,30 @@ def main() -> None:
     tls_cpu, tls = run_cpu_s(numel, rounds, plaintext=False)
     plain_cpu, plain = run_cpu_s(numel, rounds, plaintext=True)
     rounds_run = rounds + 1  # each worker runs one warm-up round before the timed ones
-    tls_per_round = (tls_cpu - plain_cpu) / rounds_run
+    tls_per_round = (tls["rounds_cpu_s"] - plain["rounds_cpu_s"]) / rounds
     through_tls = 4 * numel * 4  # bytes through TLS per round: 2 pushes in + 2 pulls out
     cipher = cipher_cpu_s(through_tls)
+    stack = stack_cipher_cpu_s(through_tls)
     result = {
-        "bench": "tls_cost", "mb": mb, "rounds": rounds_run,
+        "bench": "tls_cost", "mb": mb, "rounds": rounds_run, "timed_rounds": rounds,
+        "tls_rounds_cpu_s": round(tls["rounds_cpu_s"], 3), "plaintext_rounds_cpu_s": round(plain["rounds_cpu_s"], 3),
         "tls_run_cpu_s": round(tls_cpu, 3), "plaintext_run_cpu_s": round(plain_cpu, 3),
+        "whole_run_tls_cpu_s_per_round": round((tls_cpu - plain_cpu) / rounds_run, 4),
         "tls_cpu_s_per_round": round(tls_per_round, 4), "cipher_cpu_s_per_round": round(cipher, 4),
         "tls_cpu_over_cipher": round(tls_per_round / cipher, 3),
         "aes_gcm_gb_s": round(2 * through_tls / cipher / 1e9, 3),
+        "stack_cipher_cpu_s_per_round": None if stack is None else round(stack, 4),
+        "tls_cpu_over_stack_cipher": None if stack is None else round(tls_per_round / stack, 3),
+        "stack_aes_gcm_gb_s": None if stack is None else round(2 * through_tls / stack / 1e9, 3),
+        **openssl_versions(),
         "ps_s": round(tls["median_s"], 4), "ps_plaintext_s": round(plain["median_s"], 4),
     }
     print(f"{mb} MB exchange, 2 workers, 1 shard, {rounds_run} rounds per run (1 warm-up)")
-    print(f"CPU-seconds of every process: TLS run {tls_cpu:.2f}, plaintext run {plain_cpu:.2f}")
+    print(f"CPU-seconds of every process in the {rounds} timed rounds: TLS {tls['rounds_cpu_s']:.2f}, "
+          f"plaintext {plain['rounds_cpu_s']:.2f}; whole runs: TLS {tls_cpu:.2f}, plaintext {plain_cpu:.2f}")
     print(f"TLS adds {tls_per_round:.3f} CPU-s per round; AES-256-GCM of the same "
-          f"{2 * through_tls / 1e6:.0f} MB (sealed + opened) takes {cipher:.3f} CPU-s")
+          f"{2 * through_tls / 1e6:.0f} MB (sealed + opened) takes {cipher:.3f} CPU-s in cryptography's OpenSSL"
+          + ("" if stack is None else f", {stack:.3f} CPU-s in the OpenSSL the TLS extension links"))
     print(json.dumps(result))
 
 

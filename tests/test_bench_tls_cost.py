@@ -28,3 +28,8 @@ def test_tls_cost_bench_reports_the_cpu_tls_adds_and_the_ciphers_own_cost():
     assert result["tls_run_cpu_s"] > 0 and result["plaintext_run_cpu_s"] > 0
     assert result["cipher_cpu_s_per_round"] > 0 and result["aes_gcm_gb_s"] > 0
     assert "tls_cpu_over_cipher" in result and "tls_cpu_s_per_round" in result
+    # the timed rounds' CPU of every process, and the cipher also in the OpenSSL the TLS links
+    assert result["tls_rounds_cpu_s"] > 0 and result["plaintext_rounds_cpu_s"] > 0 and result["timed_rounds"] == 1
+    if result["stack_openssl"] is not None:  # the native TLS extension is built
+        assert result["stack_cipher_cpu_s_per_round"] > 0 and result["stack_aes_gcm_gb_s"] > 0
+        assert "tls_cpu_over_stack_cipher" in result

@@ -106,6 +106,55 @@ def test_handshake_and_whole_frames_both_ways_and_interop(pki, server_native, cl
 
 
 @needs_native
+def test_frames_sent_back_to_back_are_read_in_pieces_of_any_size(pki):
+    # Prepare: frames of many sizes in one stream, so that a read ends with the next frame's bytes
+    # already received (less than one record, more than one record, most of the receive buffer)
+    server, client = _connect(_server_ctx(pki), _client_ctx(pki), True, True)
+    sizes = [1 << 20, 100, 40 << 10, 1, (1 << 20) + 7, 5, 300 << 10, 17 << 10, 3]
+    stream = np.random.default_rng(1).integers(0, 256, sum(sizes), dtype=np.uint8)
+    sender = threading.Thread(target=client.sendall, args=(memoryview(stream),))
+
+    # Execute: the whole stream sent at once; read back frame by frame, small reads by recv
+    sender.start()
+    pieces = []
+    for n in sizes:
+        if n <= 5:
+            pieces.append(np.frombuffer(_recv_by_recv(server, n), dtype=np.uint8))
+        else:
+            buf = np.empty(n, dtype=np.uint8)
+            recv_exact_into(server, memoryview(buf))
+            pieces.append(buf)
+    sender.join(10)
+
+    # Assert: every byte in order, on the cipher the TLS cost bench compares with
+    assert np.array_equal(np.concatenate(pieces), stream)
+    assert server.cipher() == client.cipher() == ("TLS_AES_256_GCM_SHA384", "TLSv1.3", 256)
+    server.close()
+    client.close()
+
+
+def _recv_by_recv(conn, n: int) -> bytes:
+    """``n`` bytes read by ``recv`` calls (each returns what is there, at most what is asked)."""
+    out = b""
+    while len(out) < n:
+        got = conn.recv(n - len(out))
+        assert got, "end of stream before the frame's end"
+        out += got
+    return out
+
+
+@needs_native
+def test_the_cipher_alone_runs_in_the_extensions_openssl_and_bad_sizes_are_refused():
+    # Execute / Assert: 1 MiB sealed and opened in TLS records (each tag checked on opening)
+    assert tls.native_seal_open(1 << 20) is True
+    assert tls.native_seal_open(1000, 300) is True  # a last record shorter than the others
+    assert tls.native_openssl_version() == tls._tls.OPENSSL_VERSION
+    for total, record in ((-1, 16384), (100, 0), (100, (1 << 20) + 1)):
+        with pytest.raises(ValueError, match=r"seal_open needs total >= 0 and 0 < record <= 1 MiB"):
+            tls.native_seal_open(total, record)
+
+
+@needs_native
 @pytest.mark.parametrize("hostname,verify_text", [
     ("wrong.example", "Hostname mismatch, certificate is not valid for 'wrong.example'."),
     ("127.0.0.2", "IP address mismatch, certificate is not valid for '127.0.0.2'."),

@@ -4,8 +4,8 @@
  * 64 MB pull costs about 4,000 trips through the interpreter and the GIL, plus two
  * read syscalls per record. Here a whole frame is read (or written) by one call
  * with the GIL released: SSL_read_ex in a loop straight into the caller's buffer,
- * with read-ahead so that one recv syscall fetches many records, and records to
- * send collect in a BIO pair so that one send syscall carries many. The cipher, the
+ * records read through a reader BIO whose one recv syscall fetches many of them, and
+ * records to send collected in a BIO pair so that one send syscall carries many. The cipher, the
  * handshake and the certificate checks are OpenSSL's, configured from the same
  * files and settings as the Python ssl.SSLContext (see `hybridfleet.ps.wire.tls`);
  * nothing here is a protocol of its own.
@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include <openssl/err.h>
+#include <openssl/evp.h>
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
@@ -40,14 +41,18 @@
 #define SSL_R_UNEXPECTED_EOF_WHILE_READING 294
 #endif
 
+#ifndef WRITE_BUFFER_BYTES
 #define WRITE_BUFFER_BYTES (256 * 1024) /* records sent per send syscall: ~16 instead of one */
+#endif
 /* The pair's size between large writes: one record's worth. A connection keeps only this
  * while idle, and takes the large pair for a write of more than this (see `pair_for`), so
  * that a shard with thousands of idle connections does not hold 256 KiB for each. */
 #define IDLE_WRITE_BUFFER_BYTES (17 * 1024)
 #ifndef READ_BUFFER_BYTES
-#define READ_BUFFER_BYTES (256 * 1024) /* read-ahead: up to ~16 records per recv syscall */
+#define READ_BUFFER_BYTES (256 * 1024) /* received per recv syscall during a large read: ~16 records */
 #endif
+/* The receive buffer for small reads (a frame's first bytes, a handshake): one record's worth. */
+#define IDLE_READ_BUFFER_BYTES (17 * 1024)
 
 static PyObject *SSLError, *SSLCertVerificationError, *SSLEOFError;
 
@@ -102,13 +107,15 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
     /* ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as the ssl module maps them */
     SSL_CTX_set_verify(ctx, verify_mode == 0 ? SSL_VERIFY_NONE
                             : SSL_VERIFY_PEER | (verify_mode == 2 ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), NULL);
-    /* RELEASE_BUFFERS: OpenSSL frees a connection's read-ahead buffer (READ_BUFFER_BYTES) and its
-     * record buffer whenever they are empty, instead of keeping them at their high-water mark for
-     * the connection's life; a busy connection takes them again from the heap. */
+    /* RELEASE_BUFFERS: OpenSSL frees a connection's record buffers whenever they are empty, instead
+     * of keeping them at their high-water mark for the connection's life. A large read or write
+     * switches it off for its duration (see `perform`), so that the buffers are not freed and taken
+     * again for every record. No read-ahead: OpenSSL 3.0 moves what is left of its read-ahead
+     * buffer to the buffer's front before every record (a 256 KiB buffer meant ~8 copies of each
+     * byte); the connection's reader (see `reader_read`) fetches many records per recv instead. */
     SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY |
                               SSL_MODE_RELEASE_BUFFERS);
-    SSL_CTX_set_read_ahead(ctx, 1);
-    SSL_CTX_set_default_read_buffer_len(ctx, READ_BUFFER_BYTES);
+    SSL_CTX_set_read_ahead(ctx, 0);
     if (self->ctx) SSL_CTX_free(self->ctx);
     self->ctx = ctx;
     self->server_side = server_side;
@@ -138,6 +145,10 @@ typedef struct {
     BIO *net; /* OpenSSL writes records into a BIO pair; this half sends them in large writes */
     int net_size; /* the pair's buffer: IDLE_WRITE_BUFFER_BYTES, or WRITE_BUFFER_BYTES during a large write */
     char *hostname; /* what the certificate is checked against, for error messages */
+    /* Bytes received and not yet handed to OpenSSL: rbuf[rstart:rend] of rcap; rwant is the size a
+     * new buffer gets (IDLE_READ_BUFFER_BYTES, or READ_BUFFER_BYTES during a large read). */
+    char *rbuf;
+    size_t rcap, rstart, rend, rwant;
 } ConnObject;
 
 enum { ST_OK, ST_EOF, ST_TIMEOUT, ST_ERRNO, ST_SSL, ST_EINTR };
@@ -204,7 +215,80 @@ static int classify(ConnObject *self, int ret, int *want_write, Progress *p) {
 
 typedef enum { OP_HANDSHAKE, OP_READ_SOME, OP_READ_ALL, OP_WRITE_ALL } Op;
 
-/* Run one operation until it completes or fails; called without the GIL. */
+/* ------------------------------------------------------------ the reader BIO
+ * OpenSSL reads its records through this BIO: each recv syscall fetches up to rcap bytes (many
+ * records during a large read) into the connection's buffer, which serves OpenSSL's small reads
+ * (a record's 5-byte header, then its body) with one copy each. Retry semantics are a socket
+ * BIO's: no data now -> retry-read (SSL_ERROR_WANT_READ), end of stream -> 0, else -1 with errno. */
+static BIO_METHOD *reader_method;
+
+static int reader_read(BIO *b, char *out, int len) {
+    ConnObject *self = BIO_get_data(b);
+    BIO_clear_retry_flags(b);
+    if (len <= 0) return 0;
+    if (self->rstart == self->rend) {
+        self->rstart = self->rend = 0;
+        if (self->rbuf == NULL || self->rcap != self->rwant) {
+            free(self->rbuf);
+            self->rcap = 0;
+            if ((self->rbuf = malloc(self->rwant)) == NULL) {
+                errno = ENOMEM;
+                return -1;
+            }
+            self->rcap = self->rwant;
+        }
+        errno = 0;
+        ssize_t got = recv(self->fd, self->rbuf, self->rcap, 0);
+        if (got == 0) return 0;
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) BIO_set_retry_read(b);
+            return -1;
+        }
+        self->rend = (size_t)got;
+    }
+    size_t k = self->rend - self->rstart;
+    if (k > (size_t)len) k = (size_t)len;
+    memcpy(out, self->rbuf + self->rstart, k);
+    self->rstart += k;
+    return (int)k;
+}
+
+static long reader_ctrl(BIO *b, int cmd, long num, void *ptr) {
+    (void)num, (void)ptr;
+    ConnObject *self = BIO_get_data(b);
+    switch (cmd) {
+    case BIO_CTRL_FLUSH: return 1;
+    case BIO_CTRL_PENDING: return self ? (long)(self->rend - self->rstart) : 0;
+    default: return 0;
+    }
+}
+
+static int reader_create(BIO *b) {
+    BIO_set_init(b, 1);
+    return 1;
+}
+
+/* After a call: an empty buffer is freed, a large one holding little is traded for a small one, so
+ * that an idle connection keeps at most IDLE_READ_BUFFER_BYTES of received bytes. */
+static void trim_reader(ConnObject *self) {
+    size_t left = self->rend - self->rstart;
+    if (self->rbuf == NULL) return;
+    if (left == 0) {
+        free(self->rbuf);
+        self->rbuf = NULL;
+        self->rcap = self->rstart = self->rend = 0;
+    } else if (self->rcap > IDLE_READ_BUFFER_BYTES && left <= IDLE_READ_BUFFER_BYTES) {
+        char *small = malloc(IDLE_READ_BUFFER_BYTES);
+        if (small == NULL) return; /* keep the large one */
+        memcpy(small, self->rbuf + self->rstart, left);
+        free(self->rbuf);
+        self->rbuf = small;
+        self->rcap = IDLE_READ_BUFFER_BYTES;
+        self->rstart = 0;
+        self->rend = left;
+    }
+}
+
 /* Send what OpenSSL wrote into the BIO pair; ST_OK once all of it is on the socket. */
 static int flush(ConnObject *self, double deadline, Progress *p) {
     for (;;) {
@@ -271,6 +355,9 @@ static void release(ConnObject *self) {
     if (self->net) BIO_free(self->net);
     self->net = NULL;
     if (self->fd >= 0) close(self->fd);
+    free(self->rbuf);
+    self->rbuf = NULL;
+    self->rcap = self->rstart = self->rend = 0;
     self->ssl = NULL;
     self->fd = -1;
 }
@@ -372,11 +459,21 @@ static int pair_for(ConnObject *self, int size) {
     return 0;
 }
 
+/* After a large call: OpenSSL's record buffers are freed again when empty (as between small calls). */
+static void keep_buffers_while_idle(ConnObject *self) {
+    if (self->ssl == NULL) return;
+    SSL_set_mode(self->ssl, SSL_MODE_RELEASE_BUFFERS);
+    if (!SSL_has_pending(self->ssl)) SSL_free_buffers(self->ssl);
+}
+
 /* Run ``op`` with the GIL released; returns the Progress (result ST_OK/ST_EOF) or NULL-equivalent -1 with an exception. */
 static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p, const char *what) {
     memset(p, 0, sizeof *p);
     p->last_progress = now_s();
-    if (op == OP_WRITE_ALL && n > IDLE_WRITE_BUFFER_BYTES) pair_for(self, WRITE_BUFFER_BYTES); /* else the small one */
+    int large = op != OP_HANDSHAKE && n > IDLE_WRITE_BUFFER_BYTES;
+    if (op == OP_WRITE_ALL && large) pair_for(self, WRITE_BUFFER_BYTES); /* else the small one */
+    if (large) SSL_clear_mode(self->ssl, SSL_MODE_RELEASE_BUFFERS);
+    self->rwant = large && op != OP_WRITE_ALL ? READ_BUFFER_BYTES : IDLE_READ_BUFFER_BYTES;
     self->busy = 1;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
@@ -386,6 +483,8 @@ static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline
         if (PyErr_CheckSignals() < 0) { self->busy = 0; ERR_clear_error(); goto done_error; }
     }
     self->busy = 0;
+    if (large) keep_buffers_while_idle(self);
+    if (!self->closed) trim_reader(self);
     if (self->net_size != IDLE_WRITE_BUFFER_BYTES && !self->closed) pair_for(self, IDLE_WRITE_BUFFER_BYTES);
     switch (p->result) {
     case ST_OK:
@@ -429,7 +528,8 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    BIO *sock_bio = BIO_new_socket(fd, BIO_NOCLOSE), *inner = NULL, *outer = NULL;
+    BIO *sock_bio = BIO_new(reader_method), *inner = NULL, *outer = NULL;
+    if (sock_bio != NULL) BIO_set_data(sock_bio, self);
     /* the outer half is only read from (what OpenSSL wrote into the inner one): its own buffer, for
      * writes into it that never come, is one byte */
     if (sock_bio == NULL || !BIO_new_bio_pair(&inner, IDLE_WRITE_BUFFER_BYTES, &outer, 1)) {
@@ -437,7 +537,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
         SSL_free(ssl);
         return raise_ssl_error(ERR_get_error(), NULL, NULL);
     }
-    SSL_set_bio(ssl, sock_bio, inner); /* reads straight from the socket, writes into the pair */
+    SSL_set_bio(ssl, sock_bio, inner); /* reads through the connection's reader, writes into the pair */
     if (ctx->server_side) {
         SSL_set_accept_state(ssl);
     } else {
@@ -476,6 +576,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
     self->net_size = IDLE_WRITE_BUFFER_BYTES;
     self->fd = fd; /* owned from here on */
     self->timeout = -1;
+    self->rwant = IDLE_READ_BUFFER_BYTES;
     return 0;
 }
 
@@ -668,8 +769,59 @@ static PyTypeObject ConnType = {
     .tp_methods = Conn_methods,
 };
 
+/* ------------------------------------------------------- the cipher's own cost
+ * What the TLS connections' cipher costs by itself in the OpenSSL this module links: AES-256-GCM
+ * sealing and then opening ``total`` bytes in records of ``record`` bytes (TLS's record size by
+ * default), each record with its own EVP calls as a TLS record layer makes them. For benchmarks
+ * (bench/tls_cost.py): nothing is kept secret, the key and nonce are fixed. */
+static PyObject *mod_seal_open(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_ssize_t total, record = 16384;
+    if (!PyArg_ParseTuple(args, "n|n", &total, &record)) return NULL;
+    if (total < 0 || record <= 0 || record > (1 << 20))
+        return PyErr_Format(PyExc_ValueError, "seal_open needs total >= 0 and 0 < record <= 1 MiB (got %zd, %zd)",
+                            total, record);
+    unsigned char key[32], iv[12], tag[16];
+    memset(key, 7, sizeof key);
+    memset(iv, 9, sizeof iv);
+    unsigned char *plain = calloc(1, (size_t)record), *sealed = malloc((size_t)record + 16);
+    EVP_CIPHER_CTX *enc = EVP_CIPHER_CTX_new(), *dec = EVP_CIPHER_CTX_new();
+    int ok = plain && sealed && enc && dec && EVP_EncryptInit_ex(enc, EVP_aes_256_gcm(), NULL, key, iv) == 1 &&
+             EVP_DecryptInit_ex(dec, EVP_aes_256_gcm(), NULL, key, iv) == 1;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t done = 0; ok && done < total; done += record) {
+            int n = (int)(total - done < record ? total - done : record), len = 0, last = 0;
+            ok = EVP_EncryptInit_ex(enc, NULL, NULL, NULL, iv) == 1 && EVP_EncryptUpdate(enc, sealed, &len, plain, n) == 1 &&
+                 EVP_EncryptFinal_ex(enc, sealed + len, &last) == 1 &&
+                 EVP_CIPHER_CTX_ctrl(enc, EVP_CTRL_GCM_GET_TAG, sizeof tag, tag) == 1 &&
+                 EVP_DecryptInit_ex(dec, NULL, NULL, NULL, iv) == 1 && EVP_DecryptUpdate(dec, plain, &len, sealed, n) == 1 &&
+                 EVP_CIPHER_CTX_ctrl(dec, EVP_CTRL_GCM_SET_TAG, sizeof tag, tag) == 1 &&
+                 EVP_DecryptFinal_ex(dec, plain + len, &last) == 1; /* the tag checks: opened what it sealed */
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(plain);
+    free(sealed);
+    EVP_CIPHER_CTX_free(enc);
+    EVP_CIPHER_CTX_free(dec);
+    if (!ok) {
+        ERR_clear_error();
+        PyErr_SetString(PyExc_RuntimeError, "AES-256-GCM failed to seal or open a record in this OpenSSL");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(total);
+}
+
+static PyMethodDef module_methods[] = {
+    {"seal_open", mod_seal_open, METH_VARARGS,
+     "seal_open(total, record=16384) -> total: AES-256-GCM seals and opens total bytes in records of\n"
+     "record bytes with this module's OpenSSL (the cipher's own cost, for benchmarks)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tls", "TLS connections whose record loop runs in C (see hybridfleet.ps.wire.tls).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__tls(void) {
@@ -680,6 +832,12 @@ PyMODINIT_FUNC PyInit__tls(void) {
     SSLEOFError = PyObject_GetAttrString(ssl, "SSLEOFError");
     Py_DECREF(ssl);
     if (!SSLError || !SSLCertVerificationError || !SSLEOFError) return NULL;
+    reader_method = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "hybridfleet socket reader");
+    if (reader_method == NULL || !BIO_meth_set_read(reader_method, reader_read) ||
+        !BIO_meth_set_ctrl(reader_method, reader_ctrl) || !BIO_meth_set_create(reader_method, reader_create)) {
+        PyErr_SetString(PyExc_ImportError, "OpenSSL could not create the reader BIO method");
+        return NULL;
+    }
     ContextType.tp_new = PyType_GenericNew;
     ConnType.tp_new = PyType_GenericNew;
     if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&ConnType) < 0) return NULL;

@@ -11,18 +11,23 @@ Options weighed (bench/ps_exchange.py measures the chosen one against both ancho
   with the same certificate, key and CA files and the same checks (chain, host
   name or IP address, client certificate for mutual TLS), then reads a whole frame
   into the caller's buffer (``recv_exact_into``) and writes a whole buffer
-  (``sendall``) in one call each with the GIL released, using read-ahead so one
-  syscall fetches many records and a write buffer so one syscall sends many. Same exceptions as the ssl module
+  (``sendall``) in one call each with the GIL released, reading records through a
+  buffer that one syscall fills with many of them and writing them into a buffer
+  that one syscall sends. Same exceptions as the ssl module
   (``ssl.SSLCertVerificationError`` with ``CERTIFICATE_VERIFY_FAILED`` ...,
   ``TimeoutError``, ``OSError``, ``EOFError`` for a stream cut mid-frame), so the
   bulk plane maps them to the same error codes.
-  Measured tuning: a 256 KiB read-ahead buffer cut receive CPU by ~25% against none
-  (64 KiB and 1 MiB did no better); writing records into a 256 KiB BIO pair and
-  sending them ~16 at a time instead of one ``send`` per record cut another ~20% on
-  both ends, where corking one-record writes (TCP_CORK) had changed nothing.
-  What is left per byte is OpenSSL's AES-GCM, one copy out of its record buffer and
-  the kernel's socket copies; on the shard the bigger win is that a whole frame
-  moves without the GIL, so two workers' connections no longer queue for it.
+  Measured tuning: fetching up to 256 KiB of records per ``recv`` cut receive CPU by
+  ~25% against two reads per record; done by OpenSSL's read-ahead it also moved the
+  rest of the buffer before every record (OpenSSL 3.0), so the connection's own reader
+  BIO does it, which halved what TLS adds on the receiving side again (docs/SCALE.md,
+  "TLS at the cipher's cost"). Writing records into a 256 KiB BIO pair and sending
+  them ~16 at a time instead of one ``send`` per record cut another ~20% on both
+  ends, where corking one-record writes (TCP_CORK) had changed nothing. What is left
+  per byte is OpenSSL's AES-GCM, its copies into and out of its record buffer, one
+  copy through each of the two buffers and the kernel's socket copies; on the shard
+  the bigger win is that a whole frame moves without the GIL, so two workers'
+  connections no longer queue for it.
 - **Kernel TLS** (``ssl.OP_ENABLE_KTLS``, Python 3.12+): needs the kernel's ``tls``
   module (``CONFIG_TLS``); absent on the machines this was measured on, so not used.
 - **Rust (rustls via PyO3)**: would need crates from crates.io at build time,
@@ -56,6 +61,22 @@ _NATIVE_ATTR = "_hfleet_native_context"
 def native_available() -> bool:
     """True when the C extension is built and ``HFLEET_NATIVE_TLS`` does not switch it off."""
     return _tls is not None and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def native_openssl_version() -> str | None:
+    """The OpenSSL the C extension was built against (``OpenSSL 3.0.19 27 Jan 2026``), None when not built."""
+    return _tls.OPENSSL_VERSION if _tls is not None else None
+
+
+def native_seal_open(total_bytes: int, record_bytes: int = 16 << 10) -> bool:
+    """Seal then open ``total_bytes`` with AES-256-GCM in ``record_bytes`` records in the C extension's
+    OpenSSL, the cipher its connections run (what it costs by itself, for benchmarks: fixed key and
+    nonce, nothing kept). False, having done nothing, when the extension is not built; ValueError
+    for a negative total or a record outside 1 byte .. 1 MiB."""
+    if _tls is None:
+        return False
+    _tls.seal_open(total_bytes, record_bytes)
+    return True
 
 
 def remember_files(ctx: ssl.SSLContext, *, certfile: str | None = None, keyfile: str | None = None,
