@@ -181,6 +181,11 @@ MISTAKES = [
     Mistake("ps status: CA of another PKI", status("127.0.0.1:{port}", "--certs", "{other_pki}"), AUTH, "pass --certs"),
     Mistake("ps status: plaintext against TLS", status("127.0.0.1:{port}", "--insecure-plaintext"), UNREACHABLE,
             "drop --insecure-plaintext"),
+    # ps scale
+    Mistake("ps scale: not a run folder", lambda c: ["ps", "scale", str(c["tmp"]), "--shards", "3"], USAGE,
+            "pass the RUN_DIR", untouched=lambda c: c["tmp"] / "scale-request.json"),
+    Mistake("ps scale: shards below 1", lambda c: ["ps", "scale", str(c["tmp"]), "--shards", "0"], USAGE,
+            "must be an integer >= 1", untouched=lambda c: c["tmp"] / "scale-request.json"),
     # worker
     Mistake("worker: unknown site", lambda c: ["worker", c["job"], "--site", "moon", "--servers", "a:1,b:2"], USAGE,
             "--site"),

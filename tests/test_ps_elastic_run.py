@@ -97,3 +97,58 @@ def test_resume_with_three_shards_recuts_a_two_shard_runs_snapshots(tmp_path):
         assert len(restored) == 1, f"shard {shard} restored {len(restored)} snapshot(s)"
         versions.add(restored[0]["version"])
     assert len(versions) == 1 and versions.pop() > 0
+
+
+def _final_model(summary: dict) -> dict:
+    from hybridfleet.ckpt import load_tensors_checkpoint
+
+    _, tensors, _ = load_tensors_checkpoint(summary["model"]["url"], step=summary["model"]["final_step"])
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", [pytest.param("digits-hybrid.yaml", marks=pytest.mark.torch),
+                                     pytest.param("digits-hybrid-paddle.yaml", marks=pytest.mark.paddle)])
+def test_hfleet_ps_scale_changes_a_running_jobs_shards_2_4_3_and_training_ends_as_without(tmp_path, example):
+    # Prepare: the same shrunk digits job run uninterrupted and with `hfleet ps scale` twice mid-run
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from hybridfleet.cli.app import app
+    from hybridfleet.ps.worker.status import ShardStatusProbe
+
+    steps = 40
+    job = _job(tmp_path, example, train__site_baselines=False, train__steps=steps,
+               train__eval_every_steps=steps, checkpoint={"every_steps": steps, "keep_last": 2},
+               registry={}, ps__snapshot_every_steps=1)
+    plain = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "plain",
+                       report=False, metrics=False)
+    answers: list = []
+
+    def scale_twice(sup, layout):
+        def at(version: int, shards: int) -> None:
+            probe = ShardStatusProbe(open(layout.run_dir / "shard-0.port").read().strip(), layout.certs_dir,
+                                     layout.tokens["admin"])
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and probe.version() < version:
+                time.sleep(0.05)
+            probe.close()
+            result = CliRunner().invoke(app, ["ps", "scale", str(layout.run_dir), "--shards", str(shards)])
+            answers.append((result.exit_code, result.output, repr(result.exception)))
+
+        threading.Thread(target=lambda: (at(10, 4), at(25, 3)), daemon=True).start()
+
+    # Execute
+    scaled = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "scaled",
+                        on_started=scale_twice, report=False, metrics=False)
+    # Assert: both changes were answered mid-run, three shards ended the job, the model is the plain run's
+    assert plain["status"] == "completed" and scaled["status"] == "completed", scaled
+    assert [code for code, _, _ in answers] == [0, 0], answers
+    moved = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in answers]
+    assert [(m["from_shards"], m["to_shards"]) for m in moved] == [(2, 4), (4, 3)]
+    run_dir = Path(scaled["run_dir"])
+    assert json.loads((run_dir / "shards.json").read_text()) == {"generation": 2, "shards": 3}
+    want, got = _final_model(plain), _final_model(scaled)
+    assert set(want) == set(got) and scaled["model"]["final_step"] == plain["model"]["final_step"] == steps
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)

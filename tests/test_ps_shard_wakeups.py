@@ -76,6 +76,11 @@ def test_pushes_that_do_not_finish_a_round_wake_no_puller_and_the_round_wakes_ea
     assert [p.answer for p in pullers] == [1, 1, 1]
     status = state.status()
     assert status["pull_wakeups"] == 3 and status["pull_waiters"] == 1 and later.is_alive()
+    # Execute: round 1 closes too; Assert: it wakes the one waiting for version 2 (no thread outlives the test)
+    for w in WORKERS:
+        state.push(w, "a", "GRADIENT", 2, 1, "none", _grad(state, 1.0))
+    later.join(10)
+    assert later.answer == 2 and state.status()["pull_wakeups"] == 4
 
 
 def test_a_departure_that_closes_the_round_releases_its_waiters():

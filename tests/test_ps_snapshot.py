@@ -137,3 +137,49 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
     restored = [json.loads(line) for line in log.splitlines() if '"snapshot_restored"' in line]
     assert len(restored) == 1 and 40 <= restored[0]["version"] <= killed["at_round"]
     assert restored[0]["version"] % 10 == 0  # step snapshots land on multiples of snapshot_every_steps
+
+
+def test_final_snapshot_writes_the_version_held_and_the_one_a_newer_capture_replaced(tmp_path):
+    # Prepare: an ASP shard whose snapshot writer never ran (its thread is not started), so each
+    # applied version's capture replaced the one before, as when writing falls behind
+    from hybridfleet.ckpt import list_checkpoints, load_tensors_checkpoint
+
+    cluster = start_cluster(tmp_path, sync="asp")
+    try:
+        client = cluster.client("a")
+        join_and_init(cluster, client)
+        state = cluster.servers[0].state
+        url = f"file://{tmp_path / 'snap'}"
+        snapshotter = Snapshotter(state, url, every_steps=1, every_s=None, keep_last=3)
+        state.on_applied = snapshotter._on_applied
+        for value in range(1, 6):
+            client.push(encoded(client, grads(float(value))), codec="none")
+        assert snapshotter.saved == [] and state.version == 5
+        # Execute: the hand-over's stop
+        snapshotter.stop(final=True)
+        # Assert: versions 4 and 5 (the newest and the one before it) were written, with their own values
+        assert snapshotter.saved == [4, 5]
+        assert [c.step for c in list_checkpoints(url)] == [4, 5]
+        version, tensors, meta = load_tensors_checkpoint(url, step=5)
+        assert version == meta["version"] == 5
+        for key, value in state.params.items():
+            np.testing.assert_array_equal(tensors[f"param/{key}"], value)
+        client.close()
+    finally:
+        cluster.stop()
+
+
+def test_a_plain_stop_writes_no_final_snapshot(tmp_path):
+    cluster = start_cluster(tmp_path, sync="asp")
+    try:
+        client = cluster.client("a")
+        join_and_init(cluster, client)
+        state = cluster.servers[0].state
+        snapshotter = Snapshotter(state, f"file://{tmp_path / 'snap'}", every_steps=1, every_s=None)
+        state.on_applied = snapshotter._on_applied
+        client.push(encoded(client, grads(1.0)), codec="none")
+        snapshotter.stop()
+        assert snapshotter.saved == [] and not (tmp_path / "snap").exists()
+        client.close()
+    finally:
+        cluster.stop()

@@ -89,6 +89,12 @@ class ProtocolError(HfleetError, ValueError):
     kind = "protocol"
 
 
+# a secure round that lost too many pushers to be unmasked (a ProtocolError's exit code, its own hint)
+SECURE_ROUND_HINT = ("too few of the round's pushers are left to unmask it: resume the job "
+                     "(`hfleet run JOB --resume RUN_DIR`) once enough sites are back, or lower "
+                     "ps.secure_aggregation.threshold")
+
+
 class CheckpointError(HfleetError, ValueError):
     """A checkpoint is missing, corrupt or of an unknown layout."""
 

@@ -33,14 +33,21 @@ def serve(
     snapshot_store: Optional[str] = typer.Option(None, help="where snapshots go (default: the job's checkpoint.store)"),
     insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext", help="serve without TLS (explicit)"),
     no_auth: bool = typer.Option(False, "--no-auth", help="accept calls without a token (explicit)"),
+    shards: Optional[int] = typer.Option(None, "--shards", help="the job's shard count now, when `hfleet ps "
+                                                                "scale` changed it (default: ps.shards)"),
 ) -> None:
-    """Serve shard SHARD of JOB until SIGTERM/Ctrl-C."""
+    """Serve shard SHARD of JOB until SIGTERM/Ctrl-C; SIGUSR1 hands over: stop answering, write a
+    snapshot of the version held, exit 0 (`hfleet ps scale`)."""
     from hybridfleet.launch.helpers import restart_count
     from hybridfleet.ps.alloc import SHARD_MALLOC_ARENAS, tune_allocator
     from hybridfleet.ps.server.serve import server_security, start_shard
 
     tune_allocator(arenas=SHARD_MALLOC_ARENAS)
     spec = load_spec(job)
+    if shards is not None:
+        if shards < 1:
+            raise UsageError(f"--shards: must be >= 1 (got {shards})", hint="leave it out to serve ps.shards")
+        spec.ps.shards = shards
     security = server_security(spec, certs, insecure_plaintext, no_auth)  # UsageError naming the flags
     came_back = port == 0 and port_file is not None and restart_count() > 0 and port_file.is_file()
     if came_back:
@@ -65,10 +72,15 @@ def serve(
         tmp.rename(port_file)
     done = threading.Event()
     stopped_by: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGUSR1: hand over (`hfleet ps scale`): stop answering, write a snapshot of the version held, exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda signum, _frame: (stopped_by.append(signum), done.set()))
-    done.wait()
-    server.stop(grace_s=1.0)
+    while not stopped_by:  # polled as well: a wake-up from the handler can be missed
+        done.wait(0.2)
+    handover = bool(stopped_by) and stopped_by[0] == signal.SIGUSR1
+    server.stop(grace_s=1.0, final_snapshot=handover)
+    if handover:
+        log.info("shard_handed_over", shard=shard, version=server.state.version)
     # SIGTERM is how a supervisor or Kubernetes stops a shard: a clean exit 0. Ctrl-C is an
     # interruption, exit 130 as for every command (docs/errors.md).
     if stopped_by and stopped_by[0] == signal.SIGINT:
@@ -124,6 +136,35 @@ def reshard(
         raise UsageError(str(err), hint="pass --shards N >= 1 and the store of a stopped BSP job whose "
                                         "shards share a snapshot version") from None
     typer.echo(json.dumps(moved))
+
+
+@group.command("scale")
+def scale(
+    run_dir: Path = typer.Argument(..., help="the folder of a running `hfleet run` job (it printed it)"),
+    shards: int = typer.Option(..., "--shards", help="the new shard count"),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", help="how long to wait for the job's answer"),
+) -> None:
+    """Change the shard count of a running BSP job to --shards N while it trains.
+
+    At a round boundary every shard writes a snapshot and stops, the snapshots are re-cut for N
+    shards (each block with its optimizer state), N shards start from them and the workers join
+    them at their next step: training goes on as it would have on the old count. Refused, with
+    nothing changed: N < 1, a folder that is not a running job, ps.sync asp/ssp, a job without
+    shard snapshots or under secure aggregation. N equal to the current count changes nothing."""
+    from hybridfleet.launch.scale import ScaleError, request_scale
+
+    if shards < 1:
+        raise UsageError(f"--shards: must be an integer >= 1 (got {shards}); nothing changed",
+                         hint="pass the new shard count, e.g. --shards 4")
+    try:
+        answer = request_scale(run_dir, shards, timeout_s)
+    except ScaleError as err:
+        raise UsageError(str(err), hint=err.hint) from None
+    if not answer.get("ok"):
+        raise UsageError(answer.get("error", "the job refused the change"),
+                         hint=answer.get("hint") or f"see {run_dir}/logs/")
+    answer.pop("token", None)
+    typer.echo(json.dumps(answer))
 
 
 def register(app: typer.Typer) -> None:

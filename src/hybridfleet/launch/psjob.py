@@ -25,6 +25,7 @@ from pathlib import Path
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.reshard import reshard_for_resume
+from hybridfleet.launch.scale import supervised_watcher
 from hybridfleet.launch.run_summary import summarize
 from hybridfleet.launch.run_view import RunProgress
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
@@ -465,9 +466,13 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
             start_all(procs)
             log.info("job_started", job=spec.name, run_dir=str(run_dir), shards=layout.shard_addresses,
                      workers=spec.num_workers)
-            if on_started is not None:
-                on_started(sup, layout)
-            codes = progress.wait(sup, [p.name for p in procs])
+            watcher = supervised_watcher(spec, job_path, layout, sup, start_all).start()  # `hfleet ps scale`
+            try:
+                if on_started is not None:
+                    on_started(sup, layout)
+                codes = progress.wait(sup, [p.name for p in procs])
+            finally:
+                watcher.stop()
             progress.phase("stopping shards")
             codes.update(sup.stop(grace_s=5.0))
             return codes

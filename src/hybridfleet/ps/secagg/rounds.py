@@ -16,7 +16,7 @@ import time
 import grpc
 import numpy as np
 
-from hybridfleet.errors import ProtocolError
+from hybridfleet.errors import SECURE_ROUND_HINT, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.secagg.pusher import ShardMasker
 from hybridfleet.ps.secagg.server import kept_indices
@@ -55,7 +55,7 @@ class SecureRounds:
                 request, metadata=self.client._metadata, timeout=timeout + 30), what=f"secure aggregation {method}")
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.ABORTED:
-                raise ProtocolError(err.details()) from None
+                raise ProtocolError(err.details(), hint=SECURE_ROUND_HINT) from None
             raise
 
     def _setup(self, shard: int) -> None:

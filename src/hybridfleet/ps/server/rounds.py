@@ -222,6 +222,9 @@ class Rounds:
                 # the frame's header is checked against the key before anything is allocated
                 header, _ = read_header(payload, codec.name)
                 if header.codec_name == "rows" and not buffers.is_buffer(key):
+                    if job_codec.name != "none":  # workers send touched rows only where the dense frame would be raw
+                        raise Reject("INVALID_ARGUMENT", f"key {key!r}: a rows frame is taken only under codec 'none'; "
+                                                         f"this job's codec is {job_codec.name!r}")
                     codec = _ROWS  # a row-sparse gradient's touched rows, exact: the dense block they stand for
                 if header.dtype != DTYPE or header.shape != (expected,):
                     raise Reject("INVALID_ARGUMENT", f"key {key!r}: frame holds {header.dtype} of shape "

@@ -368,8 +368,17 @@ class ShardServer:
         while not self._stop.wait(interval):
             self.state.reap()  # also closes a BSP round that was only waiting for late joiners
 
-    def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: float = 1.0, final_snapshot: bool = False) -> None:
+        """Stop serving. ``final_snapshot``: stop answering first, then write a snapshot of the
+        version the shard ended at (a hand-over to another shard count restores it)."""
         self._stop.set()
+        if final_snapshot:
+            if self.bulk is not None:
+                self.bulk.stop()
+            self.server.stop(grace_s).wait()
+            if self.snapshotter is not None:
+                self.snapshotter.stop(final=True)
+            return
         if self.snapshotter is not None:
             self.snapshotter.stop()
         if self.bulk is not None:

@@ -103,6 +103,7 @@ class Snapshotter:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._pending: tuple[int, dict, dict] | None = None
+        self._replaced: tuple[int, dict, dict] | None = None  # the newest capture a newer one replaced
         self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="ps-snapshot")
         self.saved: list[int] = []
@@ -118,9 +119,12 @@ class Snapshotter:
         if self.state.version % self.every_steps == 0:
             captured = capture(self.state)
             with self._pending_lock:
+                if self._replaced is not None and self._replaced[0] < captured[0] - 1:
+                    self._replaced = None  # kept only while it is the version before the newest
                 if self._pending is not None:
                     log.warning("snapshot_skipped", shard=self.state.shard, version=self._pending[0],
                                 reason=f"writing fell behind; version {captured[0]} replaces it")
+                    self._replaced = self._pending  # a final snapshot (hand-over) writes it after all
                 self._pending = captured
             self._wake.set()
 
@@ -172,9 +176,24 @@ class Snapshotter:
             log.warning("snapshot_gc_failed", error=str(err))
         return version
 
-    def stop(self) -> None:
+    def stop(self, final: bool = False) -> None:
+        """Stop taking snapshots. ``final`` (the shard no longer answers): then write one of the
+        version the shard holds now unless the newest written is of it already."""
         if self.state.on_applied == self._on_applied:
             self.state.on_applied = None
         self._stop.set()
         self._wake.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5 if not final else 60)
+        if not final or self.state.plan is None:
+            return
+        # the version held now and the one before it (a hand-over re-cuts at the newest version every
+        # shard holds, and a BSP shard may be one round ahead of another): each written once
+        with self._pending_lock:
+            kept = [c for c in (self._replaced, self._pending) if c is not None]
+            self._replaced = self._pending = None
+        kept.append(capture(self.state))
+        wanted = {self.state.version - 1, self.state.version}
+        for captured in sorted({c[0]: c for c in kept if c[0] in wanted}.values(), key=lambda c: c[0]):
+            if captured[0] not in self.saved:
+                self.save(captured)

@@ -47,6 +47,16 @@ class ShardRestarted(Exception):
         self.shard, self.version = shard, version
 
 
+class PlanChanged(Exception):
+    """The job's shard count changed while it trains (``hfleet ps scale``): the shards this client
+    talks to are gone and ``shards`` new ones, at plan ``generation``, hold their blocks re-cut at
+    one round boundary. The caller joins them with a new client and carries on its step."""
+
+    def __init__(self, generation: int, shards: int):
+        super().__init__(f"the job's shard count changed to {shards} (plan generation {generation})")
+        self.generation, self.shards = generation, shards
+
+
 @dataclass
 class ClientSecurity:
     """Channel credentials and bearer token; ``insecure=True`` must be asked for explicitly."""
@@ -156,10 +166,13 @@ class PSClient:
     """A worker's connection to all shards of one job."""
 
     def __init__(self, servers: list[str], security: ClientSecurity, worker_id: str, site: str, rank: int,
-                 retry_timeout_s: float = 60.0, transport: str = "auto", resolve: Resolver | None = None):
+                 retry_timeout_s: float = 60.0, transport: str = "auto", resolve: Resolver | None = None,
+                 watch_plan: Callable[[], tuple[int, int | None]] | None = None):
         """``transport``: "auto" uses a shard's bulk data plane when offered, "grpc" never does.
         ``resolve(shard)``: the shard's current address (e.g. `port_file_resolver`); a shard that stops
-        answering is looked up again there and followed to a new address (a replacement shard)."""
+        answering is looked up again there and followed to a new address (a replacement shard).
+        ``watch_plan()``: ``(generation, shard count)`` of the job's plan (`resolve.current_plan`);
+        once it differs from its value now, a failing call raises `PlanChanged` instead of retrying."""
         if not servers:
             raise ValueError("servers: at least one shard address host:port is needed")
         if security.channel_credentials is None and not security.insecure:
@@ -187,6 +200,8 @@ class PSClient:
         self._hb_thread: threading.Thread | None = None
         self._join_args: tuple | None = None
         self._needs_rejoin = False  # set when a shard says we are not (or no longer) a member
+        self.watch_plan = watch_plan
+        self.plan_generation = watch_plan()[0] if watch_plan is not None else 0
 
     # --------------------------------------------------------------- plumbing
     def _channel(self, address: str) -> grpc.Channel:
@@ -224,6 +239,7 @@ class PSClient:
                     raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}", shard, version)
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
+                self._check_plan()
                 code = err.code()
                 if is_name_mismatch(err) or is_untrusted_certificate(err):  # retrying cannot change a certificate
                     raise explain(err, self.servers[shard], what) from None
@@ -245,6 +261,14 @@ class PSClient:
                 if code in RETRYABLE:  # retried until the deadline: say which shard, since when, what to check
                     raise explain(err, self.servers[shard], what, since_s=first_failure_s) from None
                 raise
+
+    def _check_plan(self) -> None:
+        """Raise `PlanChanged` when the job's shard count changed since this client was made."""
+        if self.watch_plan is None:
+            return
+        generation, shards = self.watch_plan()
+        if generation != self.plan_generation and shards:
+            raise PlanChanged(generation, shards)
 
     def _each_shard(self, fn):
         futs = [self._pool.submit(fn, i) for i in range(len(self.servers))]
@@ -374,7 +398,8 @@ class PSClient:
 
     def push(self, payloads: dict[str, bytes], codec: str, base_versions: list[int] | None = None,
              kind: str = "GRADIENT", contributors: int = 1, optimizer_json: str = "",
-             skip_nonfinite: bool = False, only_shard: int | None = None) -> list[ps_pb2.PushResponse]:
+             skip_nonfinite: bool = False, only_shard: int | None = None,
+             again: bool = False) -> list[ps_pb2.PushResponse]:
         """Push encoded blocks (key -> payload) to their shards in parallel; one step of this worker's clock.
 
         A gradient push reaches every shard that holds keys, also one whose keys all lack a gradient
@@ -383,9 +408,10 @@ class PSClient:
         this step's gradient was not finite; ``payloads`` is empty and every shard holding keys
         closes the round without applying it. ``only_shard``: push again, to that shard alone and with
         the same step, a push the shard lost (it was replaced from a snapshot before the push's round
-        closed); the clock does not move."""
+        closed); the clock does not move. ``again``: the same, to every shard (new shards of a
+        changed shard count, which lack the push)."""
         assert self.plan is not None, "join first"
-        if kind == "GRADIENT" and only_shard is None:
+        if kind == "GRADIENT" and only_shard is None and not again:
             self.clock += 1
         step = self.clock
         by_shard: dict[int, dict[str, bytes]] = {}

@@ -11,11 +11,12 @@ import grpc
 import numpy as np
 
 from hybridfleet.codec.rows import RowsCodec
-from hybridfleet.errors import ProtocolError
+from hybridfleet.errors import SECURE_ROUND_HINT, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.sharding import matrix_rows
-from hybridfleet.ps.worker.client import Pulled, ShardRestarted
+from hybridfleet.ps.worker.client import PlanChanged, Pulled, ShardRestarted
+from hybridfleet.ps.worker.replan import NewPlan
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
 from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
 
@@ -24,7 +25,7 @@ _ROWS = RowsCodec()  # stateless: one instance serves every key
 
 
 
-class ShardExchange:
+class ShardExchange(NewPlan):
     """Push a step's update to the shards and bring back the parameters to train on next."""
 
     def _shard_digests(self) -> list[str]:
@@ -44,7 +45,7 @@ class ShardExchange:
         self.timer.mark("encode")
         base = list(self.client.versions)
         wait_round = self.client.sync in ROUND_SYNC_MODES
-        settled = False
+        settled = stale = False
         try:
             try:
                 if self.secure is not None:  # masked: the shard sees only the round's sum
@@ -67,20 +68,39 @@ class ShardExchange:
                 if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                     raise
                 # stale round (after a rejoin): catch up now; already pushed this round: wait for it to close
-                wait_round = wait_round and err.code() == grpc.StatusCode.ALREADY_EXISTS
+                stale = err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                wait_round = wait_round and not stale
                 log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
-            except ShardRestarted:
-                raise  # settled below, by what the restored shard holds
+            except (ShardRestarted, PlanChanged):
+                raise  # settled below, by what the restored (or re-cut) shards hold
             except BaseException:
                 self._settle_feedback(applied=False)
                 raise
             self.timer.mark("transfer")
             self.step_count = self.client.clock
             self._wait_and_pull(base, wait_round)
+            if stale:
+                self._take_up_open_round()
         except ShardRestarted as restarted:
             self._recover(restarted, payloads, base, wait_round, settled, contributors, optimizer_json,
                           bool(nonfinite))
+        except PlanChanged as changed:
+            self._carry_on_new_plan(changed, payloads, base, wait_round, settled, contributors, optimizer_json,
+                                    bool(nonfinite))
         self.timer.mark("wait")
+
+    def _take_up_open_round(self) -> None:
+        """After a push refused as stale, count this worker's steps from the round the shards hold open, as
+        a joining worker does: the rounds it missed closed without it (`caught_up` counts them)."""
+        if self.client.sync not in ROUND_SYNC_MODES:
+            return
+        open_round = max(self.client.versions)
+        if open_round > self.client.clock:
+            self.caught_up += open_round - self.client.clock
+            log.info("caught_up", worker=self.config.worker_id, rounds=open_round - self.client.clock,
+                     open_round=open_round)
+            self.client.clock = open_round
+        self.step_count = self.client.clock
 
     def _wait_and_pull(self, base: list[int], wait_round: bool, full: bool = False) -> None:
         """Pull, waiting (rounds) for each shard holding keys to close the round after ``base``;
@@ -93,7 +113,7 @@ class ShardExchange:
             self._apply_pulled(self.client.pull(wait_for_versions=wait, into=self._pull_target, full=full))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.ABORTED:  # e.g. a secure round that cannot be unmasked
-                raise ProtocolError(err.details()) from None
+                raise ProtocolError(err.details(), hint=SECURE_ROUND_HINT) from None
             raise
 
     def _recover(self, restarted: ShardRestarted, payloads: dict, base: list[int], wait_round: bool,

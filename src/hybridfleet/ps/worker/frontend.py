@@ -63,6 +63,7 @@ class ParameterServerHandle(ABC):
         self.optimizer = optimizer
         self.config = config or WorkerConfig.from_env()
         self.rounds = None  # LocalRounds in ps.sync: local
+        self._steps_past = 0  # steps taken past the job's last round (see _past_the_last_round)
         if self.config.job.ps.sync == "local" and optimizer is None:
             raise ValueError("ps.sync: local trains with the script's own optimizer as the inner optimizer: "
                              "pass it, ps = hf.connect(model, optimizer)")
@@ -268,6 +269,8 @@ class ParameterServerHandle(ABC):
         failed is raised here (CheckpointError) before anything of this step is sent."""
         if self._model_ckpt is not None:
             self._model_ckpt.raise_failed_write()
+        if self._past_the_last_round():
+            return
         if self.rounds is not None:
             self._step_script_optimizer()
             new = self.rounds.after_inner_step(
@@ -302,6 +305,25 @@ class ParameterServerHandle(ABC):
             self._hook_new_parameters(self.stage, params)
         if self._model_ckpt is not None:
             self._model_ckpt.after_step(self.step_count, self.model)
+
+    def _past_the_last_round(self) -> bool:
+        """Whether this step is one its script's loop counts past the job's ``train.steps``, for a worker
+        that caught up.
+
+        A worker that rejoined late takes up the open round, so rounds close without it; a script
+        loop counted from where it started (``range(ps.step_count, train.steps)``) then runs as many
+        steps past the job's last round as it missed (times ``local_steps`` in local mode), rounds no
+        other worker joins (under secure aggregation such a round could never be unmasked). Those
+        steps change nothing: no push, no optimizer step, the model keeps the job's final parameters.
+        At most that many: a script that trains past ``train.steps`` on purpose goes on as before."""
+        missed = self.session.caught_up * (self.rounds.local_steps if self.rounds is not None else 1)
+        if self._steps_past >= missed or self.step_count < self.config.job.train.steps:
+            return False
+        if not self._steps_past:
+            log.info("past_the_last_round", worker=self.config.worker_id, steps=self.config.job.train.steps,
+                     caught_up=self.session.caught_up, steps_left_out=missed)
+        self._steps_past += 1
+        return True
 
     def _step_script_optimizer(self) -> None:
         """Step the script's optimizer on this worker, unless a gradient is not finite (GradScaler

@@ -35,3 +35,34 @@ def port_file_resolver(directory: str | Path) -> Resolver:
         return text if sep and host and port.isdigit() else None
 
     return resolve
+
+
+PLAN_FILE = "shards.json"
+
+
+def plan_file(directory: str | Path) -> Path:
+    """The file naming the job's current shard count under ``directory`` (written when the count changes)."""
+    return Path(directory) / PLAN_FILE
+
+
+def current_plan(directory: str | Path) -> tuple[int, int | None]:
+    """``(generation, shard count)`` the launcher last wrote to ``directory``'s plan file; ``(0, None)``
+    while there is none (the count the job started with holds). Each change of the shard count
+    while the job trains raises the generation by one."""
+    import json
+
+    try:
+        doc = json.loads(plan_file(directory).read_text())
+        return int(doc["generation"]), int(doc["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, None
+
+
+def write_plan(directory: str | Path, generation: int, shards: int) -> None:
+    """Atomically name ``shards`` as the job's shard count, at ``generation``."""
+    import json
+
+    path = plan_file(directory)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"generation": generation, "shards": shards}) + "\n")
+    tmp.rename(path)

@@ -34,7 +34,8 @@ from hybridfleet.ps.worker.client import PSClient
 from hybridfleet.ps.worker.config import WorkerConfig, client_security_from_env
 from hybridfleet.ps.worker.egress import EgressCapture
 from hybridfleet.ps.worker.exchange import DTYPE, ShardExchange
-from hybridfleet.ps.worker.resolve import port_file_resolver
+from hybridfleet.ps.worker.replan import current_servers
+from hybridfleet.ps.worker.resolve import current_plan, port_file_resolver
 from hybridfleet.ps.worker.reporting import SessionReporting
 from hybridfleet.ps.worker.site_path import SitePath
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
@@ -52,6 +53,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         self.config = config
         self.framework = framework
         self.step_count = 0
+        self.caught_up = 0  # rounds that closed without this worker after it started (a stale push, then catch-up)
         self.ps = config.job.ps
         self.codec_name = self.ps.compression.codec
         self.client: PSClient | None = None
@@ -113,10 +115,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         tune_allocator(trim_bytes=256 << 20)  # gradient frames and buffers are reused round after round
         if cfg.aggregates and cfg.site_rank > 0:
             return self._start_follower()
-        self.client = PSClient(cfg.servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
-                               retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
-                               transport=cfg.job.ps.transport,
-                               resolve=port_file_resolver(cfg.shard_port_dir) if cfg.shard_port_dir else None)
+        self.client = self._new_client(current_servers(cfg) or cfg.servers)
         if cfg.egress_capture:
             self.client.bytes.capture = EgressCapture(cfg.egress_capture)
         specs = [ParamSpec(k, self.shapes[k], "float32") for k in sorted(self.shapes)]
@@ -151,6 +150,16 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
                  resumed_clock=self.step_count, sync=self.client.sync, site_leader=self.hub is not None,
                  transport=self.client.transport)
         return self.parameters()
+
+    def _new_client(self, servers: list[str]) -> PSClient:
+        """A client of ``servers``, following moved shards and a changed shard count (port-file folder)."""
+        cfg = self.config
+        port_dir = cfg.shard_port_dir
+        return PSClient(servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
+                        retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
+                        transport=cfg.job.ps.transport,
+                        resolve=port_file_resolver(port_dir) if port_dir else None,
+                        watch_plan=(lambda: current_plan(port_dir)) if port_dir else None)
 
     def _numel(self) -> int:
         return sum(int(np.prod(self.shapes[n])) if self.shapes[n] else 1 for n in self._names)
