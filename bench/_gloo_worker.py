@@ -7,6 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybridfleet.launch.helpers import finish
+
 
 def main() -> None:
     rounds, numel, tensors = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -22,7 +24,9 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         print("GLOO " + json.dumps({"round_s": times[1:]}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
+    finish()  # no interpreter teardown, where a finished gloo rank can abort (SIGABRT) in torch's destructors
 
 
 if __name__ == "__main__":

@@ -22,6 +22,25 @@ def resident_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def own_cpu_s() -> float:
+    """User + system CPU-seconds of this process (all its threads) so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def shard_cpu_s() -> float | None:
+    """User + system CPU-seconds so far of the shard processes named by HFLEET_BENCH_SHARD_PIDS
+    (read from /proc/PID/stat); None when the variable is not set."""
+    pids = os.environ.get("HFLEET_BENCH_SHARD_PIDS")
+    if not pids:
+        return None
+    total = 0
+    for pid in pids.split(","):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     job, rank, rounds, numel, tensors = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     framework_rss = resident_bytes()  # torch, numpy and hybridfleet imported, no tensor yet
@@ -37,15 +56,20 @@ def main() -> None:
     # a script's gradients exist from its first backward on, after the session started
     grads = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-3) for k, s in shapes.items()}
     times = []
-    for _ in range(rounds + 1):  # the first round warms up connections and buffers
+    for i in range(rounds + 1):  # the first round warms up connections and buffers
+        if i == 1:  # the timed rounds' CPU: this process's and (rank 0) the shards'
+            cpu0, shard0 = own_cpu_s(), shard_cpu_s() if rank == 0 else None
         t0 = time.perf_counter()
         session.step(grads)
         times.append(time.perf_counter() - t0)
+    cpu1, shard1 = own_cpu_s(), shard_cpu_s() if rank == 0 else None
     moved = session.bytes_moved()
     session.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(json.dumps({"rank": rank, "round_s": times[1:], "sent": moved["sent"], "received": moved["received"],
-                      "peak_rss_bytes": peak_rss, "framework_rss_bytes": framework_rss}))
+                      "peak_rss_bytes": peak_rss, "framework_rss_bytes": framework_rss,
+                      "rounds_cpu_s": cpu1 - cpu0 if rounds else 0.0,
+                      "shard_rounds_cpu_s": None if not rounds or shard0 is None else shard1 - shard0}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from _zoo_workloads import WORKLOADS, Run, Workload
 
+from hybridfleet.launch.helpers import finish
+
 
 def train_loop(workload: Workload, run: Run, model: Any, wrapped: Any, optimizer: Any,
                schedule_step: Callable[[], None] | None, train: Any, test: Any, batch_size: int, eval_every: int,
@@ -87,8 +89,10 @@ def main() -> None:
     train_loop(workload, run, model, wrapped, optimizer, schedule_step, train, test, batch_size, eval_every, seed,
                rank, lambda record: print("ZOO " + json.dumps(record), flush=True))
     if framework == "torch":
+        del wrapped  # DDP's reducer holds the group: let it go before the group is torn down
         dist.barrier()
         dist.destroy_process_group()
+        finish()  # as the examples: no interpreter teardown, where a gloo rank can abort after its work is done
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ if dist.get_rank() == 0:
 if framework == "torch":
     dist.barrier()
     dist.destroy_process_group()
+from hybridfleet.launch.helpers import finish
+finish()  # either launcher: no interpreter teardown, where a finished gloo rank can abort
 """
 
 

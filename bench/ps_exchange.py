@@ -144,7 +144,8 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
         layout.shard_addresses = [f.read_text().strip() for f in port_files]
         procs = []
         for rank, site in enumerate(spec.sites):
-            wenv = dict(env, **worker_env(spec, job_path, layout, site, rank, 0))
+            wenv = dict(env, **worker_env(spec, job_path, layout, site, rank, 0),
+                        HFLEET_BENCH_SHARD_PIDS=",".join(str(p.pid) for p in shard_procs))
             procs.append(subprocess.Popen([sys.executable, str(HERE / "_ps_exchange_worker.py"), str(job_path),
                                            str(rank), str(rounds), str(numel), str(TENSORS)],
                                           env=wenv, stdout=subprocess.PIPE, text=True))
@@ -158,7 +159,11 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
     per_round = [max(a, b) for a, b in zip(results[0]["round_s"], results[1]["round_s"])]
     slices = slice_bytes(numel, shards)
     slots = SLOTS[optimizer]
+    shard_cpu = results[0]["shard_rounds_cpu_s"]
     return {"round_s": per_round, "median_s": statistics.median(per_round),
+            # CPU-seconds of the timed rounds (warm-up, start-up and handshakes left out): both
+            # workers' own, and the shards' over rank 0's timed rounds
+            "rounds_cpu_s": sum(r["rounds_cpu_s"] for r in results) + (shard_cpu or 0.0),
             "shard_rss_bytes": max(shard_rss), "worker_rss_bytes": max(r["peak_rss_bytes"] for r in results),
             "shard_rss_over_slice": max(r / s for r, s in zip(shard_rss, slices)),
             "shard_rss_over_target": max(r / (1.25 * s * (1 + slots) + (128 << 20)) for r, s in zip(shard_rss, slices)),

@@ -75,7 +75,9 @@ int4 against local dense (the inner optimizer of every local variant is the scri
 per-worker row's figures are under ``dense_per_worker_*``.
 
 Needs root; without it (or when ``ip netns`` fails) it prints
-``{"bench": "wan", "skipped": reason}`` and exits 0. The last line is JSON.
+``{"bench": "wan", "skipped": reason}`` and exits 0. The last line is JSON. A variant that misses the
+target within the job's steps is named in its ``not_reached`` list (its time, bytes and ratios null, its
+final metric kept) and the bench then exits 1.
 """
 
 from __future__ import annotations
@@ -469,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, workdir: Path) -> None:
-    """Print the table and the JSON line (exit 1 when a variant missed the target)."""
+    """Print the table and the JSON line (its ``not_reached`` names the variants that missed the target,
+    whose figures are null; then exit 1 when there is one)."""
     wl, metric = args.wl, args.wl.metric
     what = (f"digits hybrid job, {num_parameters():,} parameters" if args.workload == "digits"
             else f"{args.workload} job ({args.wl.jobs[args.framework]})")
@@ -493,12 +496,11 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
             print(f"(~ {name}: {r['step']} steps to target uncapped x median {r['step_s']:.3f} s/step over "
                   f"{r['timing_steps']} capped steps)")
     missing = [n for n, r in results.items() if r["time_s"] is None or r["final_acc"] is None]
-    if missing:
-        fail(f"target {args.target} not reached within {args.job_steps} steps by: {', '.join(missing)}",
-             [r["run_dir"] for r in results.values()], workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
     dense, per_worker, topk, local, local_int8, local_int4, powersgd = (results[n] for n in VARIANTS)
-    worse = wl.worse_by
+
+    def worse(anchor: float | None, other: float | None) -> float | None:
+        return None if anchor is None or other is None else round(wl.worse_by(anchor, other), 5)
+
     print(json.dumps({
         "bench": "wan", "workload": args.workload, "framework": args.framework, "rate_mbit": args.rate_mbit,
         "metric": metric, "higher_is_better": wl.higher_is_better, "anchor_site_aggregation": True,
@@ -518,9 +520,9 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         "local_link_bytes_reduction": ratio_drop(local_int4["link_bytes"], dense["link_bytes"]),
         "dense_acc": dense["final_acc"], "compressed_acc": topk["final_acc"], "local_dense_acc": local["final_acc"],
         "local_int8_acc": local_int8["final_acc"], "local_int4_acc": local_int4["final_acc"],
-        "local_acc_drop": round(worse(dense["final_acc"], local_int4["final_acc"]), 5),
-        "adam_acc_drop": round(worse(local["final_acc"], local_int8["final_acc"]), 5),
-        "adam_acc_drop_int4": round(worse(local["final_acc"], local_int4["final_acc"]), 5),
+        "local_acc_drop": worse(dense["final_acc"], local_int4["final_acc"]),
+        "adam_acc_drop": worse(local["final_acc"], local_int8["final_acc"]),
+        "adam_acc_drop_int4": worse(local["final_acc"], local_int4["final_acc"]),
         "dense_time_estimated": bool(dense.get("estimated")), "dense_steps_to_target": dense["step"],
         "dense_step_s": dense.get("step_s"), "dense_timing_steps": dense.get("timing_steps"),
         "dense_per_worker_time_s": per_worker["time_s"],
@@ -534,11 +536,16 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         "local_powersgd_link_bytes": powersgd["link_bytes"],
         "local_powersgd_speedup": ratio(dense["time_s"], powersgd["time_s"]),
         "local_powersgd_bytes_reduction": ratio_drop(powersgd["bytes"], dense["bytes"]),
-        "local_powersgd_acc_drop": round(worse(dense["final_acc"], powersgd["final_acc"]), 5),
+        "local_powersgd_acc_drop": worse(dense["final_acc"], powersgd["final_acc"]),
         "powersgd_rank": args.rank,
         "local_steps": min(args.local_steps, args.job_steps), "inner_lr": args.inner_lr, "steps": args.job_steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),
-    }))
+        "not_reached": missing,
+    }), flush=True)
+    if missing:  # the figures above are printed either way; a variant that missed the target fails the run
+        fail(f"target {args.target} not reached within {args.job_steps} steps by: {', '.join(missing)}",
+             [r["run_dir"] for r in results.values()], workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

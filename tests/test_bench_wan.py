@@ -149,3 +149,38 @@ def test_dense_step_timing_is_the_median_per_step_window_of_the_capped_site(tmp_
     # Assert: the median ignores the slow window; bytes per step of both capped workers together
     assert step_s == pytest.approx(1.0) and covered == 40
     assert per_step == pytest.approx(400.0) and first == 0 and first_bytes == 3000
+
+
+def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_the_run(tmp_path, capsys):
+    # Prepare: every variant reached the target except local + PowerSGD (its final metric is kept)
+    import argparse
+
+    import wan
+
+    def reached(time_s, mb, acc):
+        return {"time_s": time_s, "step": 50, "bytes": int(mb * 1e6), "link_bytes": int(mb * 1.07e6),
+                "final_acc": acc, "wall_s": time_s + 10, "stopped_early": False, "run_dir": str(tmp_path)}
+
+    results = {name: reached(200.0 if name.startswith("dense") else 3.0, 475.0 if name.startswith("dense") else 2.7,
+                             0.9667) for name in wan.VARIANTS}
+    results["local_powersgd"] = {**reached(0.0, 0.0, 0.5), "time_s": None, "step": None, "bytes": None,
+                                 "link_bytes": None}
+    args = argparse.Namespace(wl=workloads.WORKLOADS["fashion"], workload="fashion", framework="torch", capped="clinic",
+                              rate_mbit=20.0, target=0.9, job_steps=150, local_steps=25, rank=4, inner_lr=0.002)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+
+    # Execute
+    with pytest.raises(SystemExit) as exit_info:
+        wan.report(args, results, 19.1, 19.1, workdir)
+
+    # Assert: the JSON line carries every figure, the missed variant's null and named; exit 1, the work kept
+    out, err = capsys.readouterr()
+    line = json.loads(out.strip().splitlines()[-1])
+    assert exit_info.value.code == 1
+    assert line["not_reached"] == ["local_powersgd"]
+    assert line["local_powersgd_time_s"] is None and line["local_powersgd_speedup"] is None
+    assert line["local_powersgd_final"] == 0.5 and line["local_powersgd_acc_drop"] == pytest.approx(0.4667)
+    assert line["local_speedup"] == pytest.approx(200.0 / 3.0, rel=1e-3) and line["local_acc_drop"] == 0.0
+    assert "FAILED: target 0.9 not reached within 150 steps by: local_powersgd" in err
+    assert workdir.exists()

@@ -376,6 +376,47 @@ def test_a_shard_refuses_a_malformed_rows_frame_naming_the_key_and_nothing_chang
 
 
 
+def test_a_shard_whose_codec_is_not_none_refuses_a_rows_frame_and_nothing_changes(tmp_path):
+    # Prepare: shards agreed on int8; a joined, initialised worker (raw client) and a well-formed rows frame
+    import grpc
+
+    from hybridfleet.ps.worker.client import PSClient
+    from hybridfleet.ps.wire.sharding import ParamSpec
+
+    spec = h.job("torch", 1, 1, compression={"codec": "int8"})
+    cluster = h.start_shards(tmp_path, spec)
+    try:
+        cfg = cluster.config(0)
+        a0 = PSClient(cfg.servers, cfg.security, cfg.worker_id, "a", 0, retry_timeout_s=2.0)
+        a0.join([ParamSpec("fc.weight", (4, 3)), ParamSpec("fc.bias", (4,))], spec.ps.block_size_bytes, "int8",
+                "torch")
+        init = {"fc.weight": np.arange(12, dtype="<f4") / 10, "fc.bias": np.ones(4, "<f4")}
+        a0.push({k: v.tobytes() for k, v in init.items()}, codec="none", kind="INIT")
+        before = cluster.params()
+        grad = np.zeros(12, "<f4")
+        grad[3:6] = 1.0
+        int8 = get_codec("int8")
+        # Execute
+        with pytest.raises(grpc.RpcError) as err:
+            a0.push({"fc.weight": get_codec("rows").encode(grad), "fc.bias": int8.encode(np.ones(4, "<f4"))},
+                    codec="int8", base_versions=[0])
+        # Assert
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("key 'fc.weight': a rows frame is taken only under codec 'none'; this job's codec is 'int8'"
+                in err.value.details())
+        status = cluster.status()[0]
+        assert status["version"] == 0 and status["members"]["a-0"]["clock"] == 0
+        assert all((cluster.params()[k] == v).all() for k, v in before.items())
+        # the same push with the agreed codec's frames is applied
+        a0.clock -= 1  # the refused push did not count
+        a0.push({"fc.weight": int8.encode(grad), "fc.bias": int8.encode(np.ones(4, "<f4"))}, codec="int8",
+                base_versions=[0])
+        assert cluster.status()[0]["version"] == 1
+        a0.close()
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.torch
 def test_weight_decay_set_on_the_embeddings_group_after_connect_is_refused_at_the_step_before_pushing(shards):
     # Prepare: trains one step, then the script sets weight_decay (the plain script's step would raise now)

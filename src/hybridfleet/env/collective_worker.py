@@ -57,4 +57,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from hybridfleet.launch.helpers import finish
+
+    finish(main(sys.argv[1:]))  # no interpreter teardown, where a finished torch gloo rank can abort

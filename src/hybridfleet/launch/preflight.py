@@ -6,6 +6,7 @@ Each check either returns a resolved value or raises an error that names the pro
 
 from __future__ import annotations
 
+import collections
 import errno
 import importlib.util
 import os
@@ -69,11 +70,23 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=512)  # handed out by free_port, newest last
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host if _is_local(host) else "", 0))
-        return sock.getsockname()[1]
+    """A TCP port the OS reports free on ``host`` right now, and not one this process handed out lately.
+
+    The OS can give the same free port to two binds in a row (the first socket closed at once), so
+    ports picked for the processes of one job (metrics, shards, site hubs) would collide; the last
+    512 returned are never returned again."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host if _is_local(host) else "", 0))
+            port = sock.getsockname()[1]
+        if port not in _RECENT_PORTS:
+            break
+    _RECENT_PORTS.append(port)
+    return port
 
 
 def listen(host: str, port: int, what: str) -> socket.socket:

@@ -101,6 +101,8 @@ class LocalRounds:
         pseudo = {k: np.subtract(self.anchor[k], np.asarray(current[k], dtype=DTYPE).reshape(self.anchor[k].shape),
                                  dtype=DTYPE) for k in self.anchor if k not in extra}
         new = self.session.step({**pseudo, **extra})
+        # a worker that caught up (rounds closed without it) counts its inner steps from the open round
+        self.inner_steps = max(self.inner_steps, self.session.step_count * self.local_steps)
         self.anchor = {k: v.copy() for k, v in new.items()}
         self.outer_rounds += 1
         if self.inner_state is not None:

@@ -54,7 +54,9 @@ class SitePath:
     def _follower_step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Send this step's gradients (those it has) to the site leader and take the parameters it pulled."""
         self.link.send(*self._dense(grads))
+        before = self.step_count
         self._receive_from_leader()
+        self.caught_up += max(0, self.step_count - before - 1)  # the leader caught up: so does its site
         self.timer.mark("wait")
         return self.parameters()
 
