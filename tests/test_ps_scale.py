@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 import script_optim_helpers as h
-from test_ps_elastic import _concat, _framework
+from test_ps_elastic import _concat, _framework, _stop, _wait_for
 from hybridfleet.launch.scale import ScaleError, ScaleWatcher, check_scale, hand_over, request_scale
 from hybridfleet.ps.worker.client import ClientSecurity
 from hybridfleet.ps.worker.config import WorkerConfig
@@ -50,23 +50,6 @@ def _serve(job: Path, shard: int, shards: int, run_dir: Path, certs: Path, store
             "--expected-workers", "2", "--shards", str(shards)]
     log = open(run_dir / f"shard-{shard}.{time.monotonic_ns()}.log", "wb")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
-def _wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class Cluster:

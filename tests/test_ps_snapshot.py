@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hybridfleet.ckpt import list_checkpoints, load_tensors_checkpoint
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.ps.server.snapshot import Snapshotter
 from tests.ps_helpers import join_and_init, start_cluster
@@ -110,7 +112,6 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
 
     def kill_shard(sup, layout):
         def watch():
-            from hybridfleet.ckpt import list_checkpoints
             from hybridfleet.launch.psjob import snapshot_store
             from hybridfleet.ps.server.snapshot import snapshot_url
 
@@ -142,16 +143,8 @@ def test_sigkilled_shard_restarts_from_its_snapshot_and_workers_carry_on(tmp_pat
 def test_final_snapshot_writes_the_version_held_and_the_one_a_newer_capture_replaced(tmp_path):
     # Prepare: an ASP shard whose snapshot writer never ran (its thread is not started), so each
     # applied version's capture replaced the one before, as when writing falls behind
-    from hybridfleet.ckpt import list_checkpoints, load_tensors_checkpoint
-
-    cluster = start_cluster(tmp_path, sync="asp")
-    try:
-        client = cluster.client("a")
-        join_and_init(cluster, client)
-        state = cluster.servers[0].state
-        url = f"file://{tmp_path / 'snap'}"
-        snapshotter = Snapshotter(state, url, every_steps=1, every_s=None, keep_last=3)
-        state.on_applied = snapshotter._on_applied
+    url = f"file://{tmp_path / 'snap'}"
+    with _unstarted_snapshotter(tmp_path, url, keep_last=3) as (client, state, snapshotter):
         for value in range(1, 6):
             client.push(encoded(client, grads(float(value))), codec="none")
         assert snapshotter.saved == [] and state.version == 5
@@ -164,22 +157,27 @@ def test_final_snapshot_writes_the_version_held_and_the_one_a_newer_capture_repl
         assert version == meta["version"] == 5
         for key, value in state.params.items():
             np.testing.assert_array_equal(tensors[f"param/{key}"], value)
-        client.close()
-    finally:
-        cluster.stop()
 
 
 def test_a_plain_stop_writes_no_final_snapshot(tmp_path):
+    with _unstarted_snapshotter(tmp_path, f"file://{tmp_path / 'snap'}") as (client, state, snapshotter):
+        client.push(encoded(client, grads(1.0)), codec="none")
+        snapshotter.stop()
+        assert snapshotter.saved == [] and not (tmp_path / "snap").exists()
+
+
+@contextmanager
+def _unstarted_snapshotter(tmp_path, url: str, **options):
+    """An initialised ASP shard, one client, and a `Snapshotter` (every version, its writer thread not
+    started) that each applied version hands its capture to: (client, shard state, snapshotter)."""
     cluster = start_cluster(tmp_path, sync="asp")
     try:
         client = cluster.client("a")
         join_and_init(cluster, client)
         state = cluster.servers[0].state
-        snapshotter = Snapshotter(state, f"file://{tmp_path / 'snap'}", every_steps=1, every_s=None)
+        snapshotter = Snapshotter(state, url, every_steps=1, every_s=None, **options)
         state.on_applied = snapshotter._on_applied
-        client.push(encoded(client, grads(1.0)), codec="none")
-        snapshotter.stop()
-        assert snapshotter.saved == [] and not (tmp_path / "snap").exists()
+        yield client, state, snapshotter
         client.close()
     finally:
         cluster.stop()

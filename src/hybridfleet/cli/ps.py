@@ -77,7 +77,7 @@ def serve(
         signal.signal(sig, lambda signum, _frame: (stopped_by.append(signum), done.set()))
     while not stopped_by:  # polled as well: a wake-up from the handler can be missed
         done.wait(0.2)
-    handover = bool(stopped_by) and stopped_by[0] == signal.SIGUSR1
+    handover = stopped_by[0] == signal.SIGUSR1
     server.stop(grace_s=1.0, final_snapshot=handover)
     if handover:
         log.info("shard_handed_over", shard=shard, version=server.state.version)

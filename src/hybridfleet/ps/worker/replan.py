@@ -22,7 +22,7 @@ import time
 from hybridfleet.errors import ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker.client import PlanChanged
-from hybridfleet.ps.worker.resolve import current_plan, port_file_resolver
+from hybridfleet.ps.worker.resolve import current_plan, port_file_resolver, shard_retry_s
 
 log = get_logger("ps.worker")
 
@@ -52,9 +52,7 @@ def current_servers(config) -> list[str] | None:
     generation, shards = current_plan(directory)
     if not generation or not shards:
         return None
-    import os
-
-    return wait_for_servers(directory, shards, float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")))
+    return wait_for_servers(directory, shards, shard_retry_s())
 
 
 class NewPlan:

@@ -9,10 +9,13 @@ call instead of retrying the old one until its retry time runs out.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 PORT_DIR_ENV = "HFLEET_SHARD_PORT_DIR"
+RETRY_ENV = "HFLEET_SHARD_RETRY_S"
 
 Resolver = Callable[[int], "str | None"]
 
@@ -37,6 +40,11 @@ def port_file_resolver(directory: str | Path) -> Resolver:
     return resolve
 
 
+def shard_retry_s() -> float:
+    """How long a worker keeps retrying a shard that does not answer (``HFLEET_SHARD_RETRY_S``, default 60)."""
+    return float(os.environ.get(RETRY_ENV, "60"))
+
+
 PLAN_FILE = "shards.json"
 
 
@@ -49,8 +57,6 @@ def current_plan(directory: str | Path) -> tuple[int, int | None]:
     """``(generation, shard count)`` the launcher last wrote to ``directory``'s plan file; ``(0, None)``
     while there is none (the count the job started with holds). Each change of the shard count
     while the job trains raises the generation by one."""
-    import json
-
     try:
         doc = json.loads(plan_file(directory).read_text())
         return int(doc["generation"]), int(doc["shards"])
@@ -60,8 +66,6 @@ def current_plan(directory: str | Path) -> tuple[int, int | None]:
 
 def write_plan(directory: str | Path, generation: int, shards: int) -> None:
     """Atomically name ``shards`` as the job's shard count, at ``generation``."""
-    import json
-
     path = plan_file(directory)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"generation": generation, "shards": shards}) + "\n")

@@ -19,7 +19,6 @@ only in where the update is computed.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ from hybridfleet.ps.worker.config import WorkerConfig, client_security_from_env
 from hybridfleet.ps.worker.egress import EgressCapture
 from hybridfleet.ps.worker.exchange import DTYPE, ShardExchange
 from hybridfleet.ps.worker.replan import current_servers
-from hybridfleet.ps.worker.resolve import current_plan, port_file_resolver
+from hybridfleet.ps.worker.resolve import current_plan, port_file_resolver, shard_retry_s
 from hybridfleet.ps.worker.reporting import SessionReporting
 from hybridfleet.ps.worker.site_path import SitePath
 from hybridfleet.spec.rules import ROUND_SYNC_MODES
@@ -156,7 +155,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         cfg = self.config
         port_dir = cfg.shard_port_dir
         return PSClient(servers, cfg.security, cfg.worker_id, cfg.site, cfg.rank,
-                        retry_timeout_s=float(os.environ.get("HFLEET_SHARD_RETRY_S", "60")),
+                        retry_timeout_s=shard_retry_s(),
                         transport=cfg.job.ps.transport,
                         resolve=port_file_resolver(port_dir) if port_dir else None,
                         watch_plan=(lambda: current_plan(port_dir)) if port_dir else None)
