@@ -8,28 +8,49 @@ A site's loader returns only that site's rows: its data never leaves it.
 A site's data is either a packed dataset (``examples/digits/data/site-a``, made by
 ``python examples/digits/pack_sites.py`` with ``hfleet data pack``; what the shipped
 jobs use) or the named split ``digits:site-a`` / ``digits:site-b`` computed here.
+The shared test set is not a site's data: pack_sites.py saves it as ``data/test.npz``
+(the same 8x8 uint8 pixels and labels), so a worker reads rows and never imports scikit-learn.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 SEED = 0
 MAJORITY_FRACTION = 0.9
+TEST_DATA = Path(__file__).resolve().parent / "data" / "test.npz"
 
 
 def _train_test():
+    from sklearn.datasets import load_digits  # only to compute the splits; workers read packed rows
+    from sklearn.model_selection import train_test_split
+
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     return train_test_split(x, y.astype(np.int64), test_size=0.2, random_state=SEED, stratify=y)
 
 
-def load_test() -> tuple[np.ndarray, np.ndarray]:
-    """The held-out test set shared by every site."""
+def test_rows() -> tuple[np.ndarray, np.ndarray]:
+    """The held-out 20% computed from scikit-learn's digits (what pack_sites.py saves as ``data/test.npz``)."""
     _, x_test, _, y_test = _train_test()
     return x_test, y_test
+
+
+def load_test() -> tuple[np.ndarray, np.ndarray]:
+    """The held-out test set shared by every site, read from ``data/test.npz``."""
+    with np.load(TEST_DATA) as saved:
+        return (saved["pixels"].reshape(len(saved["label"]), -1) / 16.0).astype(np.float32), saved["label"]
+
+
+def _packed_rows(location: str) -> tuple[np.ndarray, np.ndarray]:
+    from hybridfleet.data import open_dataset
+
+    dataset = open_dataset(location)
+    rows = dataset.take(np.arange(len(dataset)))
+    x = (rows["pixels"].reshape(len(dataset), -1) / 16.0).astype(np.float32)
+    return x, rows["label"].astype(np.int64)
 
 
 def split_rows(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -49,10 +70,5 @@ def load_site(name: str, shard: int = 0, num_shards: int = 1) -> tuple[np.ndarra
     if name.startswith("digits:"):
         x, y = split_rows(name)
     else:
-        from hybridfleet.data import open_dataset
-
-        dataset = open_dataset(name)
-        rows = dataset.take(np.arange(len(dataset)))
-        x = (rows["pixels"].reshape(len(dataset), -1) / 16.0).astype(np.float32)
-        y = rows["label"].astype(np.int64)
+        x, y = _packed_rows(name)
     return x[shard::num_shards], y[shard::num_shards]
