@@ -8,8 +8,8 @@ A site's loader returns only that site's rows: its data never leaves it.
 A site's data is either a packed dataset (``examples/digits/data/site-a``, made by
 ``python examples/digits/pack_sites.py`` with ``hfleet data pack``; what the shipped
 jobs use) or the named split ``digits:site-a`` / ``digits:site-b`` computed here.
-The shared test set is not a site's data: pack_sites.py saves it as ``data/test.npz``
-(the same 8x8 uint8 pixels and labels), so a worker reads rows and never imports scikit-learn.
+The 80/20 split of scikit-learn's digits is saved once (``data/split.npz``, written by
+pack_sites.py), so a worker reads rows and never imports scikit-learn.
 """
 
 from __future__ import annotations
@@ -20,28 +20,30 @@ import numpy as np
 
 SEED = 0
 MAJORITY_FRACTION = 0.9
-TEST_DATA = Path(__file__).resolve().parent / "data" / "test.npz"
+SPLIT = Path(__file__).resolve().parent / "data" / "split.npz"
 
 
-def _train_test():
-    from sklearn.datasets import load_digits  # only to compute the splits; workers read packed rows
+def sklearn_split() -> dict[str, np.ndarray]:
+    """scikit-learn's digits split 80/20, stratified: pixels as uint8 0-16 (what pack_sites.py saves as ``SPLIT``)."""
+    from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    return train_test_split(x, y.astype(np.int64), test_size=0.2, random_state=SEED, stratify=y)
+    x_train, x_test, y_train, y_test = train_test_split(x.astype(np.uint8), y.astype(np.int64), test_size=0.2,
+                                                        random_state=SEED, stratify=y)
+    return {"x_train": x_train, "x_test": x_test, "y_train": y_train, "y_test": y_test}
 
 
-def test_rows() -> tuple[np.ndarray, np.ndarray]:
-    """The held-out 20% computed from scikit-learn's digits (what pack_sites.py saves as ``data/test.npz``)."""
-    _, x_test, _, y_test = _train_test()
-    return x_test, y_test
+def _train_test():
+    with np.load(SPLIT) as saved:
+        return (saved["x_train"] / np.float32(16.0), saved["x_test"] / np.float32(16.0),
+                saved["y_train"], saved["y_test"])
 
 
 def load_test() -> tuple[np.ndarray, np.ndarray]:
-    """The held-out test set shared by every site, read from ``data/test.npz``."""
-    with np.load(TEST_DATA) as saved:
-        return (saved["pixels"].reshape(len(saved["label"]), -1) / 16.0).astype(np.float32), saved["label"]
+    """The held-out test set shared by every site."""
+    _, x_test, _, y_test = _train_test()
+    return x_test, y_test
 
 
 def _packed_rows(location: str) -> tuple[np.ndarray, np.ndarray]:

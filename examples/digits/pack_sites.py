@@ -1,6 +1,6 @@
-"""Pack the two digits sites into the datasets the shipped jobs train from, and save their shared test set.
+"""Pack the two digits sites into the datasets the shipped jobs train from.
 
-    python examples/digits/pack_sites.py            # writes examples/digits/data/site-{a,b} and data/test.npz
+    python examples/digits/pack_sites.py            # writes examples/digits/data/split.npz and data/site-{a,b}
 
 Each site's rows go through `hfleet data pack` (an .npz of 8x8 uint8 images and
 labels in, Arrow IPC shards + manifest out), as a site would pack its own data.
@@ -12,10 +12,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from digits_data import TEST_DATA, split_rows, test_rows
+from digits_data import SPLIT, sklearn_split, split_rows
 
 HERE = Path(__file__).resolve().parent
 SITES = {"site-a": ("digits:site-a", "hospital"), "site-b": ("digits:site-b", "cloud")}
+np.savez_compressed(SPLIT, **sklearn_split())  # the train/test split the named splits and the test set read
 
 
 def as_uint8(x):
@@ -29,5 +30,4 @@ for folder, (split, site) in SITES.items():
         np.savez(src, pixels=as_uint8(x), label=y)
         subprocess.run([sys.executable, "-m", "hybridfleet.cli.app", "data", "pack", str(src),
                         str(HERE / "data" / folder), "--site", site, "--overwrite"], check=True)
-x_test, y_test = test_rows()  # the shared test set is no site's data: every worker reads the same file
-np.savez_compressed(TEST_DATA, pixels=as_uint8(x_test), label=y_test)
+
