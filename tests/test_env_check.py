@@ -136,3 +136,29 @@ def test_importing_the_cli_and_env_modules_imports_neither_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch), "paddle"])
+def test_a_process_probes_a_framework_once_per_child_environment(framework, monkeypatch):
+    from hybridfleet.env import probe
+
+    # Prepare: count the probe children this process starts
+    started: list[list[str]] = []
+    real_run = subprocess.run
+
+    def counting_run(argv, *args, **kwargs):
+        started.append(list(argv))
+        return real_run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(probe.subprocess, "run", counting_run)
+    monkeypatch.setenv("HFLEET_TEST_PROBE_ONCE", framework)  # a child environment no earlier probe used
+    # Execute
+    first = probe.probe_framework(framework)
+    first["version"] = "changed by the caller"  # a caller's copy: the kept facts stay as probed
+    second = probe.probe_framework(framework)
+    monkeypatch.setenv("HFLEET_TEST_PROBE_ONCE", framework + "-again")
+    third = probe.probe_framework(framework)
+    # Assert: one child per child environment, the same facts each time
+    assert len(started) == 2 and all(argv[-1] == framework for argv in started)
+    installed = importlib.metadata.version(DISTRIBUTION[framework])
+    assert second == third and second["version"].split("+")[0] == installed.split("+")[0]

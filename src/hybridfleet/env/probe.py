@@ -4,10 +4,13 @@ The parent never imports torch or paddle: `probe_framework` runs
 ``python -m hybridfleet.env.probe FRAMEWORK``, which prints one marked JSON line.
 A child process keeps a broken or crashing framework install from taking the
 checker down with it, and keeps the two frameworks' native libraries apart.
+A process keeps what it probed: the same framework, at the same install, for the
+same child environment, is not imported again (a run's lineage and `env lock` both ask).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -24,6 +27,7 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 }
 MARKER = "HFLEET_PROBE "
 PROBE_TIMEOUT_S = 120.0
+_PROBED: dict[tuple, dict[str, Any]] = {}  # (framework, interpreter, install stamp, child env) -> facts
 
 
 def known_framework(name: str) -> dict[str, Any]:
@@ -63,10 +67,14 @@ def probe_framework(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, 
     """
     if not framework_installed(name):
         raise FrameworkMissingError(f"{name} is not installed (no module {FRAMEWORKS[name]['module']!r})")
+    env = child_env()
+    key = (name, sys.executable, _install_stamp(name), tuple(sorted(env.items())))
+    if key in _PROBED:
+        return copy.deepcopy(_PROBED[key])
     try:
         out = subprocess.run(
             [sys.executable, "-m", "hybridfleet.env.probe", name],
-            capture_output=True, text=True, timeout=timeout_s, env=child_env(),
+            capture_output=True, text=True, timeout=timeout_s, env=env,
         )
     except subprocess.TimeoutExpired:
         raise FrameworkMissingError(f"{name}: importing it took longer than {timeout_s:g} s") from None
@@ -75,10 +83,20 @@ def probe_framework(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, 
             facts = json.loads(line[len(MARKER):])
             if "import_error" in facts:
                 raise FrameworkMissingError(f"{name} is installed but fails to import: {facts['import_error']}")
+            _PROBED[key] = copy.deepcopy(facts)
             return facts
     raise FrameworkMissingError(
         f"{name}: the probe process exited {out.returncode} without a result: {last_lines(out.stderr)}"
     )
+
+
+def _install_stamp(name: str) -> tuple[str | None, int | None]:
+    """Where the framework's package is and when it last changed: a reinstall probes anew."""
+    try:
+        origin = importlib.util.find_spec(FRAMEWORKS[name]["module"]).origin
+        return origin, os.stat(origin).st_mtime_ns if origin else None
+    except (ImportError, ValueError, AttributeError, OSError):
+        return None, None
 
 
 def _version_triple(value: Any) -> str | None:
