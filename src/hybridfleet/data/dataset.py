@@ -101,10 +101,10 @@ class PackedDataset:
         if pa.types.is_fixed_size_list(t) and column.null_count == 0:
             values = column.values.slice(column.offset * t.list_size, len(column) * t.list_size)
             if pa.types.is_integer(values.type) or pa.types.is_floating(values.type):
-                flat = values.to_numpy(zero_copy_only=True)
+                flat = _numeric_view(values)
                 return flat.reshape((len(column), *(self.shapes.get(name) or (t.list_size,))))
         if (pa.types.is_integer(t) or pa.types.is_floating(t)) and column.null_count == 0:
-            return column.to_numpy(zero_copy_only=True)
+            return _numeric_view(column)
         return column  # binary/string/nested: kept as Arrow, converted per row
 
     def _locate(self, i: int) -> tuple[int, int]:
@@ -167,6 +167,13 @@ _OPENED: dict[str, str] = {}  # url -> manifest sha256 of every dataset this pro
 
 
 _CACHES: dict[int, SiteCache] = {}  # the site caches this process read through
+
+
+def _numeric_view(values: pa.Array) -> np.ndarray:
+    """A read-only numpy view of a null-free integer or float Arrow array, without copying (what
+    ``Array.to_numpy(zero_copy_only=True)`` gives, without the pandas import it brings)."""
+    dtype = np.dtype(values.type.to_pandas_dtype())
+    return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
 
 
 def cache_stats() -> dict[str, int]:
