@@ -11,6 +11,7 @@ worker against dead addresses, a real `hfleet launch` interrupted with SIGINT.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -354,12 +355,15 @@ def test_mistake_ends_in_one_line_and_a_hint_naming_the_fix(mistake, ctx, capsys
 
 @pytest.mark.slow
 def test_worker_with_unreachable_shards_names_the_address_since_when_and_what_to_check(ctx):
-    # Prepare: two addresses nothing listens on; a 1 s retry window
-    dead = f"127.0.0.1:{ctx['held_port']}"
-    argv = [sys.executable, "-m", "hybridfleet", "worker", ctx["job"], "--site", "cloud", "--servers", f"{dead},{dead}",
-            "--certs", str(ctx["pki"]), "--token", ctx["token"], "--retry-s", "1"]
-    # Execute
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    # Prepare: an address nothing listens on (a port bound, so no one else takes it, but not listening: connections
+    # are refused), for both shards; a 1 s retry window
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{bound.getsockname()[1]}"
+        argv = [sys.executable, "-m", "hybridfleet", "worker", ctx["job"], "--site", "cloud", "--servers",
+                f"{dead},{dead}", "--certs", str(ctx["pki"]), "--token", ctx["token"], "--retry-s", "1"]
+        # Execute
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
     # Assert
     assert proc.returncode == UNREACHABLE, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -374,17 +378,28 @@ def test_ctrl_c_during_launch_is_one_hfleet_line_and_no_launcher_tracebacks(tmp_
     script = tmp_path / "forever.py"
     script.write_text("import time, torch.distributed as dist\ndist.init_process_group('gloo')\nprint('ready', flush=True)\n"
                       "time.sleep(600)\n")
+    # hfleet starts as a shell starts a foreground job: SIGINT at its default, even where this process ignores it
+    # (a test run started in the background by a non-interactive shell inherits SIGINT ignored)
     proc = subprocess.Popen([sys.executable, "-m", "hybridfleet", "launch", "--framework", "torch", "--nproc-per-node",
                              "2", "--device", "cpu", "--log-dir", str(tmp_path / "logs"), str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "ready" in line:
-            break
-    # Execute: Ctrl-C reaches the hfleet process (the terminal's foreground group)
-    os.kill(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.endswith(":ready\n"):  # a rank's line, as the launcher prefixes it
+                break
+        # Execute: Ctrl-C reaches the hfleet process (the terminal's foreground group)
+        os.kill(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:  # a launch that outlived the test would hold its ranks and port
+        for pid in [int(p.name) for p in Path("/proc").glob("[0-9]*") if _runs(p, str(script))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     # Assert
     output = "".join(seen) + rest
     assert proc.returncode == EXIT_CODES["interrupted"].code, output[-3000:]
