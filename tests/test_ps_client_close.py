@@ -6,6 +6,9 @@ from the heartbeat thread at large worker counts. The second stub is the client'
 (closed) gRPC channel.
 """
 
+import subprocess
+import sys
+
 from hybridfleet.ps.worker.client import ClientSecurity, PSClient
 
 
@@ -40,3 +43,13 @@ def test_a_closed_channel_outside_close_is_still_an_error():
     finally:
         client._hb_stop.set()
         client._pool.shutdown(wait=False)
+
+
+def test_a_worker_that_left_exits_without_the_final_cyclic_collection():
+    # The first atexit hook runs last: by then the objects alive at exit are frozen, once.
+    code = ("import atexit, gc; atexit.register(lambda: print(gc.get_freeze_count() > 0)); "
+            "from hybridfleet.ps.worker.frontend import quick_interpreter_exit; before = atexit._ncallbacks(); "
+            "quick_interpreter_exit(); quick_interpreter_exit(); print(atexit._ncallbacks() - before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True"]  # the hook registered once; the objects alive at exit were frozen

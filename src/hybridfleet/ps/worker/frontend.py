@@ -33,6 +33,8 @@ Subclasses only say how to list parameters, read gradients and assign values.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from abc import ABC, abstractmethod
 from typing import Any
@@ -51,6 +53,16 @@ from hybridfleet.ps.worker.overlap import GradientStage, overlap_blocker
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
 log = get_logger("ps.worker")
+_EXIT_HOOK: list[bool] = []  # set once the quick-exit hook is registered in this process
+
+
+def quick_interpreter_exit() -> None:
+    """Once a worker has left, its interpreter's exit skips the final cyclic collection (``gc.freeze``
+    from an atexit hook): with torch or paddle loaded that collection walks millions of objects for
+    a second or more per process, and Python promises no finalizer for objects alive at exit anyway."""
+    if not _EXIT_HOOK:
+        atexit.register(gc.freeze)
+        _EXIT_HOOK.append(True)
 
 
 class ParameterServerHandle(ABC):
@@ -412,6 +424,7 @@ class ParameterServerHandle(ABC):
                 log.info("overlap_stage_closed", worker=self.config.worker_id, **vars(self.stage.stats))
             self._save_site_buffers()
             self.session.close()
+            quick_interpreter_exit()
 
     def _save_site_buffers(self) -> None:
         """Under ``ps.buffers: local`` the site's first worker saves its site's buffers next to the
