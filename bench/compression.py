@@ -129,15 +129,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None,
                     help=f"server-side SGD learning rate, the same for every variant (default {DEFAULT_OPTIMIZER['lr']})")
     args = ap.parse_args()
-    from _anchors import require  # bench/ is sys.path[0] when a bench runs
-
-    require("bench/compression.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps: must be >= 1 (got {args.steps})")
     steps = args.steps or (60 if args.quick else 200)
     if args.lr is not None and args.lr <= 0:
         ap.error(f"--lr: must be > 0 (got {args.lr})")
     lr = args.lr or DEFAULT_OPTIMIZER["lr"]
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/compression.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     optimizer = {"name": "sgd", "lr": lr}
     quiet_parent_logs()
     workdir = Path(tempfile.mkdtemp(prefix="hf-bench-compression-"))

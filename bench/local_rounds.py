@@ -57,9 +57,6 @@ def main() -> None:
     ap.add_argument("--inner-lr", type=float, default=0.002)
     ap.add_argument("--target", type=float, default=0.93)
     args = ap.parse_args()
-    from _anchors import require  # bench/ is sys.path[0] when a bench runs
-
-    require("bench/local_rounds.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     try:
         hs = [int(h) for h in args.local_steps.split(",")]
     except ValueError:
@@ -70,6 +67,9 @@ def main() -> None:
     unknown = [c for c in codecs if c not in CODECS]
     if unknown:
         ap.error(f"--codecs: unknown {', '.join(unknown)} (choose from {', '.join(CODECS)})")
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/local_rounds.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     quiet_parent_logs("error")
     workdir = Path(tempfile.mkdtemp(prefix="hf-bench-local-rounds-"))
     out = []

@@ -235,11 +235,11 @@ def main() -> None:
                         help="file:// registrations and plain copies, interleaved; the medians are compared")
     parser.add_argument("--s3-mb", type=int, default=None, help="checkpoint size for the s3:// store (default: --ckpt-mb)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be >= 1 (got {args.repeats})")
     from _anchors import require  # bench/ is sys.path[0] when a bench runs
 
     require("bench/registry.py", {"mlflow": "MLflow (mlflow-skinny)", "s3fs": "s3fs", "fastapi": "FastAPI", "uvicorn": "uvicorn", "httpx": "httpx"})
-    if args.repeats < 1:
-        parser.error(f"--repeats: must be >= 1 (got {args.repeats})")
     if args.quick:
         args.models, args.versions, args.ckpt_mb, args.no_s3, args.repeats = 20, 200, 32, True, 1
     if args.s3_mb is None:

@@ -41,9 +41,6 @@ VARIANTS = {  # name: (compression, server-side optimizer)
 
 
 def main() -> None:
-    from hybridfleet.launch.psjob import run_ps_job
-    from hybridfleet.spec import load_spec
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
@@ -56,6 +53,9 @@ def main() -> None:
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps: must be >= 1 (got {args.steps})")
     steps = args.steps or (100 if args.quick else 300)
+    from hybridfleet.launch.psjob import run_ps_job  # after the settings are checked: it imports the job machinery
+    from hybridfleet.spec import load_spec
+
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:

@@ -385,9 +385,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timing-steps", type=int, default=MIN_TIMING_STEPS,
                     help=f"--estimate-dense: steps of the capped timing run (>= {MIN_TIMING_STEPS})")
     args = ap.parse_args(argv)
-    from _anchors import require  # bench/ is sys.path[0] when a bench runs
-
-    require("bench/wan.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:
         ap.error(f"--rate-mbit: must be > 0 (got {args.rate_mbit})")
@@ -404,6 +401,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--rank: must be in 1..1024 (got {args.rank})")
     if args.timing_steps < MIN_TIMING_STEPS:
         ap.error(f"--timing-steps: must be >= {MIN_TIMING_STEPS} (got {args.timing_steps})")
+    from _anchors import require  # bench/ is sys.path[0] when a bench runs
+
+    require("bench/wan.py", {"torch": "PyTorch", "sklearn": "scikit-learn", "pyarrow": "pyarrow"})
     args.wl = WORKLOADS[args.workload]
     args.target = args.target if args.target is not None else (args.wl.quick_target if args.quick else args.wl.target)
     return args

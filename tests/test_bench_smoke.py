@@ -124,7 +124,7 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     assert "H=3" in proc.stdout
 
 
-@pytest.mark.torch  # each of these benches checks its PyTorch anchor (bench/_anchors.py) before its settings
+@pytest.mark.torch  # the benches need the bench extra (PyTorch among its anchors) to run at all
 @pytest.mark.parametrize(("script", "args", "message"), [
     ("compression.py", ["--lr", "0"], "--lr: must be > 0 (got 0.0)"),
     ("compression.py", ["--steps", "0"], "--steps: must be >= 1 (got 0)"),
