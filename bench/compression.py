@@ -88,7 +88,10 @@ def digits_job(name: str, framework: str, steps: int, compression: dict, *, eval
 
 
 def run_job(job: dict, workdir: Path, on_started=None) -> dict:
-    """Write ``job`` under ``workdir``, run it with `run_ps_job` (child output to log files only), return its summary."""
+    """Write ``job`` under ``workdir``, run it with `run_ps_job` (child output to log files only), return its summary.
+
+    No ``report.html``: the benches read ``summary.json`` and ``metrics.jsonl``, and the report's charts
+    would add seconds after every run (logs and metrics stay in the run dir)."""
     from hybridfleet.launch.psjob import run_ps_job
     from hybridfleet.spec import load_spec
 
@@ -97,7 +100,7 @@ def run_job(job: dict, workdir: Path, on_started=None) -> dict:
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
     spec = load_spec(job_path)
     return run_ps_job(spec, job_path, echo=False, show_progress=False, run_root=workdir / "runs", baselines=False,
-                      on_started=on_started)
+                      on_started=on_started, report=False)
 
 
 def link_bytes(summary: dict) -> tuple[int, int]:

@@ -7,6 +7,7 @@ per-worker row), top-k BSP, and local SGD / DiLoCo (dense, int8, int4, PowerSGD)
     sudo python bench/wan.py --rate-mbit 50
     sudo python bench/wan.py --workload fashion --estimate-dense   # the examples' CNN; dense timed per step
     sudo python bench/wan.py --workload charlm --estimate-dense    # the character transformer, test_bpc
+    sudo python bench/wan.py --quick --variants dense,local_int4   # the anchor and local + int4 only
 
 The capped site's 2 workers run in their own network namespace (``hf-hosp``),
 joined to the host by a veth pair whose egress is capped both ways with
@@ -73,6 +74,10 @@ workload's metric: accuracy, or bits per character for charlm, where worse means
 adam_acc_drop = the same for local + int8 against local dense, and adam_acc_drop_int4 for local +
 int4 against local dense (the inner optimizer of every local variant is the script's own). The
 per-worker row's figures are under ``dense_per_worker_*``.
+
+``--variants`` runs only the named variants (the anchor and local + int4, say); the JSON line keeps
+every key, those of a variant not run (and every ratio that needs it) null, and ``variants`` names
+the ones that ran.
 
 Needs root; without it (or when ``ip netns`` fails) it prints
 ``{"bench": "wan", "skipped": reason}`` and exits 0. The last line is JSON. A variant that misses the
@@ -350,6 +355,10 @@ def estimate_dense(name: str, args, steps: int | None, workdir: Path, link: _wan
     return out
 
 
+NOT_RUN = {"time_s": None, "step": None, "bytes": None, "link_bytes": None, "final_acc": None, "wall_s": None,
+           "stopped_early": False, "run_dir": None}  # the figures of a variant --variants left out
+
+
 def skip(reason: str) -> None:
     print(f"skipped: {reason}")
     print(json.dumps({"bench": "wan", "skipped": reason}))
@@ -384,7 +393,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time the dense rows as uncapped steps to target x median capped step time")
     ap.add_argument("--timing-steps", type=int, default=MIN_TIMING_STEPS,
                     help=f"--estimate-dense: steps of the capped timing run (>= {MIN_TIMING_STEPS})")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated variants to run, in the table's order (default: all of "
+                         f"{', '.join(VARIANTS)}); the keys of the others are null")
     args = ap.parse_args(argv)
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown or not chosen:
+        ap.error(f"--variants: unknown {', '.join(unknown) or 'none given'} (choose from {', '.join(VARIANTS)})")
+    args.variants = [v for v in VARIANTS if v in chosen]
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:
         ap.error(f"--rate-mbit: must be > 0 (got {args.rate_mbit})")
@@ -454,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         if not (low <= up_mbit <= high and low <= down_mbit <= high):
             fail(f"the cap does not hold: measured {up_mbit:.2f} / {down_mbit:.2f} Mbit/s, "
                  f"expected {low:g}..{high:g}", [], workdir)
-        for name, (_, _, _, local) in VARIANTS.items():
+        for name in args.variants:
+            local = VARIANTS[name][3]
             if args.estimate_dense and name in DENSE_ROWS:
                 results[name] = estimate_dense(name, args, steps, workdir, link)
             else:
@@ -491,12 +509,12 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         print(f"{VARIANTS[name][0]:<42}{t:>17}{step:>9}{mb:>18}{link_mb:>10}{acc:>16}{r['wall_s']:>9.1f}")
     print("(* final metric of the same BSP job run to the end without the cap; its capped run stopped at the target)")
     for name in DENSE_ROWS:
-        r = results[name]
+        r = results.get(name, NOT_RUN)
         if r.get("estimated"):
             print(f"(~ {name}: {r['step']} steps to target uncapped x median {r['step_s']:.3f} s/step over "
                   f"{r['timing_steps']} capped steps)")
     missing = [n for n, r in results.items() if r["time_s"] is None or r["final_acc"] is None]
-    dense, per_worker, topk, local, local_int8, local_int4, powersgd = (results[n] for n in VARIANTS)
+    dense, per_worker, topk, local, local_int8, local_int4, powersgd = (results.get(n, NOT_RUN) for n in VARIANTS)
 
     def worse(anchor: float | None, other: float | None) -> float | None:
         return None if anchor is None or other is None else round(wl.worse_by(anchor, other), 5)
@@ -540,7 +558,7 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         "powersgd_rank": args.rank,
         "local_steps": min(args.local_steps, args.job_steps), "inner_lr": args.inner_lr, "steps": args.job_steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),
-        "not_reached": missing,
+        "variants": list(results), "not_reached": missing,
     }), flush=True)
     if missing:  # the figures above are printed either way; a variant that missed the target fails the run
         fail(f"target {args.target} not reached within {args.job_steps} steps by: {', '.join(missing)}",

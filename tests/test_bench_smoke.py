@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_bench(script: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # no TensorBoard / VisualDL files from the jobs' workers: nothing here reads them
+    env = dict(os.environ, OMP_NUM_THREADS="1", HFLEET_SCALARS="off")
     return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
                           env=env, timeout=timeout_s, cwd=REPO)
 
@@ -48,12 +49,12 @@ def test_compression_bench_ends_with_accuracies_and_byte_reductions():
 @pytest.mark.torch  # trains or probes torch
 @pytest.mark.slow
 def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skipped():
-    # Prepare: a low target so every run reaches it within a few steps (one outer round: PowerSGD at rank 32,
-    # whose factors carry most of a round's change at once; rank 4 needs more rounds)
-    args = ["--quick", "--steps", "10", "--eval-every", "1", "--target", "0.3", "--rank", "32"]
+    # Prepare: the anchor (dense BSP) and local + int4, the pair behind the headline local-mode keys; a low
+    # target so both reach it within a few steps (local: one outer round of 10 inner steps)
+    args = ["--quick", "--steps", "10", "--eval-every", "1", "--target", "0.3", "--variants", "dense,local_int4"]
 
     # Execute
-    proc = run_bench("wan.py", *args, timeout_s=600)  # seven jobs: two dense, top-k, four local
+    proc = run_bench("wan.py", *args, timeout_s=600)  # two jobs over the link
 
     # Assert
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -69,37 +70,27 @@ def test_wan_bench_reports_time_to_target_over_a_capped_link_or_says_why_it_skip
             pytest.fail(message)
         pytest.skip(message)
     assert result["rate_mbit"] == 100.0 and result["not_reached"] == []
+    assert result["variants"] == ["dense", "local_int4"]
     assert result["workload"] == "digits" and result["metric"] == "test_accuracy"
     # every ratio is against the fair anchor: dense BSP with site aggregation
     assert result["anchor_site_aggregation"] is True and result["dense_time_estimated"] is False
-    assert result["dense_s"] > 0 and result["compressed_s"] > 0
-    assert result["speedup"] == pytest.approx(result["dense_s"] / result["compressed_s"], rel=1e-2)
+    assert result["dense_s"] > 0 and result["local_int4_s"] > 0
     # the local-mode keys are those of local + int4
     assert result["local_speedup"] == pytest.approx(result["dense_s"] / result["local_int4_s"], rel=1e-2)
-    assert result["local_vs_topk"] == pytest.approx(result["compressed_s"] / result["local_int4_s"], rel=1e-2)
-    assert result["local_int8_speedup"] == pytest.approx(result["dense_s"] / result["local_int8_s"], rel=1e-2)
-    # 8- then 4-bit pseudo-gradients, once per outer round: fewer bytes than dense, whatever the exact figures
-    assert 0.0 < result["local_int8_bytes_reduction"] < result["local_bytes_reduction"] < 1.0
-    assert result["local_int4_bytes"] < result["local_int8_bytes"] < result["local_dense_bytes"]
-    # per-worker pushes move more bytes over the link than one leader per site
-    assert result["dense_per_worker_bytes"] > result["dense_bytes"] > 0
-    assert result["dense_per_worker_wan_mb"] == pytest.approx(result["dense_per_worker_bytes"] / 1e6, abs=1e-3)
-    assert result["dense_per_worker_time_s"] > 0
-    # PowerSGD factors of the pseudo-gradients: fewer bytes than local dense
-    assert 0 < result["local_powersgd_bytes"] < result["local_dense_bytes"]
-    assert result["local_powersgd_wan_mb"] == pytest.approx(result["local_powersgd_bytes"] / 1e6, abs=1e-3)
-    assert result["local_powersgd_time_s"] > 0 and result["powersgd_rank"] == 32
-    for key in ("dense_acc", "dense_per_worker_acc", "compressed_acc", "local_dense_acc", "local_int8_acc",
-                "local_int4_acc", "local_powersgd_final"):
+    # 4-bit pseudo-gradients, once per outer round: fewer bytes than dense, whatever the exact figure
+    assert 0.0 < result["local_bytes_reduction"] < 1.0 and 0 < result["local_int4_bytes"] < result["dense_bytes"]
+    for key in ("dense_acc", "local_int4_acc"):
         assert 0.0 <= result[key] <= 1.0
     assert result["local_acc_drop"] == pytest.approx(result["dense_acc"] - result["local_int4_acc"], abs=1e-4)
-    assert result["adam_acc_drop"] == pytest.approx(result["local_dense_acc"] - result["local_int8_acc"], abs=1e-4)
-    assert result["adam_acc_drop_int4"] == pytest.approx(result["local_dense_acc"] - result["local_int4_acc"], abs=1e-4)
-    assert "local (DiLoCo) int8" in proc.stdout and "local (DiLoCo) int4" in proc.stdout
-    assert "[anchor]" in proc.stdout and "per-worker push" in proc.stdout and "PowerSGD" in proc.stdout
+    # the variants not asked for keep their keys, null, and so does every ratio that needs one of them
+    for key in ("compressed_s", "speedup", "local_vs_topk", "local_int8_s", "local_int8_speedup", "local_dense_bytes",
+                "dense_per_worker_bytes", "dense_per_worker_time_s", "local_powersgd_bytes", "local_powersgd_time_s",
+                "local_powersgd_final", "adam_acc_drop", "adam_acc_drop_int4"):
+        assert result[key] is None, key
+    assert "[anchor]" in proc.stdout and "local (DiLoCo) int4" in proc.stdout
+    assert "per-worker push" not in proc.stdout and "PowerSGD +" not in proc.stdout
     # the link's own counters see at least the capped site's payload bytes (plus TLS, framing, headers)
-    for variant in ("dense", "compressed", "local_dense", "local_int8", "local_int4", "local_powersgd",
-                    "dense_per_worker"):
+    for variant in ("dense", "local_int4"):
         assert result[f"{variant}_link_bytes"] >= result[f"{variant}_bytes"] > 0, variant
     assert result["local_int4_link_bytes"] < result["dense_link_bytes"]
     assert "raw TCP measured" in proc.stdout
@@ -135,6 +126,7 @@ def test_local_rounds_bench_reports_accuracy_and_bytes_per_outer_round():
     ("wan.py", ["--rank", "0"], "--rank: must be in 1..1024 (got 0)"),
     ("wan.py", ["--timing-steps", "10"], "--timing-steps: must be >= 30 (got 10)"),
     ("wan.py", ["--workload", "mnist"], "argument --workload: invalid choice: 'mnist'"),
+    ("wan.py", ["--variants", "dense,topk"], "--variants: unknown topk (choose from dense, dense_per_worker, "),
     ("local_rounds.py", ["--local-steps", "0"], "--local-steps: each must be in 1..150 (got 0)"),
     ("local_rounds.py", ["--local-steps", "x"], "--local-steps: comma-separated integers (got 'x')"),
     ("local_rounds.py", ["--codecs", "int4,topk"], "--codecs: unknown topk (choose from none, int8, int4, sign)"),
