@@ -2,9 +2,11 @@
 
 A block runs with bash (``-e -o pipefail``) in a fresh copy of the repository's tracked
 files (the shipped examples, no earlier runs), with this interpreter's environment as
-``.venv`` and ``hfleet`` on PATH; it must exit 0 without a traceback. A block that cannot
-run on a test machine (a real cluster, a Docker engine, a remote host) is preceded by
-the line ``<!-- docs-test: skip (the reason) -->``; the reason is required.
+``.venv`` and ``hfleet`` on PATH; it must exit 0 without a traceback. A document's blocks
+run in order in one copy, as a reader follows them; different documents share nothing, so
+``DOC_LANES`` of them run side by side. A block that cannot run on a test machine (a real
+cluster, a Docker engine, a remote host) is preceded by the line
+``<!-- docs-test: skip (the reason) -->``; the reason is required.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 SKIP_RE = re.compile(r"^<!-- docs-test: skip \((?P<reason>[^)]+)\) -->$")
 FENCE_RE = re.compile(r"^```(?P<lang>[A-Za-z0-9_+-]*)\s*$")
 BLOCK_TIMEOUT_S = 600
+DOC_LANES = 2  # documents run at once; each one's blocks stay in order
 
 
 @dataclass(frozen=True)
@@ -76,30 +80,45 @@ def _fresh_checkout(root: Path) -> Path:
     return root
 
 
+def _run_block(block: Block, fresh_checkout: Path) -> subprocess.CompletedProcess:
+    """``block`` under bash in ``fresh_checkout``: hfleet and python of this environment, the copy's sources first."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(fresh_checkout / "src"), OMP_NUM_THREADS="1")
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=fresh_checkout, env=env,
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+
+
+def _run_document(blocks: list[Block], root: Path, results: dict[str, Future]) -> None:
+    """A document's blocks in order, in one fresh checkout; each block's outcome goes to its future."""
+    fresh_checkout = _fresh_checkout(root)
+    for block in blocks:
+        try:
+            results[block.id].set_result(_run_block(block, fresh_checkout))
+        except BaseException as err:  # a timeout fails this block; the document's next blocks still run
+            results[block.id].set_exception(err)
+
+
 @pytest.fixture(scope="module")
-def checkout_for(tmp_path_factory):
-    """One fresh checkout per document: a reader follows one document's blocks in order, in one folder."""
-    made: dict[Path, Path] = {}
-
-    def get(doc: Path) -> Path:
-        if doc not in made:
-            made[doc] = _fresh_checkout(tmp_path_factory.mktemp("checkout"))
-        return made[doc]
-
-    return get
+def block_runs(request, tmp_path_factory):
+    """The outcome of every selected block, block id -> future; the documents start at once, ``DOC_LANES`` at a time."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_documented_commands_run_as_written"]
+    by_doc: dict[Path, list[Block]] = {}
+    for block in selected:
+        by_doc.setdefault(block.path, []).append(block)
+    results: dict[str, Future] = {block.id: Future() for block in selected}
+    with ThreadPoolExecutor(DOC_LANES, thread_name_prefix="docs") as lanes:
+        for blocks in by_doc.values():
+            lanes.submit(_run_document, blocks, tmp_path_factory.mktemp("checkout"), results)
+        yield results
 
 
 @pytest.mark.slow
 @pytest.mark.torch  # the documented jobs and launches use the torch examples
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.skip_reason is None], ids=lambda b: b.id)
-def test_documented_commands_run_as_written(block, checkout_for):
-    # Prepare: hfleet and python of this environment, the copy's sources first
-    fresh_checkout = checkout_for(block.path)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=str(fresh_checkout / "src"), OMP_NUM_THREADS="1")
-    # Execute
-    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=fresh_checkout, env=env,
-                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+def test_documented_commands_run_as_written(block, block_runs):
+    # Execute (started by the fixture, with the document's earlier blocks before it)
+    proc = block_runs[block.id].result()
     # Assert
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{block.code}\n{output[-4000:]}"
