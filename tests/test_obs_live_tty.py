@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridfleet.obs.live import human_bytes
 from hybridfleet.spec import load_spec
@@ -28,13 +29,24 @@ def _tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=20, check=True).stdout
 
 
-def _run_in_tmux(tmp_path: Path, steps: int) -> tuple[str, Path]:
-    """`hfleet run` of the torch demo in a 130x45 tmux pane (a real pty and terminal emulator); returns the
-    session and the file its exit code goes to. The shell survives Ctrl-C (a trap, reset to the default in
-    hfleet) and the pane stays after it ends, so the screen can be read back."""
+def _job(tmp_path: Path, steps: int, workers_per_site: int = 2, eval_every_steps: int = 50) -> Path:
+    """The torch demo job with ``steps`` rounds, ``workers_per_site`` workers at each site and an evaluation every
+    ``eval_every_steps``."""
+    job = demo_job(tmp_path, "torch", steps=steps)
+    data = yaml.safe_load(job.read_text())
+    for site in data["sites"].values():
+        site["workers"] = workers_per_site
+    data["train"]["eval_every_steps"] = eval_every_steps
+    job.write_text(yaml.safe_dump(data))
+    return job
+
+
+def _run_in_tmux(tmp_path: Path, job: Path) -> tuple[str, Path]:
+    """`hfleet run` of ``job`` in a 130x45 tmux pane (a real pty and terminal emulator); returns the session and
+    the file its exit code goes to. The shell survives Ctrl-C (a trap, reset to the default in hfleet) and the
+    pane stays after it ends, so the screen can be read back."""
     if shutil.which("tmux") is None:
         missing("tmux is not installed (apt-get install tmux)")
-    job = demo_job(tmp_path, "torch", steps=steps)
     session = f"hf-{uuid.uuid4().hex[:8]}"
     done = tmp_path / "done"
     cmd = (f"trap true INT; cd {REPO} && PYTHONPATH={REPO / 'src'} {sys.executable} -m hybridfleet run {job} "
@@ -45,8 +57,8 @@ def _run_in_tmux(tmp_path: Path, steps: int) -> tuple[str, Path]:
 
 
 def test_live_panel_on_a_tty_shows_rounds_sites_and_the_report_path(tmp_path):
-    # Prepare
-    session, done = _run_in_tmux(tmp_path, steps=150)
+    # Prepare: two workers a site, a test accuracy from round 20 on, so the panel shows each figure while training
+    session, done = _run_in_tmux(tmp_path, _job(tmp_path, steps=60, eval_every_steps=20))
     try:
         # Execute
         panel, deadline = "", time.monotonic() + 240
@@ -73,8 +85,8 @@ def test_live_panel_on_a_tty_shows_rounds_sites_and_the_report_path(tmp_path):
 
 
 def test_ctrl_c_leaves_one_panel_on_the_screen(tmp_path):
-    # Prepare: a long run in a real terminal
-    session, done = _run_in_tmux(tmp_path, steps=5000)
+    # Prepare: a long run in a real terminal (one worker a site: the panel, not the site figures, is under test)
+    session, done = _run_in_tmux(tmp_path, _job(tmp_path, steps=5000, workers_per_site=1))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and "phase: training" not in _tmux("capture-pane", "-p", "-t", session):
