@@ -10,17 +10,20 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from hybridfleet.ckpt.run_model import read_model_card
 from hybridfleet.launch.collective import group_pids
 
 REPO = Path(__file__).resolve().parents[1]
 HFLEET = [sys.executable, "-m", "hybridfleet.cli.app"]
 FRAMEWORKS = ["torch", "paddle"]
 # Few large steps: each step of a 2-process run is a gloo all-reduce, slow on 2 shared cores.
-TRAIN_ARGS = ["--epochs", "15", "--batch-size", "64", "--lr", "0.2"]
+EPOCHS = 15
+TRAIN_ARGS = ["--epochs", str(EPOCHS), "--batch-size", "64", "--lr", "0.2"]
 
 pytestmark = pytest.mark.slow
 
@@ -47,41 +50,58 @@ def _rank0_log(log_dir: Path, framework: str, attempt: int) -> str:
     return "".join(p.read_text() for p in attempt_dir.glob(pattern))
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_two_process_run_reaches_the_one_process_accuracy(framework, tmp_path):
-    # Prepare
-    script = REPO / "examples" / "collective" / f"train_{framework}.py"
-    single = subprocess.run([sys.executable, str(script), *TRAIN_ARGS], env=_env(),
-                            capture_output=True, text=True, timeout=240)
-    assert single.returncode == 0, single.stderr[-3000:]
+@dataclass
+class RestartedRun:
+    """A 2-process launch whose rank 1 SIGKILLs itself in epoch 3 of the first attempt, beside a 1-process run
+    of the same training (both started together)."""
 
-    # Execute
-    double = _launch(framework, tmp_path / "logs", script, *TRAIN_ARGS)
+    framework: str
+    log_dir: Path
+    launch: subprocess.CompletedProcess
+    single: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module", params=FRAMEWORKS)
+def restarted_run(request, tmp_path_factory) -> RestartedRun:
+    """One launch shared by the tests below: checkpoints every 2 epochs, one restart allowed. The example's
+    SGD is stateless and its sampler is seeded by epoch, so the resumed run trains exactly as an
+    uninterrupted one would."""
+    framework = request.param
+    script = REPO / "examples" / "collective" / f"train_{framework}.py"
+    log_dir = tmp_path_factory.mktemp(f"restarted-{framework}") / "logs"
+    single = subprocess.Popen([sys.executable, str(script), *TRAIN_ARGS], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        launch = _launch(framework, log_dir, script, *TRAIN_ARGS, "--ckpt-every", "2",
+                         flags=("--max-restarts", "1"), HFLEET_EXAMPLE_KILL_RANK1_AT_EPOCH="3")
+        out, err = single.communicate(timeout=240)
+    finally:
+        single.kill()
+        single.wait()
+    return RestartedRun(framework, log_dir, launch, subprocess.CompletedProcess(single.args, single.returncode, out, err))
+
+
+def test_two_process_run_reaches_the_one_process_accuracy(restarted_run):
+    # Prepare / Execute: the shared run (a restart on the way changes nothing it learns)
+    single, double, log_dir = restarted_run.single, restarted_run.launch, restarted_run.log_dir
+    assert single.returncode == 0, single.stderr[-3000:]
 
     # Assert
     assert double.returncode == 0, double.stdout[-3000:] + double.stderr[-3000:]
-    one, two = _final(single.stdout), _final(_rank0_log(tmp_path / "logs", framework, 0))
+    one, two = _final(single.stdout), _final(_rank0_log(log_dir, restarted_run.framework, 1))
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert one["test_acc"] >= 0.93
     assert abs(one["test_acc"] - two["test_acc"]) <= 0.02
     # the run ends in a model: rank 0's final checkpoint, named with lineage in MODEL.json
-    from hybridfleet.ckpt.run_model import read_model_card
-
-    card = read_model_card(str((tmp_path / "logs" / "model").resolve()))
+    card = read_model_card(str((log_dir / "model").resolve()))
     assert card["final"]["metrics"]["test_acc"] == two["test_acc"]
-    assert card["lineage"]["framework"] == framework and card["lineage"]["git"]["commit"]
+    assert card["lineage"]["framework"] == restarted_run.framework and card["lineage"]["git"]["commit"]
     assert "model: file://" in double.stderr
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(framework, tmp_path):
-    # Prepare: rank 1 SIGKILLs itself in epoch 3 of the first attempt; checkpoints every 2 epochs
-    script = REPO / "examples" / "collective" / f"train_{framework}.py"
-    log_dir = tmp_path / "logs"
-
-    # Execute
-    run = _launch(framework, log_dir, script, "--epochs", "4", "--ckpt-every", "2", "--batch-size", "128",
-                  flags=("--max-restarts", "1"), HFLEET_EXAMPLE_KILL_RANK1_AT_EPOCH="3")
+def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(restarted_run):
+    # Prepare / Execute: the shared run; rank 1 died in epoch 3, the newest checkpoint was epoch 2's
+    run, log_dir, framework = restarted_run.launch, restarted_run.log_dir, restarted_run.framework
 
     # Assert
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -92,7 +112,7 @@ def test_killed_rank_restarts_and_resumes_after_the_newest_checkpoint(framework,
     resumed = [json.loads(line) for line in second.splitlines() if line.startswith('{"event": "resumed"')]
     assert resumed == [{"event": "resumed", "checkpoint_epoch": 2, "start_epoch": 3, "restart": 1}]
     epochs = [json.loads(line)["epoch"] for line in second.splitlines() if line.startswith('{"event": "epoch"')]
-    assert epochs == [3, 4]
+    assert epochs == list(range(3, EPOCHS + 1))
     assert _final(second)["world_size"] == 2
 
 
