@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridfleet.obs.runinfo import load_run
 from tests.browser import chromium_page, pixel_stddev
@@ -79,17 +80,22 @@ def test_click_from_runs_to_a_finished_run_and_its_report(demo_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.torch  # the live run is the torch demo
 def test_click_to_a_live_run_shows_live_progress_per_site(tmp_path):
-    # Prepare: a long job, stopped once seen
+    # Prepare: a long job with one worker a site, stopped once seen
     runs = tmp_path / "runs"
     job = demo_job(tmp_path, "torch", steps=5000)
+    data = yaml.safe_load(job.read_text())
+    for site in data["sites"].values():
+        site["workers"] = 1
+    job.write_text(yaml.safe_dump(data))
     run = subprocess.Popen([sys.executable, "-m", "hybridfleet", "run", str(job), "--quiet", "--no-baselines",
                             "--run-root", str(runs)], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not list(runs.glob("*/*/metrics.jsonl")):
-            time.sleep(0.5)
+        # the UI and the browser start while the run does
         with ui_server(runs) as url, chromium_page() as page:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not list(runs.glob("*/*/metrics.jsonl")):
+                time.sleep(0.5)
             # Execute
             page.goto(url + "/")
             listed = page.locator("#runs").inner_text()
@@ -99,7 +105,7 @@ def test_click_to_a_live_run_shows_live_progress_per_site(tmp_path):
             while time.monotonic() < deadline:
                 page.reload()
                 sites = page.locator("#sites").inner_text()
-                if re.search(r"hospital\s+2/2\s+[1-9]", sites) and re.search(r"cloud\s+2/2\s+[1-9]", sites):
+                if re.search(r"hospital\s+1/1\s+[1-9]", sites) and re.search(r"cloud\s+1/1\s+[1-9]", sites):
                     break
                 time.sleep(1)
             status = page.locator(".status").first.inner_text()
@@ -111,7 +117,7 @@ def test_click_to_a_live_run_shows_live_progress_per_site(tmp_path):
     # Assert
     assert "LIVE" in listed
     assert status == "LIVE" and report_status == "LIVE"
-    assert re.search(r"hospital\s+2/2\s+[1-9]", sites) and re.search(r"cloud\s+2/2\s+[1-9]", sites), sites
+    assert re.search(r"hospital\s+1/1\s+[1-9]", sites) and re.search(r"cloud\s+1/1\s+[1-9]", sites), sites
     assert run.returncode == 143
     assert load_run(next(runs.glob("*/*"))).status == "stopped"  # SIGTERM: stopped, not crashed
 
