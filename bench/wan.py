@@ -400,7 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chosen = [v for v in args.variants.split(",") if v]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or not chosen:
-        ap.error(f"--variants: unknown {', '.join(unknown) or 'none given'} (choose from {', '.join(VARIANTS)})")
+        what = f"unknown {', '.join(unknown)}" if unknown else "name at least one"
+        ap.error(f"--variants: {what} (choose from {', '.join(VARIANTS)})")
     args.variants = [v for v in VARIANTS if v in chosen]
     args.rate_mbit = args.rate_mbit if args.rate_mbit is not None else (100.0 if args.quick else 20.0)
     if args.rate_mbit <= 0:

@@ -184,3 +184,34 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     assert line["local_speedup"] == pytest.approx(200.0 / 3.0, rel=1e-3) and line["local_acc_drop"] == 0.0
     assert "FAILED: target 0.9 not reached within 150 steps by: local_powersgd" in err
     assert workdir.exists()
+
+
+def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_as_missed(tmp_path, capsys):
+    # Prepare: only the anchor and local + int4 ran (--variants dense,local_int4), both reaching the target
+    import argparse
+
+    import wan
+
+    def reached(time_s, mb, acc):
+        return {"time_s": time_s, "step": 10, "bytes": int(mb * 1e6), "link_bytes": int(mb * 1.07e6),
+                "final_acc": acc, "wall_s": time_s + 10, "stopped_early": False, "run_dir": str(tmp_path)}
+
+    results = {"dense": reached(12.0, 28.5, 0.60), "local_int4": reached(6.0, 1.3, 0.72)}
+    args = argparse.Namespace(wl=workloads.WORKLOADS["digits"], workload="digits", framework="torch",
+                              capped="hospital", rate_mbit=100.0, target=0.3, job_steps=10, local_steps=10, rank=4,
+                              inner_lr=0.002)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+
+    # Execute
+    wan.report(args, results, 95.0, 95.0, workdir)
+
+    # Assert: the ratios of the two that ran; every key of the others null; only the two rows in the table
+    out, _ = capsys.readouterr()
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["variants"] == ["dense", "local_int4"] and line["not_reached"] == []
+    assert line["local_speedup"] == 2.0 and line["local_bytes_reduction"] == pytest.approx(1 - 1.3 / 28.5, abs=1e-5)
+    assert line["compressed_s"] is None and line["speedup"] is None and line["local_vs_topk"] is None
+    assert line["dense_per_worker_bytes"] is None and line["local_powersgd_final"] is None
+    assert "[anchor]" in out and "(DiLoCo) int4" in out and "per-worker push" not in out and "(DiLoCo) int8" not in out
+    assert not workdir.exists()  # a complete run leaves nothing behind
