@@ -36,6 +36,9 @@ HOSTS = {"laptop": ("cloud", []), "shard-0": ("cloud", ["shard-0.cloud.example"]
          "shard-1": ("cloud", ["shard-1.cloud.example"]), "cloud-0": ("cloud", []), "hospital-0": ("hospital", [])}
 WAN_MBIT = 20
 TIMEOUT_S = 150  # a hang guard for a loaded machine, not a speed claim
+# Rounds of the job: 250 take both frameworks to the test accuracy of the example's 400 (tests/test_k8s_pods.py);
+# the power cut comes after round 20, with rounds left for the workers to ride it out.
+STEPS = 250
 
 
 def deploy_blocks() -> list[tuple[str, str]]:
@@ -54,7 +57,7 @@ def _env() -> dict[str, str]:
 
 
 def _laptop(tmp_path: Path, framework: str) -> Path:
-    """The laptop's checkout: the deploy example (switched to ``framework``) and the digits code."""
+    """The laptop's checkout: the deploy example (switched to ``framework``, ``STEPS`` rounds) and the digits code."""
     laptop = tmp_path / "laptop"
     (laptop / "examples").mkdir(parents=True)
     shutil.copytree(REPO / "examples" / "digits", laptop / "examples" / "digits",
@@ -62,6 +65,7 @@ def _laptop(tmp_path: Path, framework: str) -> Path:
     job = yaml.safe_load((REPO / "examples" / "digits-deploy.yaml").read_text())
     job["framework"] = framework
     job["entrypoint"] = f"examples/digits/train_{framework}.py"
+    job["train"] = {**job["train"], "steps": STEPS}
     (laptop / "examples" / "digits-deploy.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     return laptop
 
