@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 SKIP_RE = re.compile(r"^<!-- docs-test: skip \((?P<reason>[^)]+)\) -->$")
 FENCE_RE = re.compile(r"^```(?P<lang>[A-Za-z0-9_+-]*)\s*$")
 BLOCK_TIMEOUT_S = 600
-DOC_LANES = 2  # documents run at once; each one's blocks stay in order
+# documents run at once, each one's blocks in order: much of a block's time is spent waiting (on a server to
+# start, on rounds over loopback), so two lanes overlap one block's waiting with another's work
+DOC_LANES = 2
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,18 @@ def _run_block(block: Block, fresh_checkout: Path) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
 
 
-def _run_document(blocks: list[Block], root: Path, results: dict[str, Future]) -> None:
-    """A document's blocks in order, in one fresh checkout; each block's outcome goes to its future."""
-    fresh_checkout = _fresh_checkout(root)
+def _run_document(blocks: list[Block], root: Path, results: dict[str, Future], stop: threading.Event) -> None:
+    """A document's blocks in order, in one fresh checkout; each block's outcome goes to its future. Once ``stop``
+    is set (the session ends early), no further block starts."""
+    try:
+        fresh_checkout = _fresh_checkout(root)
+    except BaseException as err:  # no checkout: every block of the document fails with the reason
+        for block in blocks:
+            results[block.id].set_exception(err)
+        return
     for block in blocks:
+        if stop.is_set():
+            return
         try:
             results[block.id].set_result(_run_block(block, fresh_checkout))
         except BaseException as err:  # a timeout fails this block; the document's next blocks still run
@@ -102,15 +113,19 @@ def _run_document(blocks: list[Block], root: Path, results: dict[str, Future]) -
 def block_runs(request, tmp_path_factory):
     """The outcome of every selected block, block id -> future; the documents start at once, ``DOC_LANES`` at a time."""
     selected = [item.callspec.params["block"] for item in request.session.items
-                if item.module is request.module and item.originalname == "test_documented_commands_run_as_written"]
+                if getattr(item, "module", None) is request.module
+                and getattr(item, "originalname", None) == "test_documented_commands_run_as_written"]
     by_doc: dict[Path, list[Block]] = {}
     for block in selected:
         by_doc.setdefault(block.path, []).append(block)
     results: dict[str, Future] = {block.id: Future() for block in selected}
-    with ThreadPoolExecutor(DOC_LANES, thread_name_prefix="docs") as lanes:
-        for blocks in by_doc.values():
-            lanes.submit(_run_document, blocks, tmp_path_factory.mktemp("checkout"), results)
-        yield results
+    stop = threading.Event()
+    lanes = ThreadPoolExecutor(DOC_LANES, thread_name_prefix="docs")
+    for blocks in by_doc.values():
+        lanes.submit(_run_document, blocks, tmp_path_factory.mktemp("checkout"), results, stop)
+    yield results
+    stop.set()
+    lanes.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.slow
