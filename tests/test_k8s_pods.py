@@ -124,13 +124,13 @@ def _assert_ps_trained(runs: dict) -> None:
     assert len(shards) == 2 and all('"shard_serving"' in r.log() for r in shards), summary(runs)
 
 
-# The default setting (TLS and tokens) is the one of every test further down: torch in
-# test_a_sigkilled_shard_pod_is_restarted_and_resumes_from_its_volume, paddle in
-# test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link, both with _assert_ps_trained.
+# Every security setting trains pod by pod: TLS and tokens (the default) in
+# test_a_sigkilled_shard_pod_is_restarted_and_resumes_from_its_volume and the plain-host test, tokens without
+# TLS in test_an_aggregating_site_s_followers_reach_their_leader_by_its_pod_name, mutual TLS in
+# test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link, TLS without tokens and neither here.
 @pytest.mark.parametrize("framework,security", [
-    ("paddle", {"tls": "off"}), ("torch", {"tokens": "off"}), ("torch", {"tls": "off", "tokens": "off"}),
-    ("paddle", {"mutual_tls": True}),
-], ids=["paddle-tls-off", "torch-tokens-off", "torch-all-off", "paddle-mutual-tls"])
+    ("torch", {"tokens": "off"}), ("torch", {"tls": "off", "tokens": "off"}),
+], ids=["torch-tokens-off", "torch-all-off"])
 def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security, certs):
     # Prepare: render with the Secrets a user would create
     job = _ps_job(framework, **security)
@@ -145,10 +145,10 @@ def test_rendered_ps_job_trains_pod_by_pod(tmp_path, framework, security, certs)
     assert shard.pod.hostname == "digits-deploy-ps-0" and shard.pod.subdomain == "digits-deploy-ps"
 
 
-@pytest.mark.parametrize("framework", ["paddle"])
-def test_an_aggregating_site_s_followers_reach_their_leader_by_its_pod_name(tmp_path, framework):
+@pytest.mark.parametrize("framework,security", [("paddle", {"tls": "off"})], ids=["paddle-tls-off"])
+def test_an_aggregating_site_s_followers_reach_their_leader_by_its_pod_name(tmp_path, framework, security):
     # Prepare: the hospital's two workers reduce inside the site; each is its own Job with its own Secret
-    job = _ps_job(framework)
+    job = _ps_job(framework, **security)
     job["sites"]["hospital"] = {**job["sites"]["hospital"], "workers": 2, "aggregate": True}
     manifests = _render(tmp_path, job, "--certs", str(make_certs(tmp_path, job)))
     # Execute
@@ -227,11 +227,11 @@ def test_rendered_collective_job_trains_on_two_pods(tmp_path, framework, api):
     assert names == [f"{job['name']}-{suffix}" for suffix in expected]
 
 
-@pytest.mark.parametrize("framework", ["paddle"])
-def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framework, external_certs):
+@pytest.mark.parametrize("framework,security", [("paddle", {"mutual_tls": True})], ids=["paddle-mutual-tls"])
+def test_hospital_and_cloud_as_two_clusters_over_a_20_mbit_link(tmp_path, framework, security, external_certs):
     # Prepare: one bundle per site; the cloud's shards are exposed under external names (LoadBalancer
     # Services), which are all the hospital's bundle knows of them
-    job, certs = _ps_job(framework), external_certs
+    job, certs = _ps_job(framework, **security), external_certs
     site_options = [a for name in EXTERNAL for a in ("--external-name", name)]
     cloud = _render(tmp_path, job, "--site", "cloud", *site_options, *HOSPITAL_NET, "--certs", str(certs),
                     out="k8s-cloud")
