@@ -373,7 +373,9 @@ def test_worker_with_unreachable_shards_names_the_address_since_when_and_what_to
 
 @pytest.mark.slow
 @pytest.mark.torch
-def test_ctrl_c_during_launch_is_one_hfleet_line_and_no_launcher_tracebacks(tmp_path):
+@pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_during_launch_is_one_hfleet_line_no_tracebacks_and_no_rank_left(tmp_path, signum, said):
     # Prepare: a rank that runs until interrupted
     script = tmp_path / "forever.py"
     script.write_text("import time, torch.distributed as dist\ndist.init_process_group('gloo')\nprint('ready', flush=True)\n"
@@ -384,17 +386,19 @@ def test_ctrl_c_during_launch_is_one_hfleet_line_and_no_launcher_tracebacks(tmp_
                              "2", "--device", "cpu", "--log-dir", str(tmp_path / "logs"), str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    survivors: list[int] = []
     try:
         seen = []
         for line in proc.stdout:
             seen.append(line)
             if line.endswith(":ready\n"):  # a rank's line, as the launcher prefixes it
                 break
-        # Execute: Ctrl-C reaches the hfleet process (the terminal's foreground group)
-        os.kill(proc.pid, signal.SIGINT)
+        # Execute: Ctrl-C reaches the hfleet process (the terminal's foreground group), or a SIGTERM (kill, a scheduler)
+        os.kill(proc.pid, signum)
         rest, _ = proc.communicate(timeout=60)
     finally:  # a launch that outlived the test would hold its ranks and port
-        for pid in [int(p.name) for p in Path("/proc").glob("[0-9]*") if _runs(p, str(script))]:
+        survivors = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _runs(p, str(script))]
+        for pid in survivors:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
@@ -404,8 +408,8 @@ def test_ctrl_c_during_launch_is_one_hfleet_line_and_no_launcher_tracebacks(tmp_
     output = "".join(seen) + rest
     assert proc.returncode == EXIT_CODES["interrupted"].code, output[-3000:]
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
-    assert "error: interrupted; every rank was stopped" in output
-    assert not [p for p in Path("/proc").glob("[0-9]*") if _runs(p, str(script))]
+    assert f"error: {said}; every rank was stopped" in output
+    assert not survivors  # every rank ended with the launch
 
 
 def _runs(proc_dir: Path, needle: str) -> bool:

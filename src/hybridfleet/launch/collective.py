@@ -194,20 +194,42 @@ def run_group(
     reader = threading.Thread(target=_pump, args=(proc.stdout, attempt_dir / "launcher.log", lines, echo, muted),
                               daemon=True)
     reader.start()
+    restore = _terminate_raises()
     try:
         code = proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as stop:
         # The launchers answer our SIGTERM with a traceback per process; they go to the log, not the terminal.
         muted.set()
         _stop_group(proc.pid, launch_id)
         proc.wait()
         reader.join(timeout=STOP_GRACE_S)
-        raise InterruptedByUserError(f"interrupted; every rank was stopped (logs in {attempt_dir})") from None
+        how = "terminated" if isinstance(stop, _Terminated) else "interrupted"
+        raise InterruptedByUserError(f"{how}; every rank was stopped (logs in {attempt_dir})") from None
     finally:  # the group must not outlive us, whatever happened
+        restore()
         _stop_group(proc.pid, launch_id)
         code = proc.wait()
         reader.join(timeout=STOP_GRACE_S)
     return code, "".join(lines)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a process group ran (raised on the main thread, like KeyboardInterrupt)."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the stop short
+    raise _Terminated()
+
+
+def _terminate_raises() -> Callable[[], None]:
+    """On the main thread, make SIGTERM raise `_Terminated` (so the group is stopped before this process
+    ends, as on Ctrl-C); returns what puts the previous handler back (a no-op off the main thread, where
+    Python delivers no signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _pump(stream, log_path: Path, lines: list[str], echo: Callable[[str], None] | None,
