@@ -52,8 +52,9 @@ class RunProgress:
 
     def phase(self, name: str, detail: str = "") -> None:
         """Begin the named phase (the previous one keeps its time); leaving training reads the rounds once more,
-        while the shards still answer, so the final line counts them all."""
-        if self.phases.current == "training":
+        while the shards still answer, so the final line counts them all. A run whose training fell between
+        two refreshes is still "workers joining" here: that read also finds its rounds."""
+        if self.phases.current in ("workers joining", "training"):
             self._rounds()
         self.phases.start(name, detail)
 
