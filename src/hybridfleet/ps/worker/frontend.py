@@ -34,6 +34,7 @@ Subclasses only say how to list parameters, read gradients and assign values.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 from abc import ABC, abstractmethod
@@ -53,16 +54,14 @@ from hybridfleet.ps.worker.overlap import GradientStage, overlap_blocker
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig
 
 log = get_logger("ps.worker")
-_EXIT_HOOK: list[bool] = []  # set once the quick-exit hook is registered in this process
 
 
+@functools.cache  # once per process
 def quick_interpreter_exit() -> None:
     """Once a worker has left, its interpreter's exit skips the final cyclic collection (``gc.freeze``
     from an atexit hook): with torch or paddle loaded that collection walks millions of objects for
     a second or more per process, and Python promises no finalizer for objects alive at exit anyway."""
-    if not _EXIT_HOOK:
-        atexit.register(gc.freeze)
-        _EXIT_HOOK.append(True)
+    atexit.register(gc.freeze)
 
 
 class ParameterServerHandle(ABC):
