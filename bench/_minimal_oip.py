@@ -36,7 +36,9 @@ async def app(scope, receive, send):
         y = session.run(None, {"input": x})[0]
         payload = json.dumps({"model_name": MODEL_NAME, "outputs": [{"name": "output", "datatype": "FP32",
                               "shape": list(y.shape), "data": y.reshape(-1).tolist()}]}).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    # a Content-Length, as hfleet serve sends: without one h11 frames the response as chunked
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
 
 
