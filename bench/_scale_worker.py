@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from hybridfleet.codec import codec_for
@@ -43,6 +44,7 @@ from hybridfleet.spec import load_spec
 
 POOL = 4  # distinct gradient frames per key per process
 LEDGER = "ledger"
+MAX_ROUND_WAITS = 4  # BSP pulls that time out waiting for a straggler before the worker gives up
 
 
 def ledger_name(shard: int) -> str:
@@ -76,14 +78,25 @@ class Sim:
     def pull(self, wait: list[int] | None = None, full: bool = False, observe=None) -> None:
         """Pull and apply; a shard that stopped answering for a while and was re-joined (`ShardRestarted`,
         e.g. a connection timed out on this loaded machine) is pulled again, in full."""
-        for attempt in range(3):
+        restarts = waits = 0
+        while True:
             try:
                 pulled = self.client.pull(wait_for_versions=wait, full=full)
                 break
             except ShardRestarted:
                 self.restarts += 1
-                if attempt == 2:
+                restarts += 1
+                if restarts == 3:
                     raise
+            except grpc.RpcError as err:
+                # a BSP pull waits at most the shard's ceiling (120 s) for the round's last push; with
+                # a thousand clients on a few cores a straggler can take longer: wait again, a bounded
+                # number of times
+                waits += 1
+                if wait is None or err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or waits > MAX_ROUND_WAITS:
+                    raise
+                print(f"scale worker {self.wid}: the round is still open ({err.details()}); waiting again",
+                      file=sys.stderr, flush=True)
         for entry in pulled:
             if entry.delta_version == 0:
                 new = np.frombuffer(entry.payload(), dtype=np.float32).copy()
