@@ -261,6 +261,8 @@ def figures(workload: Workload, records: list[dict], target: float, started_ts: 
 def bench_one(workload: Workload, framework: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     s = settings(workload, args)
     sites = site_datasets(workload, framework)
+    tmp = tmp / workload.name  # each workload's jobs, logs and run directories apart: they are globbed
+    tmp.mkdir(exist_ok=True)
     all_rows = pack_all(sites, tmp / f"{workload.name}-all")
     base = {"workload": workload.name, "framework": framework, "metric": workload.metric, "target": s["target"],
             "steps": s["steps"], "batch_size": s["batch_size"]}
