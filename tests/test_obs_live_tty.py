@@ -77,9 +77,12 @@ def test_live_panel_on_a_tty_shows_rounds_sites_and_the_report_path(tmp_path):
     assert done.read_text().strip() == "0", final
     assert "hfleet run digits-hybrid" in panel and "ETA" in panel, panel
     assert "phase: training" in panel and "(done: starting 2 shards" in panel, panel
-    assert "hospital" in panel and "cloud" in panel and "uplink" in panel and "test_accuracy" in panel
-    # the last panel keeps each site's figures once its workers exited, and says they did
+    assert "hospital" in panel and "cloud" in panel and "uplink" in panel, panel
+    # the last panel keeps each site's figures once its workers exited, its metric included (on a fast
+    # host the evaluations can all fall after the last training panel: the workers' logged records
+    # give it), and says they did
     assert final.count("(2 exited, code 0)") == 2 and " 0 B " not in final, final
+    assert "test_accuracy" in final and "test_accuracy -" not in final, final
     assert '"component"' not in final  # no JSON log flood on the terminal
     assert "report: " in final and "report.html" in final
 

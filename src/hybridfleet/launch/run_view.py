@@ -34,7 +34,7 @@ class RunProgress:
         self._rounds_seen = 0.0
         view = RunView(spec.name, targets, self._rounds,
                        lambda: sum(1 for e in read_events() if e.get("event") == "restart"), self.phases,
-                       read_exits=lambda: final_exits(read_events()))
+                       read_exits=lambda: final_exits(read_events()), read_reported=lambda: _reported(layout.run_dir))
         self._display = LiveDisplay(view, stream=stream, background=True) if enabled else None
 
     def __enter__(self) -> "RunProgress":
@@ -98,3 +98,14 @@ class RunProgress:
             except TimeoutError:
                 if self.phases.current != "site baselines" and all(sup.returncode(n) is not None for n in workers):
                     self.phase("site baselines")
+
+
+def _reported(run_dir) -> dict:
+    """Worker process -> its last logged figures (the run's metrics.jsonl), for a worker that no longer answers."""
+    from hybridfleet.obs.runinfo import load_run
+    from hybridfleet.ui.runs_view import reported_figures
+
+    try:
+        return reported_figures(load_run(run_dir))
+    except (OSError, ValueError):  # a file being written or gone: the view keeps what it scraped
+        return {}

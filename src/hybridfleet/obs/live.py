@@ -188,6 +188,15 @@ def _figures(scraped: Scraped) -> WorkerFigures:
                          scraped.value("hybridfleet_worker_bytes_total", direction="downlink"), metrics)
 
 
+def _latest(seen: WorkerFigures | None, reported: WorkerFigures) -> WorkerFigures:
+    """A worker's figures from its last scrape and its last logged record: the larger totals, the logged metrics
+    over the scraped ones."""
+    if seen is None:
+        return reported
+    return WorkerFigures(max(seen.steps, reported.steps), max(seen.uplink_bytes, reported.uplink_bytes),
+                         max(seen.downlink_bytes, reported.downlink_bytes), {**seen.metrics, **reported.metrics})
+
+
 class RunView:
     """Collects a `Snapshot` from the run's worker targets, the round counter and the restart count.
 
@@ -244,10 +253,13 @@ class RunView:
             if scraped.up:
                 st.workers_up += 1
                 self._seen[scraped.target.address] = _figures(scraped)
-            elif scraped.target.address not in self._seen:
+            else:
+                # not answering: its last logged record may hold more than the last scrape did (a short
+                # run's evaluation can fall between two scrapes)
                 reported = self._read_reported() if reported is None else reported
                 if process in reported:
-                    self._seen[scraped.target.address] = reported[process]
+                    self._seen[scraped.target.address] = _latest(self._seen.get(scraped.target.address),
+                                                                 reported[process])
             workers.append((process, self._seen.get(scraped.target.address), st))
         if self.metric_key is None:
             self.metric_key = pick_metric({k for _, fig, _ in workers if fig for k in fig.metrics})
