@@ -221,6 +221,7 @@ class RunView:
         self._last: tuple[float, dict[str, float], float] | None = None  # (time, site -> steps, rounds)
         self._failure_logged = False
         self._seen: dict[str, WorkerFigures] = {}  # address -> last figures, so a finished worker keeps its totals
+        self._settled: set[str] = set()  # addresses of exited workers whose logged figures were taken
         self.metric_key: str | None = None  # chosen once a metric is reported, then kept
 
     @property
@@ -253,13 +254,15 @@ class RunView:
             if scraped.up:
                 st.workers_up += 1
                 self._seen[scraped.target.address] = _figures(scraped)
-            else:
+            elif scraped.target.address not in self._settled:
                 # not answering: its last logged record may hold more than the last scrape did (a short
-                # run's evaluation can fall between two scrapes)
+                # run's evaluation can fall between two scrapes); read until it has exited for good
                 reported = self._read_reported() if reported is None else reported
                 if process in reported:
                     self._seen[scraped.target.address] = _latest(self._seen.get(scraped.target.address),
                                                                  reported[process])
+                if process in exits:
+                    self._settled.add(scraped.target.address)
             workers.append((process, self._seen.get(scraped.target.address), st))
         if self.metric_key is None:
             self.metric_key = pick_metric({k for _, fig, _ in workers if fig for k in fig.metrics})
