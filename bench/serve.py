@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "examples" / "digits"), str(REPO / "examples" / "fashion"), str(REPO)]
 CLIENTS = 4
 WEIGHT = 10.0
+FIGURES = ("p50_ms", "p99_ms", "throughput_rps", "cpu_us_per_request")
 
 
 def _port() -> int:
@@ -67,8 +68,17 @@ def _start(cmd: list[str], port: int, headers: dict[str, str], model: str) -> su
     raise SystemExit("server did not become ready in 120 s")
 
 
-def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model: str) -> dict:
-    """4 clients, ``requests`` each: latencies (ms) and throughput (requests/s)."""
+def _server_cpu_s(proc: subprocess.Popen) -> float:
+    """CPU-seconds (user + system, every thread) the server process has used so far."""
+    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model: str,
+          server: subprocess.Popen | None = None) -> dict:  # fmt: skip
+    """4 clients, ``requests`` each: latencies (ms), throughput (requests/s) and, given the ``server``'s
+    process, its CPU time per answered request (µs): the figure that does not depend on how the
+    two cores were shared between the clients and the server."""
     latencies: list[float] = []
     versions: dict[str, int] = {}
     failures = [0]
@@ -92,25 +102,28 @@ def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model:
                     versions[k] = versions.get(k, 0) + n
 
     threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    cpu_before = _server_cpu_s(server) if server is not None else None
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    cpu_us = None if server is None else (_server_cpu_s(server) - cpu_before) * 1e6 / len(latencies)
     return {"p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
-            "throughput_rps": len(latencies) / wall, "failures": failures[0], "versions": versions}  # fmt: skip
+            "throughput_rps": len(latencies) / wall, "cpu_us_per_request": cpu_us, "failures": failures[0],
+            "versions": versions}  # fmt: skip
 
 
 def _median_run(runs: list[dict]) -> dict:
     """One side's figures over its repeats: the median p50, p99 and throughput, each repeat kept under ``repeats``."""
-    out = {key: float(np.median([r[key] for r in runs])) for key in ("p50_ms", "p99_ms", "throughput_rps")}
+    out = {key: float(np.median([r[key] for r in runs])) for key in FIGURES}
     versions: dict[str, int] = {}
     for r in runs:
         for v, n in r["versions"].items():
             versions[v] = versions.get(v, 0) + n
     return {**out, "failures": sum(r["failures"] for r in runs), "versions": versions,
-            "repeats": [{key: round(r[key], 3) for key in ("p50_ms", "p99_ms", "throughput_rps")} for r in runs]}
+            "repeats": [{key: round(r[key], 3) for key in FIGURES} for r in runs]}
 
 
 @dataclass(frozen=True)
@@ -215,14 +228,15 @@ def main() -> None:
                     for repeat in range(args.repeats):  # interleaved, the order alternating: both see the same load
                         for side in (("minimal", "hfleet") if repeat % 2 == 0 else ("hfleet", "minimal")):
                             runs[side].append(_load(ports[side], auth if side == "hfleet" else {}, body, args.requests,
-                                                    setting.model))
+                                                    setting.model, servers[side]))
                     for side, measured in runs.items():
                         row[side] = _median_run(measured)
                     results.append(row)
                     print(f"{label:<14} batch {batch:>2}  minimal p50 {row['minimal']['p50_ms']:6.2f} ms p99 "
                           f"{row['minimal']['p99_ms']:6.2f} ms {row['minimal']['throughput_rps']:7.0f} req/s | hfleet p50 "
                           f"{row['hfleet']['p50_ms']:6.2f} ms p99 {row['hfleet']['p99_ms']:6.2f} ms "
-                          f"{row['hfleet']['throughput_rps']:7.0f} req/s")  # fmt: skip
+                          f"{row['hfleet']['throughput_rps']:7.0f} req/s | server CPU per request minimal "
+                          f"{row['minimal']['cpu_us_per_request']:6.0f} us, hfleet {row['hfleet']['cpu_us_per_request']:6.0f} us")  # fmt: skip
                 if share is None:
                     x = rows[:1]
                     body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
@@ -237,9 +251,10 @@ def main() -> None:
                     proc.wait(timeout=30)
     throughput = min(r["hfleet"]["throughput_rps"] / r["minimal"]["throughput_rps"] for r in results)
     p50 = max(r["hfleet"]["p50_ms"] / r["minimal"]["p50_ms"] for r in results)
+    cpu = max(r["hfleet"]["cpu_us_per_request"] / r["minimal"]["cpu_us_per_request"] for r in results)
     print(json.dumps({"bench": "serve", "sides": "hfleet serve (auth, 10% canary routing) vs minimal uvicorn+onnxruntime",
                       "throughput_vs_minimal": round(throughput, 3), "p50_vs_minimal": round(p50, 3),
-                      "canary_share_error_pp": round(abs(share - WEIGHT), 3), "canary_requests": args.canary_requests,
+                      "canary_share_error_pp": round(abs(share - WEIGHT), 3), "server_cpu_vs_minimal": round(cpu, 3), "canary_requests": args.canary_requests,
                       "clients": CLIENTS, "repeats": args.repeats, "quick": args.quick, "settings_run": [r["model"] for r in results[::2]],
                       "settings_left_out": skipped, "settings": results}))  # fmt: skip
 

@@ -169,6 +169,9 @@ def test_requests_without_a_valid_reader_token_are_refused_and_nothing_runs(serv
     (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [' + b",".join([b"0"] * 64) + b']}], "outputs": [{"name": "output", "parameters": 1}]}', 400, "output 'output': 'parameters' must be an object"),
     (b'{"inputs": [{"name": "input", "shape": [true, 64], "datatype": "FP32", "data": []}]}', 400, "shape must be a list of non-negative integers"),
     (b'{"inputs": [{"name": "input", "shape": [0, 64], "datatype": "FP32", "data": []}]}', 400, "the batch is empty"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "request body is not JSON: nested too deeply"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1e400' + b",0" * 63 + b']}]}', 400, "data holds NaN or infinity"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [NaN' + b",0" * 63 + b']}]}', 400, "data holds NaN or infinity"),
 ])  # fmt: skip
 def test_bad_infer_requests_get_a_400_with_the_reason(served, body, status, text):
     import httpx
