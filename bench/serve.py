@@ -1,6 +1,7 @@
 """`hfleet serve` against a minimal uvicorn + onnxruntime server, and the canary share it routes.
 
     OMP_NUM_THREADS=1 python bench/serve.py [--quick] [--requests 400] [--repeats 3] [--canary-requests 10000]
+                                            [--anchor-json orjson|json]
 
 Both servers run as their own process on 127.0.0.1 and serve the same ONNX export of each
 setting's model: the digits MLP (64-128-10), the larger digits MLP (``--hidden 2048,512``,
@@ -11,13 +12,16 @@ of batch 1 and 32. ``--quick`` runs the digits MLP only.
 `hfleet serve` runs as users run it: token auth on and a canary at 10 % (so every
 request is routed). The canary share is counted over ``--canary-requests`` unkeyed
 requests. Same settings on both sides: one uvicorn worker, onnxruntime with one intra-op
-and one inter-op thread, the same ONNX file and bodies; the anchor has no auth, routing,
+and one inter-op thread, the same ONNX file and bodies, the same JSON library (orjson; with
+``--anchor-json json`` the anchor uses the standard library's, as a plainer server would); the anchor has no auth, routing,
 input checks or metrics by its nature, and runs inference on the event loop. Each side is
 measured ``--repeats`` times per setting, interleaved with the other side and the order
 alternating, and each side's median p50 and throughput are compared (one measurement of
 either side swings by up to 20 % on a 2-core machine). Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
-lowest over the four settings), ``p50_vs_minimal`` (hfleet / minimal, the highest) and
-``canary_share_error_pp`` (|observed - 10| percentage points).
+lowest over the six settings), ``p50_vs_minimal`` (hfleet / minimal, the highest) and
+``canary_share_error_pp`` (|observed - 10| percentage points), and ``server_cpu_vs_minimal``
+(hfleet / minimal server CPU-seconds per request, the highest: the server's own cost,
+whichever way the two cores were shared with the clients).
 """
 
 from __future__ import annotations
@@ -183,6 +187,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="digits model only, 100 requests per client, 1,000 canary requests")
     parser.add_argument("--requests", type=int, default=400, help="requests per client per setting")
     parser.add_argument("--canary-requests", type=int, default=10_000)
+    parser.add_argument("--anchor-json", choices=("orjson", "json"), default="orjson",
+                        help="the anchor's JSON library: orjson as hfleet serve uses (the fair anchor), or the standard library's")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side and setting, interleaved; the median is reported")
     args = parser.parse_args()
     if args.requests < 10:
@@ -214,7 +220,7 @@ def main() -> None:
                                   str(ports["hfleet"]), "--insecure-plaintext", "--cache-dir", f"{tmp}/cache"], ports["hfleet"],
                                  auth, setting.model),
                 "minimal": _start([sys.executable, str(REPO / "bench" / "_minimal_oip.py"), str(onnx_path), str(ports["minimal"]),
-                                   setting.model], ports["minimal"], {}, setting.model),
+                                   setting.model, args.anchor_json], ports["minimal"], {}, setting.model),
             }  # fmt: skip
             try:
                 for batch in (1, 32):
@@ -254,7 +260,8 @@ def main() -> None:
     cpu = max(r["hfleet"]["cpu_us_per_request"] / r["minimal"]["cpu_us_per_request"] for r in results)
     print(json.dumps({"bench": "serve", "sides": "hfleet serve (auth, 10% canary routing) vs minimal uvicorn+onnxruntime",
                       "throughput_vs_minimal": round(throughput, 3), "p50_vs_minimal": round(p50, 3),
-                      "canary_share_error_pp": round(abs(share - WEIGHT), 3), "server_cpu_vs_minimal": round(cpu, 3), "canary_requests": args.canary_requests,
+                      "canary_share_error_pp": round(abs(share - WEIGHT), 3), "server_cpu_vs_minimal": round(cpu, 3),
+                      "anchor_json": args.anchor_json, "canary_requests": args.canary_requests,
                       "clients": CLIENTS, "repeats": args.repeats, "quick": args.quick, "settings_run": [r["model"] for r in results[::2]],
                       "settings_left_out": skipped, "settings": results}))  # fmt: skip
 
