@@ -3,25 +3,33 @@
     OMP_NUM_THREADS=1 python bench/serve.py [--quick] [--requests 400] [--repeats 3] [--canary-requests 10000]
                                             [--anchor-json orjson|json]
 
-Both servers run as their own process on 127.0.0.1 and serve the same ONNX export of each
+Three servers, each its own process on 127.0.0.1, serve the same ONNX export of each
 setting's model: the digits MLP (64-128-10), the larger digits MLP (``--hidden 2048,512``,
 1.2M parameters) and the Fashion ResNet with BatchNorm (width 16, 0.3M parameters, on
 Fashion-MNIST test images; left out, and named so in the JSON, where Debian's
 dataset-fashion-mnist is not installed); 4 client threads send OIP v2 JSON infer requests
-of batch 1 and 32. ``--quick`` runs the digits MLP only.
-`hfleet serve` runs as users run it: token auth on and a canary at 10 % (so every
-request is routed). The canary share is counted over ``--canary-requests`` unkeyed
-requests. Same settings on both sides: one uvicorn worker, onnxruntime with one intra-op
-and one inter-op thread, the same ONNX file and bodies, the same JSON library (orjson; with
-``--anchor-json json`` the anchor uses the standard library's, as a plainer server would); the anchor has no auth, routing,
-input checks or metrics by its nature, and runs inference on the event loop. Each side is
-measured ``--repeats`` times per setting, interleaved with the other side and the order
-alternating, and each side's median p50 and throughput are compared (one measurement of
-either side swings by up to 20 % on a 2-core machine). Ends with one JSON line: ``throughput_vs_minimal`` (hfleet / minimal, the
-lowest over the six settings), ``p50_vs_minimal`` (hfleet / minimal, the highest) and
-``canary_share_error_pp`` (|observed - 10| percentage points), and ``server_cpu_vs_minimal``
-(hfleet / minimal server CPU-seconds per request, the highest: the server's own cost,
-whichever way the two cores were shared with the clients).
+of batch 1 and 32. ``--quick`` runs the digits MLP only. The sides:
+
+- ``minimal``, the anchor (`bench/_minimal_oip.py`): no auth, routing, input checks or
+  metrics by its nature, every inference on the event loop;
+- ``hfleet``: `hfleet serve` as users run it, token auth on, serving an alias that names
+  one version (the anchor's model work: one model);
+- ``hfleet-canary``: `hfleet serve` on an alias with a 10 % canary, so every request is
+  routed between two loaded models (the canary share is counted on it over
+  ``--canary-requests`` unkeyed requests).
+
+Same settings on every side: one uvicorn worker, onnxruntime with one intra-op and one
+inter-op thread, the same ONNX file and bodies, the same JSON library (orjson; with
+``--anchor-json json`` the anchor uses the standard library's, as a plainer server would).
+Each side is measured ``--repeats`` times per setting, interleaved with the order rotating,
+and each side's medians are compared (one measurement swings by up to 20 % on a 2-core
+machine). Ends with one JSON line, each ratio the worst over the settings:
+``throughput_vs_minimal`` (hfleet / minimal, the lowest), ``p50_vs_minimal`` (the highest),
+``server_cpu_vs_minimal`` (server CPU-seconds per request, the highest: the server's own
+cost, whichever way the two cores were shared with the clients), the same three for the
+canary side (``canary_throughput_vs_minimal``, ``canary_p50_vs_minimal``,
+``canary_server_cpu_vs_minimal``), and ``canary_share_error_pp`` (|observed - 10|
+percentage points).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "examples" / "digits"), str(REPO /
 CLIENTS = 4
 WEIGHT = 10.0
 FIGURES = ("p50_ms", "p99_ms", "throughput_rps", "cpu_us_per_request")
+SIDES = ("minimal", "hfleet", "hfleet-canary")
 
 
 def _port() -> int:
@@ -161,7 +170,8 @@ SETTINGS = {
 
 
 def _prepare(root: Path, setting: Setting) -> tuple[object, Path]:
-    """A registry with two exported versions of the setting's model, prod -> v1 with v2 as a 10 % canary."""
+    """A registry with two exported versions of the setting's model: stable -> v1, and prod -> v1 with v2
+    as a 10 % canary."""
     import torch
 
     from hybridfleet.ckpt.run_model import ModelCheckpointer
@@ -177,9 +187,16 @@ def _prepare(root: Path, setting: Setting) -> tuple[object, Path]:
         ckpt.final(1, build_model(load_factory(factory), setting.args)[0], {})
         info = reg.register(setting.model, ckpt.store.url)
         export_version(reg, f"{setting.model}@{info.version}", "onnx", root / f"export-{info.version}", factory, setting.args)
+    reg.move_alias(setting.model, "stable", 1)
     reg.move_alias(setting.model, "prod", 1)
     reg.rollout(setting.model, "prod", canary=2, weight=WEIGHT)
     return reg, root / "export-1" / setting.model / "1" / "model.onnx"
+
+
+def _body(x: np.ndarray) -> bytes:
+    """An OIP v2 JSON infer request of the rows ``x``."""
+    return json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}).encode()  # fmt: skip
 
 
 def main() -> None:
@@ -214,40 +231,35 @@ def main() -> None:
             token = reg.add_principal("bench", "service")
             reg.grant("bench", "reader", f"default/{setting.model}")
             auth = {"Authorization": f"Bearer {token}"}
-            ports = {"hfleet": _port(), "minimal": _port()}
+            headers = {"minimal": {}, "hfleet": auth, "hfleet-canary": auth}
+            ports = {side: _port() for side in SIDES}
+            hfleet = [sys.executable, "-m", "hybridfleet", "serve", "-r", reg.db_url, "--insecure-plaintext", "--cache-dir", f"{tmp}/cache"]
             servers = {
-                "hfleet": _start([sys.executable, "-m", "hybridfleet", "serve", f"{setting.model}@prod", "-r", reg.db_url, "--port",
-                                  str(ports["hfleet"]), "--insecure-plaintext", "--cache-dir", f"{tmp}/cache"], ports["hfleet"],
-                                 auth, setting.model),
                 "minimal": _start([sys.executable, str(REPO / "bench" / "_minimal_oip.py"), str(onnx_path), str(ports["minimal"]),
                                    setting.model, args.anchor_json], ports["minimal"], {}, setting.model),
+                "hfleet": _start([*hfleet, f"{setting.model}@stable", "--port", str(ports["hfleet"])], ports["hfleet"], auth,
+                                 setting.model),
+                "hfleet-canary": _start([*hfleet, f"{setting.model}@prod", "--port", str(ports["hfleet-canary"])],
+                                        ports["hfleet-canary"], auth, setting.model),
             }  # fmt: skip
             try:
                 for batch in (1, 32):
-                    x = rows[:batch]
-                    body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
-                                                   "data": x.reshape(-1).tolist()}]}).encode()  # fmt: skip
+                    body = _body(rows[:batch])
                     row = {"model": label, "batch": batch}
-                    for side in ("minimal", "hfleet"):
-                        _load(ports[side], auth if side == "hfleet" else {}, body, 10, setting.model)  # warm-up
-                    runs: dict[str, list[dict]] = {"minimal": [], "hfleet": []}
-                    for repeat in range(args.repeats):  # interleaved, the order alternating: both see the same load
-                        for side in (("minimal", "hfleet") if repeat % 2 == 0 else ("hfleet", "minimal")):
-                            runs[side].append(_load(ports[side], auth if side == "hfleet" else {}, body, args.requests,
-                                                    setting.model, servers[side]))
+                    for side in SIDES:
+                        _load(ports[side], headers[side], body, 10, setting.model)  # warm-up
+                    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+                    for repeat in range(args.repeats):  # interleaved, the order rotating: every side sees the same load
+                        for side in SIDES[repeat % 3:] + SIDES[:repeat % 3]:
+                            runs[side].append(_load(ports[side], headers[side], body, args.requests, setting.model, servers[side]))
                     for side, measured in runs.items():
                         row[side] = _median_run(measured)
                     results.append(row)
-                    print(f"{label:<14} batch {batch:>2}  minimal p50 {row['minimal']['p50_ms']:6.2f} ms p99 "
-                          f"{row['minimal']['p99_ms']:6.2f} ms {row['minimal']['throughput_rps']:7.0f} req/s | hfleet p50 "
-                          f"{row['hfleet']['p50_ms']:6.2f} ms p99 {row['hfleet']['p99_ms']:6.2f} ms "
-                          f"{row['hfleet']['throughput_rps']:7.0f} req/s | server CPU per request minimal "
-                          f"{row['minimal']['cpu_us_per_request']:6.0f} us, hfleet {row['hfleet']['cpu_us_per_request']:6.0f} us")  # fmt: skip
+                    print(f"{label:<14} batch {batch:>2}  " + " | ".join(
+                        f"{side} p50 {row[side]['p50_ms']:6.2f} ms p99 {row[side]['p99_ms']:6.2f} ms "
+                        f"{row[side]['throughput_rps']:6.0f} req/s {row[side]['cpu_us_per_request']:6.0f} us CPU" for side in SIDES))
                 if share is None:
-                    x = rows[:1]
-                    body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
-                                                   "data": x.reshape(-1).tolist()}]}).encode()  # fmt: skip
-                    counted = _load(ports["hfleet"], auth, body, args.canary_requests // CLIENTS, setting.model)
+                    counted = _load(ports["hfleet-canary"], auth, _body(rows[:1]), args.canary_requests // CLIENTS, setting.model)
                     total = sum(counted["versions"].values())
                     share = 100.0 * counted["versions"].get("2", 0) / total
                     print(f"canary share over {total} requests: {share:.2f} % (weight {WEIGHT:g} %), failures {counted['failures']}")
@@ -255,12 +267,17 @@ def main() -> None:
                 for proc in servers.values():
                     proc.terminate()
                     proc.wait(timeout=30)
-    throughput = min(r["hfleet"]["throughput_rps"] / r["minimal"]["throughput_rps"] for r in results)
-    p50 = max(r["hfleet"]["p50_ms"] / r["minimal"]["p50_ms"] for r in results)
-    cpu = max(r["hfleet"]["cpu_us_per_request"] / r["minimal"]["cpu_us_per_request"] for r in results)
-    print(json.dumps({"bench": "serve", "sides": "hfleet serve (auth, 10% canary routing) vs minimal uvicorn+onnxruntime",
-                      "throughput_vs_minimal": round(throughput, 3), "p50_vs_minimal": round(p50, 3),
-                      "canary_share_error_pp": round(abs(share - WEIGHT), 3), "server_cpu_vs_minimal": round(cpu, 3),
+
+    def worst(side: str, figure: str, pick) -> float:
+        return round(pick(r[side][figure] / r["minimal"][figure] for r in results), 3)
+
+    print(json.dumps({"bench": "serve", "sides": "hfleet serve (auth; one version, and a 10% canary) vs minimal uvicorn+onnxruntime",
+                      "throughput_vs_minimal": worst("hfleet", "throughput_rps", min), "p50_vs_minimal": worst("hfleet", "p50_ms", max),
+                      "canary_share_error_pp": round(abs(share - WEIGHT), 3),
+                      "server_cpu_vs_minimal": worst("hfleet", "cpu_us_per_request", max),
+                      "canary_throughput_vs_minimal": worst("hfleet-canary", "throughput_rps", min),
+                      "canary_p50_vs_minimal": worst("hfleet-canary", "p50_ms", max),
+                      "canary_server_cpu_vs_minimal": worst("hfleet-canary", "cpu_us_per_request", max),
                       "anchor_json": args.anchor_json, "canary_requests": args.canary_requests,
                       "clients": CLIENTS, "repeats": args.repeats, "quick": args.quick, "settings_run": [r["model"] for r in results[::2]],
                       "settings_left_out": skipped, "settings": results}))  # fmt: skip

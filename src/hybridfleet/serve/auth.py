@@ -1,9 +1,13 @@
-"""Who may call `hfleet serve`: a registry token whose principal may read the served model.
+"""Who may call `hfleet serve`: a registry token whose principal may read the model.
 
 The bearer header is parsed as strictly as the registry server parses it
 (`hybridfleet.registry.auth.parse_bearer`); the token is checked against the registry
 (its principal needs ``reader`` on the model) and the answer is kept for ``ttl_s``, so a
 revoked token stops working within that time and a request costs no registry call.
+
+The answers are kept by the exact header value (a strict parse makes header and token one
+to one), so a request with a known token costs one dict lookup: no parse and no hash on
+the per-request path. An answer past its time is dropped when the next one is kept.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from hybridfleet.errors import AuthError, PermissionDeniedError, RegistryNotFoundError
-from hybridfleet.registry.auth import parse_bearer, token_digest
+from hybridfleet.registry.auth import parse_bearer
 
 CACHE_TTL_S = 5.0
 CACHE_MAX = 4096
@@ -25,41 +29,42 @@ class TokenGate:
     def __init__(self, check_token: Callable[[str], None], ttl_s: float = CACHE_TTL_S):
         self._check_token = check_token
         self.ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, Exception | None]] = {}
+        self._cache: dict[str, tuple[float, Exception | None]] = {}  # header -> (expiry, the refusal or None)
         self._lock = threading.Lock()
 
     def cached_refusal(self, header: str | None) -> Exception | None | bool:
         """Without a registry call: the error `check` would raise for ``header``, None when it would pass,
-        or False when the answer is not cached (then call `check`)."""
+        or False when the answer is not known (then call `check`)."""
+        hit = self._cache.get(header) if header is not None else None  # a dict read is atomic: no lock
+        if hit is not None and hit[0] >= time.monotonic():
+            return hit[1]
         try:
-            digest = token_digest(parse_bearer(header))
+            parse_bearer(header)
         except AuthError as err:
             return err
-        with self._lock:
-            hit = self._cache.get(digest)
-        if hit is None or hit[0] < time.monotonic():
-            return False
-        return hit[1]
+        return False
 
     def check(self, header: str | None) -> None:
-        token = parse_bearer(header)
-        digest = token_digest(token)
+        refusal = self.cached_refusal(header)
+        if refusal is False:
+            try:
+                self._check_token(parse_bearer(header))  # type: ignore[arg-type]  # parsed above: a str
+                refusal = None
+            except (AuthError, PermissionDeniedError) as err:
+                refusal = err
+            self._keep(header, refusal)  # type: ignore[arg-type]
+        if refusal is not None:
+            raise refusal
+
+    def _keep(self, header: str, refusal: Exception | None) -> None:
         now = time.monotonic()
         with self._lock:
-            hit = self._cache.get(digest)
-        if hit is None or hit[0] < now:
-            try:
-                self._check_token(token)
-                outcome: Exception | None = None
-            except (AuthError, PermissionDeniedError) as err:
-                outcome = err
-            with self._lock:
-                if len(self._cache) >= CACHE_MAX:
-                    self._cache.clear()
-                self._cache[digest] = (now + self.ttl_s, outcome)
-            hit = (0.0, outcome)
-        if hit[1] is not None:
-            raise hit[1]
+            if len(self._cache) >= 16:  # drop answers past their time (few tokens call a server: this is short)
+                for stale in [h for h, (expiry, _) in self._cache.items() if expiry < now]:
+                    del self._cache[stale]
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            self._cache[header] = (now + self.ttl_s, refusal)
 
 
 def registry_reader_check(reg: Any, full_name: str) -> Callable[[str], None]:

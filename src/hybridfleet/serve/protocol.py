@@ -136,7 +136,7 @@ class TensorCodec:
     def encode(self, model_name: str, version: int, request: InferRequest,
                outputs: dict[str, np.ndarray]) -> tuple[bytes, int | None]:  # fmt: skip
         """(response body, JSON header length when binary outputs follow, else None)."""
-        items, blobs, finite = [], [], True
+        items, blobs = [], []
         for name in request.outputs or self._outputs:
             array = np.ascontiguousarray(outputs[name])
             item: dict[str, Any] = {"name": name, "datatype": self._datatypes[name], "shape": list(array.shape)}
@@ -146,12 +146,13 @@ class TensorCodec:
                 blobs.append(blob)
             else:
                 item["data"] = array.reshape(-1).tolist()
-                finite = finite and (array.dtype.kind != "f" or bool(np.isfinite(array).all()))
             items.append(item)
         doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version), "outputs": items}
         if request.id is not None:
             doc["id"] = request.id
-        head = orjson.dumps(doc) if finite else json.dumps(doc, separators=(",", ":")).encode()
+        head = orjson.dumps(doc)
+        if b"null" in head and not all(np.isfinite(outputs[item["name"]]).all() for item in items if "data" in item):
+            head = json.dumps(doc, separators=(",", ":")).encode()  # orjson wrote NaN or infinity as null
         if not blobs:
             return head, None
         return head + b"".join(blobs), len(head)
