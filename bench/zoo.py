@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import yaml
@@ -258,7 +259,8 @@ def figures(workload: Workload, records: list[dict], target: float, started_ts: 
             "evaluations": len(steps)}
 
 
-def bench_one(workload: Workload, framework: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
+def bench_one(workload: Workload, framework: str, args: argparse.Namespace, tmp: Path) -> Iterator[dict]:
+    """The workload's three rows (alone, DDP, PS), each as soon as its mode has run."""
     s = settings(workload, args)
     sites = site_datasets(workload, framework)
     tmp = tmp / workload.name  # each workload's jobs, logs and run directories apart: they are globbed
@@ -266,17 +268,14 @@ def bench_one(workload: Workload, framework: str, args: argparse.Namespace, tmp:
     all_rows = pack_all(sites, tmp / f"{workload.name}-all")
     base = {"workload": workload.name, "framework": framework, "metric": workload.metric, "target": s["target"],
             "steps": s["steps"], "batch_size": s["batch_size"]}
-    rows = []
     records, wall_s, started_ts = run_alone(workload, framework, all_rows, s, tmp)
-    rows.append({**base, "mode": "alone", "processes": 1, "wall_s": wall_s,
-                 **figures(workload, records, s["target"], started_ts)})
+    yield {**base, "mode": "alone", "processes": 1, "wall_s": wall_s, **figures(workload, records, s["target"], started_ts)}
     records, wall_s, started_ts = run_ddp(workload, framework, all_rows, s, args.nproc, tmp)
-    rows.append({**base, "mode": "ddp", "processes": args.nproc, "wall_s": wall_s,
-                 **figures(workload, records, s["target"], started_ts)})
+    yield {**base, "mode": "ddp", "processes": args.nproc, "wall_s": wall_s,
+           **figures(workload, records, s["target"], started_ts)}
     records, wall_s, started_ts, extra = run_ps(workload, framework, sites, s, args.nproc, args.shards, tmp)
-    rows.append({**base, "mode": "ps", "processes": args.nproc, "shards": args.shards, "wall_s": wall_s, **extra,
-                 **figures(workload, records, s["target"], started_ts)})
-    return rows
+    yield {**base, "mode": "ps", "processes": args.nproc, "shards": args.shards, "wall_s": wall_s, **extra,
+           **figures(workload, records, s["target"], started_ts)}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -300,12 +299,27 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _print_row(r: dict) -> None:
+    if "skipped" in r:
+        print(f"{r['workload']:<9} {r['framework']:<9} skipped: {r['skipped']}", flush=True)
+        return
+    step_ms = None if r["step_s"] is None else r["step_s"] * 1000
+    print(f"{r['workload']:<9} {r['framework']:<9} {r['mode']:<6} {_fmt(step_ms, '8.2f')} "
+          f"{_fmt(r['time_to_target_s'], '11.2f')} {_fmt(r['steps_to_target'], '10d')} {r['metric']:<14} "
+          f"{r[r['metric']]:>8.4f} {r['wall_s']:>7.1f}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     from _anchors import require  # bench/ is sys.path[0] when a bench runs
 
     require("bench/zoo.py", {"torch": "PyTorch", "paddle": "PaddlePaddle"} if set(args.frameworks) == set(FRAMEWORKS)
             else {"torch": "PyTorch"} if args.frameworks == ["torch"] else {"paddle": "PaddlePaddle"})
+    # each row is printed as its mode finishes, so a run cut short (a time bound) keeps what it measured
+    print(f"examples alone, collective DDP ({args.nproc} processes, gloo) and PS BSP ({args.nproc} workers, "
+          f"{args.shards} shards, dense) on 127.0.0.1")
+    print(f"{'workload':<9} {'framework':<9} {'mode':<6} {'step_ms':>8} {'to_target_s':>11} {'steps_to_t':>10} "
+          f"{'metric':<14} {'final':>8} {'wall_s':>7}", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="hfleet-bench-zoo-") as tmp:
         for name in args.workloads:
@@ -313,27 +327,16 @@ def main() -> None:
             for framework in args.frameworks:
                 missing = workload.missing(framework)
                 if missing:
-                    rows.append({"workload": name, "framework": framework,
-                                 "skipped": f"not in this checkout: {', '.join(missing)}"})
-                    continue
-                if not workload.glue_ready:
-                    rows.append({"workload": name, "framework": framework, "skipped": "the collective runner's "
-                                 "glue (model, optimizer, loss, metric) is not written: GLUE in bench/_zoo_workloads.py"})
-                    continue
-                rows.extend(bench_one(workload, framework, args, Path(tmp)))
-
-    print(f"examples alone, collective DDP ({args.nproc} processes, gloo) and PS BSP ({args.nproc} workers, "
-          f"{args.shards} shards, dense) on 127.0.0.1")
-    print(f"{'workload':<9} {'framework':<9} {'mode':<6} {'step_ms':>8} {'to_target_s':>11} {'steps_to_t':>10} "
-          f"{'metric':<14} {'final':>8} {'wall_s':>7}")
-    for r in rows:
-        if "skipped" in r:
-            print(f"{r['workload']:<9} {r['framework']:<9} skipped: {r['skipped']}")
-            continue
-        step_ms = None if r["step_s"] is None else r["step_s"] * 1000
-        print(f"{r['workload']:<9} {r['framework']:<9} {r['mode']:<6} {_fmt(step_ms, '8.2f')} "
-              f"{_fmt(r['time_to_target_s'], '11.2f')} {_fmt(r['steps_to_target'], '10d')} {r['metric']:<14} "
-              f"{r[r['metric']]:>8.4f} {r['wall_s']:>7.1f}")
+                    measured: Iterable[dict] = [{"workload": name, "framework": framework,
+                                                 "skipped": f"not in this checkout: {', '.join(missing)}"}]
+                elif not workload.glue_ready:
+                    measured = [{"workload": name, "framework": framework, "skipped": "the collective runner's "
+                                 "glue (model, optimizer, loss, metric) is not written: GLUE in bench/_zoo_workloads.py"}]
+                else:
+                    measured = bench_one(workload, framework, args, Path(tmp))
+                for row in measured:
+                    rows.append(row)
+                    _print_row(row)
     print(json.dumps({"bench": "zoo", **summarise(rows), "nproc": args.nproc, "shards": args.shards,
                       "quick": args.quick, "ratio_is": "ps step time / ddp step time (worst); joint_vs_alone: "
                       "relative metric gap of ps against the script alone (worst, > 0: ps worse)", "rows": rows}))
