@@ -46,13 +46,14 @@ class TokenGate:
 
     def check(self, header: str | None) -> None:
         refusal = self.cached_refusal(header)
-        if refusal is False:
+        if refusal is False:  # the header parses (else its AuthError came back) and its answer is not known
+            token = parse_bearer(header)
             try:
-                self._check_token(parse_bearer(header))  # type: ignore[arg-type]  # parsed above: a str
+                self._check_token(token)
                 refusal = None
             except (AuthError, PermissionDeniedError) as err:
                 refusal = err
-            self._keep(header, refusal)  # type: ignore[arg-type]
+            self._keep(f"Bearer {token}", refusal)  # the header itself: the parse is strict
         if refusal is not None:
             raise refusal
 
