@@ -12,6 +12,7 @@ import subprocess
 import json
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,15 +73,18 @@ def demo_run(request, tmp_path_factory) -> DemoRun:
         found = prom.query(expr)
         rate = max(rate, float(found[0]["value"][1]) if found else 0.0)
         run_dirs = list((runs / spec.name).glob("*"))
-        if not expositions and rate > 0 and run_dirs:
-            for target in read_targets(run_dirs[0]):
-                scraped = scrape_one(target)
-                if scraped.up:
-                    import urllib.request
-
+        if rate > 0 and run_dirs:
+            for target in read_targets(run_dirs[0]):  # each process's exposition once, taken while it trains
+                process = target.labels["process"]
+                if process in expositions or not scrape_one(target).up:
+                    continue
+                try:
                     with urllib.request.urlopen(f"http://{target.address}/metrics", timeout=2) as resp:
-                        expositions[target.labels["process"]] = resp.read().decode()
-            active = [t for t in prom.api("targets")["activeTargets"] if t["labels"].get("job") == spec.name]
+                        expositions[process] = resp.read().decode()
+                except OSError:  # it stopped between the two reads (a worker that finished): next pass
+                    continue
+            if not active:
+                active = [t for t in prom.api("targets")["activeTargets"] if t["labels"].get("job") == spec.name]
     log.close()
     finished = time.time()
     out = (tmp / "hfleet-run.out").read_text(errors="replace")
