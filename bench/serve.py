@@ -129,7 +129,7 @@ def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model:
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """One side's figures over its repeats: the median p50, p99 and throughput, each repeat kept under ``repeats``."""
+    """One side's figures over its repeats: the median of each of FIGURES, each repeat kept under ``repeats``."""
     out = {key: float(np.median([r[key] for r in runs])) for key in FIGURES}
     versions: dict[str, int] = {}
     for r in runs:
