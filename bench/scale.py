@@ -10,7 +10,9 @@ and its own TLS connections, against S real shard processes (``hfleet ps serve``
 tokens, as deployed). The model has ``--numel`` float32 parameters (1M) cut across the shards;
 the job's codec is top-k 1% with error feedback (or dense ``none``), server-side SGD.
 
-Per configuration (N, S, codec, sync), after one warm-up round, ``--rounds`` timed rounds:
+Per configuration (N, S, codec, sync), after the joins, ``--settle`` seconds (the gRPC channels
+the joins used close once idle, as in a running job whose control calls go by the bulk plane)
+and one warm-up round, ``--rounds`` timed rounds:
 
 - ``round_p50_s`` / ``round_p99_s``: a round's wall time (every worker pushes and has pulled the
   result; ASP: every worker pushed once and pulled), over the timed rounds;
@@ -290,9 +292,11 @@ def _counts(moved: dict[int, float]) -> dict[int, int]:
 
 
 def measure(workdir: Path, n: int, shards: int, codec: str, sync: str, rounds: int, numel: int,
-            per_process: int, keep_evidence: bool = False, framework: str = "torch") -> dict:
+            per_process: int, keep_evidence: bool = False, framework: str = "torch", settle_s: float = 0.0) -> dict:
     """One configuration's figures (module docstring) and its lost/double/agree check (with
-    ``keep_evidence``, also what the check read, under ``"evidence"``)."""
+    ``keep_evidence``, also what the check read, under ``"evidence"``). ``settle_s``: seconds
+    between the last join and the warm-up round (a running job's steady state: the gRPC channels
+    the joins used close once idle, `IDLE_CHANNEL_MS`)."""
     fleet = Fleet(workdir, n, shards, codec, sync, numel, per_process, framework=framework)
     try:
         started = time.perf_counter()
@@ -301,6 +305,7 @@ def measure(workdir: Path, n: int, shards: int, codec: str, sync: str, rounds: i
         fleet.all({"op": "start"}, groups=[0])  # group 0 holds the initialiser
         fleet.all({"op": "start"}, groups=range(1, len(fleet.groups)))
         setup_s = time.perf_counter() - started
+        time.sleep(settle_s)
         fleet.all({"op": "round"})  # warm-up
         cpu0, times, moved, threads = fleet.shard_cpu_s(), [], 0, 0
         for _ in range(rounds):
@@ -410,6 +415,9 @@ def main() -> None:
                     help="largest N for top-k under ASP (default 100: every push re-encodes the downlink delta "
                          "and a pull sends up to 64 of them, so a round costs O(N^2) here)")
     ap.add_argument("--no-churn", action="store_true", help="skip the churn run")
+    ap.add_argument("--settle", type=float, default=None,
+                    help="seconds between the last join and the warm-up round, so that the joins' gRPC channels "
+                         "have closed as a running job's have (default: the channels' idle timeout + 1 s)")
     ap.add_argument("--churn-n", type=int, default=None, help="workers in the churn run (default 100)")
     ap.add_argument("--churn-s", type=float, default=None, help="length of the churn run (default 60 s)")
     ap.add_argument("--churn-rate", type=float, default=0.1,
@@ -421,6 +429,9 @@ def main() -> None:
     codecs = args.codecs or (["topk"] if args.quick else ["topk", "none"])
     syncs = args.sync or (["bsp"] if args.quick else ["bsp", "asp"])
     rounds = args.rounds or (2 if args.quick else 5)
+    from hybridfleet.ps.wire.bulk import IDLE_CHANNEL_MS
+
+    settle_s = IDLE_CHANNEL_MS / 1000 + 1.0 if args.settle is None else args.settle
     from hybridfleet.obs.log import configure
 
     configure(level="error")
@@ -436,7 +447,8 @@ def main() -> None:
                         print(f"  N={n} S={s} topk asp: skipped (above --asp-topk-max-n {args.asp_topk_max_n})",
                               file=sys.stderr)
                         continue
-                    r = measure(workdir, n, s, codec, sync, rounds, args.numel, args.clients_per_process)
+                    r = measure(workdir, n, s, codec, sync, rounds, args.numel, args.clients_per_process,
+                                settle_s=settle_s)
                     configs.append(r)
                     print(f"  N={n} S={s} {codec} {sync}: p50 {r['round_p50_s']}s p99 {r['round_p99_s']}s "
                           f"cpu/round {r['shard_cpu_s_per_round']}s rss {r['shard_rss_kib']} KiB threads {r.get('shard_threads')} "

@@ -7,8 +7,9 @@
 The fleet is bench/scale.py's (real TLS + token shards, real `PSClient`s with their own tokens
 and connections, top-k 1% + EF, BSP), except that each shard runs bench/_traced_shard.py, which
 serves exactly as `hfleet ps serve` does and answers memory questions on stdin. Workers join
-``--step`` at a time (one client process each); after each group joined and ``--rounds`` rounds
-ran, every shard reports its RSS, smaps_rollup, glibc heap (in use / free) and, with ``--frames``
+``--step`` at a time (one client process each); after each group joined, ``--rounds`` rounds
+ran and ``--settle`` seconds passed (a running job's steady state: a worker's gRPC channel,
+idle once its heartbeats go by the bulk plane, closes after `IDLE_CHANNEL_MS`), every shard reports its RSS, smaps_rollup, glibc heap (in use / free) and, with ``--frames``
 > 0, its traced Python bytes (tracing slows the shards several times, and its snapshots inflate
 their free heap: read the heap figures of a run without it). Printed per worker (slope over the
 stages, per shard): each of those, and the tracemalloc tracebacks whose bytes grew most between
@@ -31,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import scale  # noqa: E402
+from hybridfleet.ps.wire.bulk import IDLE_CHANNEL_MS  # noqa: E402
 from _shards import REPO  # noqa: E402
 
 FRAMES = {"value": 0}
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=2, help="BSP rounds after each stage's joins")
     ap.add_argument("--codec", default="topk")
+    ap.add_argument("--settle", type=float, default=IDLE_CHANNEL_MS / 1000 + 2.0,
+                    help="seconds to wait after each stage's rounds before the shards report (0: at once)")
     ap.add_argument("--frames", type=int, default=0, help="tracemalloc frames per trace (0: off)")
     ap.add_argument("--top", type=int, default=12, help="tracebacks shown")
     ap.add_argument("--connections", type=int, default=0,
@@ -101,6 +105,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     fleet.all({"op": "round"})
                 print(f"stage {g}: joins {t1 - t0:.1f} s, rounds {time.perf_counter() - t1:.1f} s", file=sys.stderr)
+                time.sleep(args.settle)
                 dumps = [str(workdir / f"snap-{g}-{j}.bin") if args.frames else "" for j in range(args.shards)]
                 stages.append({"n": args.step * (g + 1),
                                "shards": [ask(p, d) for p, d in zip(fleet.shards, dumps)], "dumps": dumps})

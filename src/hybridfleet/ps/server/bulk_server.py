@@ -40,8 +40,8 @@ from hybridfleet.errors import PortInUseError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire._proto import ps_pb2
 from hybridfleet.ps.wire.bulk import (
-    _OPS, _U32, FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAGIC, MAX_HEADER_BYTES, OP_HELLO, OP_PULL, OP_PUSH,
-    _discard, _reject, _response, recv_exact,
+    _OPS, _U32, FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAGIC, MAX_HEADER_BYTES, OP_HEARTBEAT, OP_HELLO, OP_LEAVE,
+    OP_PULL, OP_PUSH, _discard, _reject, _response, recv_exact,
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
@@ -104,16 +104,23 @@ class BulkServer:
     ``verify(token, roles)`` returns the claims or raises (None: no auth, explicit). ``pulls``:
     what lets a waiting pull park instead of holding a thread (``open_pull``, ``try_pull``,
     ``unpark``, ``poll_parked`` of `ShardServicer`); None: pulls wait in a pool thread.
+    ``heartbeat(request, claims, peer_site)`` and ``leave(...)`` answer the control calls a
+    worker sends here once its bulk connection is up (None: refused as unknown operations).
     """
 
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
                  verify: Callable[[str | None, set[str]], Any] | None, max_push_bytes: int,
                  push: Callable, pull: Callable, admit: Callable | None = None, max_connections: int = 64,
-                 pulls: Any = None, pool_threads: int | None = None):
+                 pulls: Any = None, pool_threads: int | None = None, heartbeat: Callable | None = None,
+                 leave: Callable | None = None):
         """``admit(header, claims, peer_site)``: a context manager that checks a push header before
         its payload is read and holds the push's share of the shard (None: no check)."""
         self.ssl_context, self.verify, self.max_push_bytes = ssl_context, verify, max_push_bytes
         self._push, self._pull, self._pulls = push, pull, pulls
+        self._control = {op: (fn, parse) for op, fn, parse in (
+            (OP_HEARTBEAT, heartbeat, ps_pb2.HeartbeatRequest.FromString),
+            (OP_LEAVE, leave, ps_pb2.LeaveRequest.FromString)) if fn is not None}
+        self._pushing: dict[str, int] = {}  # workers whose push is arriving now (admitted), how many
         self._admit = admit or (lambda header, claims, peer_site: nullcontext())
         self.max_connections = max_connections
         try:
@@ -168,6 +175,13 @@ class BulkServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in parked:
             self._close(p.conn)
+
+    def busy_workers(self) -> set[str]:
+        """Workers the bulk plane is serving now: a push of theirs arriving (past its admission
+        check) or a pull of theirs parked on a connection that is still open. Their connection
+        carries no heartbeat meanwhile, so the shard counts them as alive."""
+        with self._lock:
+            return set(self._pushing) | {p.request.worker_id for p in self._parked if not p.done}
 
     @property
     def parked_pulls(self) -> int:
@@ -362,12 +376,26 @@ class BulkServer:
         self._last_poll = now
         with self._lock:
             due = [p for p in self._parked if p.deadline <= now and not p.expiring]
-            any_parked = bool(self._parked)
-        if any_parked:
+            parked = list(self._parked)
+        for p in parked:
+            if not p.expiring and not _peer_open(p.conn.fd):
+                self._drop_parked(p)
+        if parked:
             self._pulls.poll_parked()
         for p in due:
             p.expiring = True
             self._submit(self._as_identity, p.conn, lambda p=p: self._resume_pull(p, True))
+
+    def _drop_parked(self, p: _ParkedPull) -> None:
+        """The worker of a parked pull closed its connection (it exited or was killed): the pull is
+        over and the connection closes, so the worker no longer counts as busy here."""
+        with p.lock:
+            if p.done:
+                return
+            self._pulls.unpark(p)
+            self._finish(p)
+        log.info("bulk_connection_closed", peer=p.conn.who, reason="closed by the peer while its pull waited")
+        self._close(p.conn)
 
     # ------------------------------------------------------------------ one connection, blocking
     def _serve(self, conn: socket.socket, peer) -> None:
@@ -487,11 +515,14 @@ class BulkServer:
         ``fd``: ``conn``'s descriptor, whose deadline covers the frame."""
         size = _U32.unpack(recv_exact(conn, 4))[0]
         try:
-            if op not in (OP_PUSH, OP_PULL):
+            if op not in (OP_PUSH, OP_PULL) and op not in self._control:
                 raise _reject("INVALID_ARGUMENT", f"unknown bulk operation {op}", close=True)
             if size > MAX_HEADER_BYTES:
                 raise _reject("INVALID_ARGUMENT", f"header of {size} bytes exceeds {MAX_HEADER_BYTES}", close=True)
             header = bytes(recv_exact(conn, size))
+            if op in self._control:
+                self._serve_control(conn, op, header, token)
+                return True
             if op == OP_PUSH:
                 self._serve_push(conn, fd, header, token)
                 return True
@@ -528,6 +559,9 @@ class BulkServer:
             else:
                 _discard(conn, declared)  # the sender is already streaming them: keep the connection in step
             raise
+        worker = header.worker_id
+        with self._lock:
+            self._pushing[worker] = self._pushing.get(worker, 0) + 1
         try:
             payloads: dict[str, np.ndarray] = {}
             for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
@@ -535,7 +569,22 @@ class BulkServer:
             self.deadlines.disarm(fd)
             reply = self._push(header, payloads, claims)
         finally:
+            with self._lock:
+                left = self._pushing.pop(worker) - 1
+                if left:
+                    self._pushing[worker] = left
             admission.__exit__(None, None, None)
+        conn.sendall(_response("OK", reply.SerializeToString()))
+
+    def _serve_control(self, conn, op: int, header_bytes: bytes, token: str) -> None:
+        """A Heartbeat or Leave: the same checks and answer as on gRPC."""
+        serve, parse = self._control[op]
+        try:
+            request = parse(header_bytes)
+        except Exception:  # protobuf raises DecodeError (and others) on garbage
+            raise _reject("INVALID_ARGUMENT", f"malformed {_OPS[op].lower()} request", close=True) from None
+        claims = self._claims(token, _OPS[op])  # the token may have expired since HELLO
+        reply = serve(request, claims, tls_peer_site(conn))
         conn.sendall(_response("OK", reply.SerializeToString()))
 
     def _serve_pull(self, conn, header_bytes: bytes, token: str, park: Conn | None):
@@ -564,6 +613,24 @@ class BulkServer:
         for _, pieces, _, _ in items:
             for piece in pieces:
                 conn.sendall(piece)
+
+
+def _peer_open(fd: int) -> bool:
+    """Whether the peer of the connected socket ``fd`` may still be there: False once it closed its
+    end (end of stream, a reset) or sent bytes while it should be waiting for an answer."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile (its pull was answered): nothing to say about it
+        return True
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return False  # the end of the stream, or bytes it should not send now
+    except (BlockingIOError, InterruptedError):
+        return True  # nothing to read: it waits, as it should
+    except OSError:
+        return False
+    finally:
+        sock.detach()
 
 
 def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:

@@ -139,10 +139,16 @@ class Membership:
             self._wake_pullers("clock")
             self.cond.notify_all()
 
-    def reap(self) -> list[str]:
-        """Drop workers silent longer than the heartbeat timeout from the quorum; returns who was dropped."""
+    def reap(self, busy=()) -> list[str]:
+        """Drop workers silent longer than the heartbeat timeout from the quorum; returns who was dropped.
+        ``busy``: workers the bulk plane is serving now (a push arriving, a pull waiting on an open
+        connection); they count as heard from now."""
         with self.cond:
             now = self._now()
+            for w in busy:
+                member = self.members.get(w)
+                if member is not None and member.alive:
+                    member.last_seen = now
             dropped = [w for w, m in self.members.items()
                        if m.alive and now - m.last_seen > self.spec.heartbeat_timeout_s]
             for w in dropped:

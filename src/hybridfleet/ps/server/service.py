@@ -257,21 +257,30 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                                            header.optimizer_json, header.skip_nonfinite)
         return ps_pb2.PushResponse(version=version, applied=applied)
 
+    def heartbeat(self, request: ps_pb2.HeartbeatRequest, claims=None, peer_site: str | None = None
+                  ) -> ps_pb2.HeartbeatResponse:
+        """One heartbeat, by gRPC or the bulk plane; raises Reject."""
+        bind_worker(request.worker_id, claims, peer_site)
+        self.state.heartbeat(request.worker_id)
+        return ps_pb2.HeartbeatResponse(version=self.state.version, live_workers=sorted(self.state.live_members()))
+
+    def leave(self, request: ps_pb2.LeaveRequest, claims=None, peer_site: str | None = None) -> ps_pb2.LeaveResponse:
+        """A worker leaves the quorum, by gRPC or the bulk plane; raises Reject."""
+        bind_worker(request.worker_id, claims, peer_site)
+        self.state.leave(request.worker_id)
+        return ps_pb2.LeaveResponse()
+
     def Heartbeat(self, request, context):
         try:
-            bind_worker(request.worker_id, current_claims(), grpc_peer_site(context))
-            self.state.heartbeat(request.worker_id)
+            return self.heartbeat(request, current_claims(), grpc_peer_site(context))
         except Reject as rej:
             self._abort(context, rej)
-        return ps_pb2.HeartbeatResponse(version=self.state.version, live_workers=sorted(self.state.live_members()))
 
     def Leave(self, request, context):
         try:
-            bind_worker(request.worker_id, current_claims(), grpc_peer_site(context))
-            self.state.leave(request.worker_id)
+            return self.leave(request, current_claims(), grpc_peer_site(context))
         except Reject as rej:
             self._abort(context, rej)
-        return ps_pb2.LeaveResponse()
 
     def Status(self, request, context):
         return ps_pb2.StatusResponse(json=json.dumps({**self.state.status(), "bulk_port": self.bulk_port}))
@@ -332,7 +341,8 @@ class ShardServer:
             self.bulk = BulkServer(host, bulk_port, security.ssl_context, verify, max_push_bytes,
                                    self.servicer.push_payloads, self.servicer.pull_items,
                                    admit=self.servicer.admit_push, max_connections=2 * threads,
-                                   pulls=self.servicer)
+                                   pulls=self.servicer, heartbeat=self.servicer.heartbeat,
+                                   leave=self.servicer.leave)
             self.servicer.bulk_port = self.bulk.port
         address = f"{host}:{port}"
         try:
@@ -366,7 +376,10 @@ class ShardServer:
     def _reap_loop(self) -> None:
         interval = min(1.0, self.state.spec.heartbeat_interval_s)
         while not self._stop.wait(interval):
-            self.state.reap()  # also closes a BSP round that was only waiting for late joiners
+            # a worker busy on the bulk plane (a push arriving, a pull waiting on an open
+            # connection) sends no heartbeat there meanwhile: it counts as alive
+            busy = self.bulk.busy_workers() if self.bulk is not None else ()
+            self.state.reap(busy)  # also closes a BSP round that was only waiting for late joiners
 
     def stop(self, grace_s: float = 1.0, final_snapshot: bool = False) -> None:
         """Stop serving. ``final_snapshot``: stop answering first, then write a snapshot of the

@@ -4,9 +4,11 @@ gRPC in Python moves about 0.5 GB/s through a shard here, a tenth of what one TC
 stream does on the same loopback: every message crosses the Python/C boundary and
 the HTTP/2 and TLS layers copy each chunk several times. Tensor bytes therefore go
 over a plain socket (TLS from the same certificates, the same bearer tokens, the
-same validation), while Join, Heartbeat, Leave and Status stay on gRPC, which also
-remains the fallback: a shard advertises its bulk port in ``JoinResponse.bulk_port``
-and a client uses it when it can (``ps.transport: grpc`` switches it off).
+same validation). Join and Status stay on gRPC, which also remains the fallback: a
+shard advertises its bulk port in ``JoinResponse.bulk_port`` and a client uses it when
+it can (``ps.transport: grpc`` switches it off). Once a worker's bulk connection is up,
+its Heartbeat and Leave go there too, so its gRPC channel falls idle and closes
+(`IDLE_CHANNEL_MS`): a shard then holds one connection per worker, not two.
 
 Frames (integers little-endian)::
 
@@ -18,7 +20,12 @@ The first request on a connection is ``HELLO`` with a JSON header
 carries a serialized ``PushHeader`` followed by each declared key's bytes in header
 order; the reply body is a serialized ``PushResponse``. ``PULL`` carries a serialized
 ``PullRequest``; the reply body is JSON ``{"version": V, "items": [[key,
-delta_version, nbytes], ...]}`` followed by the items' bytes in that order. ``status``
+delta_version, nbytes], ...]}`` followed by the items' bytes in that order.
+``HEARTBEAT`` and ``LEAVE`` carry a serialized ``HeartbeatRequest`` / ``LeaveRequest``
+and are answered with the serialized response, as on gRPC. A worker whose connection
+is busy with a push or a waiting pull sends no heartbeat on it: the shard counts a
+push being received, and a pull parked on a connection that is still open, as the
+worker being alive (`hybridfleet.ps.server.bulk_server.BulkServer.busy_workers`). ``status``
 is ``OK`` or a gRPC status code name with the reason as body, exactly what the gRPC
 path would answer. The token is checked again on every request, so an expiring token
 stops working mid-connection. After an error that leaves unread bytes on the socket
@@ -40,12 +47,15 @@ import numpy as np
 from hybridfleet.ps.wire.reject import Reject
 
 MAGIC = "hybridfleet-bulk"
-OP_HELLO, OP_PUSH, OP_PULL = 1, 2, 3
-_OPS = {OP_HELLO: "Hello", OP_PUSH: "Push", OP_PULL: "Pull"}
+OP_HELLO, OP_PUSH, OP_PULL, OP_HEARTBEAT, OP_LEAVE = 1, 2, 3, 4, 5
+_OPS = {OP_HELLO: "Hello", OP_PUSH: "Push", OP_PULL: "Pull", OP_HEARTBEAT: "Heartbeat", OP_LEAVE: "Leave"}
 MAX_HEADER_BYTES = 16 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 120.0  # the shard drops a connection whose started frame stalls this long
 IDLE_TIMEOUT_S = 30.0  # a worker gives up on a transfer that moves no byte for this long, then reconnects
+# A worker's gRPC channel closes its connection after this long without a call (its control
+# calls go by the bulk plane once that is up; a later Join or Status opens it again).
+IDLE_CHANNEL_MS = 5_000
 _U32 = struct.Struct("<I")
 
 

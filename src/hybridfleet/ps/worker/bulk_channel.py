@@ -12,8 +12,8 @@ import grpc
 
 from hybridfleet.ps.wire._proto import ps_pb2
 from hybridfleet.ps.wire.bulk import (
-    _U32, FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, MAGIC, OP_HELLO, OP_PULL, OP_PUSH,
-    BulkError, _frame, _read_response, _status, recv_exact, recv_exact_into,
+    _U32, FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, MAGIC, OP_HEARTBEAT, OP_HELLO, OP_LEAVE, OP_PULL,
+    OP_PUSH, BulkError, _frame, _read_response, _status, recv_exact, recv_exact_into,
 )
 from hybridfleet.ps.wire.protocol import WIRE_VERSION
 from hybridfleet.ps.wire.tls import remember_files, wrap
@@ -78,41 +78,73 @@ class BulkChannel:
 
     def _call(self, op: int, header: bytes, payloads: list, timeout_s: float, read_body) -> Any:
         with self._lock:
-            try:
-                if self._sock is not None and self._token() != self.token:
-                    self._drop()  # the token was renewed: say HELLO with the new one
-                if self._sock is None:
-                    self._sock = self._connect()
-                sock = self._sock
-                sock.settimeout(IDLE_TIMEOUT_S)  # while bytes move, a stall means a dead link or peer
-                frame = _frame(bytes([op]), header)
-                sock.sendall(frame)
-                # the frame's header bytes are the caller's to count (a PushHeader or PullRequest)
-                self._count("sent", "framing", 1 + _U32.size, frame[:1 + _U32.size])
-                for p in payloads:
-                    sock.sendall(p)
-                sock.settimeout(timeout_s)  # the shard may hold a pull until its round closes
-                status_len = recv_exact(sock, 1)
-                sock.settimeout(IDLE_TIMEOUT_S)
-                status, body = _read_response(sock, status_len)
-                self._count("received", "control", 1 + len(status) + _U32.size + len(body))
-                if status != "OK":
-                    raise BulkError(_status(status), body.decode(errors="replace"))
-                return read_body(sock, body)
-            except BulkError as err:
-                if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    self._drop()  # the next call says HELLO again
-                raise
-            except (OSError, EOFError, ssl.SSLError) as err:
-                self._drop()
-                raise BulkError(grpc.StatusCode.UNAVAILABLE,
-                                f"bulk connection to {self.address} failed: {err or type(err).__name__}") from None
+            return self._call_locked(op, header, payloads, timeout_s, read_body)
+
+    def _call_locked(self, op: int, header: bytes, payloads: list, timeout_s: float, read_body) -> Any:
+        try:
+            if self._sock is not None and self._token() != self.token:
+                self._drop()  # the token was renewed: say HELLO with the new one
+            if self._sock is None:
+                self._sock = self._connect()
+            sock = self._sock
+            sock.settimeout(IDLE_TIMEOUT_S)  # while bytes move, a stall means a dead link or peer
+            frame = _frame(bytes([op]), header)
+            sock.sendall(frame)
+            # the frame's header bytes are the caller's to count (a PushHeader or PullRequest)
+            self._count("sent", "framing", 1 + _U32.size, frame[:1 + _U32.size])
+            for p in payloads:
+                sock.sendall(p)
+            sock.settimeout(timeout_s)  # the shard may hold a pull until its round closes
+            status_len = recv_exact(sock, 1)
+            sock.settimeout(IDLE_TIMEOUT_S)
+            status, body = _read_response(sock, status_len)
+            self._count("received", "control", 1 + len(status) + _U32.size + len(body))
+            if status != "OK":
+                raise BulkError(_status(status), body.decode(errors="replace"))
+            return read_body(sock, body)
+        except BulkError as err:
+            if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                self._drop()  # the next call says HELLO again
+            raise
+        except (OSError, EOFError, ssl.SSLError) as err:
+            self._drop()
+            raise BulkError(grpc.StatusCode.UNAVAILABLE,
+                            f"bulk connection to {self.address} failed: {err or type(err).__name__}") from None
 
     def push(self, header: ps_pb2.PushHeader, payloads: list, timeout_s: float = FRAME_TIMEOUT_S) -> ps_pb2.PushResponse:
         """Send one push (``payloads`` in the order of ``header.keys``) and return the shard's answer;
         ``timeout_s`` is the longest wait for that answer once every byte is sent."""
         return self._call(OP_PUSH, header.SerializeToString(), payloads, timeout_s,
                           lambda sock, body: ps_pb2.PushResponse.FromString(bytes(body)))
+
+    def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout_s: float) -> ps_pb2.HeartbeatResponse | None:
+        """Send a heartbeat unless the connection is busy (a push or a waiting pull, which the shard
+        counts as this worker being alive): None then."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._control(OP_HEARTBEAT, request, timeout_s, ps_pb2.HeartbeatResponse.FromString)
+        finally:
+            self._lock.release()
+
+    def leave(self, request: ps_pb2.LeaveRequest, timeout_s: float) -> bool:
+        """Leave the shard's quorum; False when the connection stayed busy for ``timeout_s``."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self._control(OP_LEAVE, request, timeout_s, ps_pb2.LeaveResponse.FromString)
+            return True
+        finally:
+            self._lock.release()
+
+    def _control(self, op: int, request, timeout_s: float, parse):
+        try:
+            return self._call_locked(op, request.SerializeToString(), [], timeout_s,
+                                     lambda sock, body: parse(bytes(body)))
+        except BulkError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                self._drop()  # a shard that does not know the call closes the connection after saying so
+            raise
 
     def pull(self, request: ps_pb2.PullRequest, timeout_s: float,
              into: Callable[[str, int, int], memoryview | None] | None = None,

@@ -28,11 +28,15 @@ from hybridfleet.ps.worker.rpc_errors import explain, is_name_mismatch, is_untru
 from hybridfleet.ps.wire import fastwire
 from hybridfleet.ps.wire._proto import ps_pb2, ps_pb2_grpc
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
+from hybridfleet.ps.wire.bulk import IDLE_CHANNEL_MS, BulkError
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES, GRPC_OPTIONS, SERVICE, WIRE_VERSION
 
 log = get_logger("ps.client")
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+# The longest wait for a heartbeat's answer on the bulk plane (a late answer holds the connection,
+# a timed-out one costs a reconnect)
+BULK_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class ShardRestarted(Exception):
@@ -182,7 +186,8 @@ class PSClient:
         self.retry_timeout_s = retry_timeout_s
         self.resolve = resolve
         self.bytes = ByteCounter()
-        self._options = list(GRPC_OPTIONS)
+        # a channel whose calls all went to the bulk plane closes its connection once idle
+        self._options = [*GRPC_OPTIONS, ("grpc.client_idle_timeout_ms", IDLE_CHANNEL_MS)]
         if security.target_name_override:
             self._options.append(("grpc.ssl_target_name_override", security.target_name_override))
         self.security = security
@@ -190,6 +195,7 @@ class PSClient:
         self._stubs = [_Stub(c) for c in self._channels]
         self._bulk_allowed = transport == "auto" and (security.insecure or security.ssl_context is not None)
         self._bulk: list = [None] * len(servers)  # hybridfleet.ps.wire.bulk.BulkChannel per shard, when used
+        self._control_on_grpc = [False] * len(servers)  # a shard whose bulk plane refused a control call
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
         self.plan: ShardingPlan | None = None
         self.versions = [-1] * len(servers)
@@ -351,6 +357,11 @@ class PSClient:
             log.info("rejoining", worker=self.worker_id)
             self.join(*self._join_args)
 
+    def _bulk_control(self, shard: int):
+        """Shard ``shard``'s bulk channel when Heartbeat and Leave go there (else None: gRPC)."""
+        bulk = self._bulk[shard]
+        return None if bulk is None or self._control_on_grpc[shard] else bulk
+
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._hb_stop.wait(interval_s):
             for i, stub in enumerate(self._stubs):
@@ -358,9 +369,19 @@ class PSClient:
                     return
                 try:
                     beat = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, step=self.clock)
+                    bulk = self._bulk_control(i)
+                    if bulk is not None:
+                        # busy with a push or a waiting pull: the shard counts that as a heartbeat
+                        if bulk.heartbeat(beat, max(interval_s * 2, BULK_HEARTBEAT_TIMEOUT_S)) is not None:
+                            self.bytes.add_sent("control", beat)
+                        continue
                     self.bytes.add_sent("control", beat)
                     stub.Heartbeat(beat, metadata=self._metadata, timeout=interval_s * 2)
                 except grpc.RpcError as err:
+                    if isinstance(err, BulkError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        self._control_on_grpc[i] = True  # a shard whose bulk plane predates control calls
+                        log.info("heartbeat_on_grpc", shard=i, reason=err.details())
+                        continue
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         self._needs_rejoin = True
                     log.debug("heartbeat_failed", shard=i, code=str(err.code()))
@@ -499,10 +520,17 @@ class PSClient:
         """Stop heartbeats, leave the quorum (so BSP rounds do not wait for us) and close channels."""
         self._hb_stop.set()
         if leave:
-            for stub in self._stubs:
+            for i, stub in enumerate(self._stubs):
                 try:
                     leave = ps_pb2.LeaveRequest(worker_id=self.worker_id)
                     self.bytes.add_sent("control", leave)
+                    bulk = self._bulk_control(i)
+                    if bulk is not None:
+                        try:
+                            if bulk.leave(leave, 5):
+                                continue
+                        except grpc.RpcError:
+                            pass  # say it on gRPC instead
                     stub.Leave(leave, metadata=self._metadata, timeout=5)
                 except grpc.RpcError:
                     pass
