@@ -345,3 +345,39 @@ def test_allocator_tuning_applies_where_glibc_is_the_libc():
     from hybridfleet.ps.alloc import tune_allocator
 
     assert tune_allocator(trim_bytes=64 << 20) is (platform.libc_ver()[0] == "glibc")
+
+
+def test_a_burst_of_connections_from_one_address_all_get_in(cluster):
+    # Prepare: 30 workers' channels from one address (a site behind one NAT address joining at once);
+    # the shard keeps at most PENDING_PER_SOURCE handshakes of one address and ends the oldest (its
+    # bulk plane serves 32 connections here)
+    import threading
+
+    from hybridfleet.ps.server.bulk_server import PENDING_PER_SOURCE
+
+    ctx = client_ssl_context(str(load_pki(cluster.certs).ca_cert))
+    bulk_server = cluster.servers[0].bulk
+    channels = [BulkChannel("127.0.0.1", bulk_server.port, ctx, None, cluster.token(worker=f"a-{i}"))
+                for i in range(30)]
+    start, socks, errors = threading.Barrier(len(channels)), {}, []
+
+    def connect(i: int) -> None:
+        start.wait()
+        try:
+            socks[i] = channels[i]._connect()
+        except Exception as err:  # noqa: BLE001 - collected for the assertion below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in range(len(channels))]
+
+    # Execute
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    # Assert: handshakes were ended by the burst, and every channel got in on a later attempt
+    assert bulk_server._slots.evicted > 0, f"the burst never exceeded {PENDING_PER_SOURCE} pending handshakes"
+    assert errors == [] and len(socks) == len(channels)
+    for s in socks.values():
+        s.close()

@@ -124,23 +124,37 @@ def test_hfleet_ps_scale_changes_a_running_jobs_shards_2_4_3_and_training_ends_a
     plain = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "plain",
                        report=False, metrics=False)
     answers: list = []
+    scaler: list[threading.Thread] = []
 
     def scale_twice(sup, layout):
+        def version_now() -> int:
+            """Shard 0's version; -1 while it cannot say (its port file is rewritten by a hand-over)."""
+            try:
+                probe = ShardStatusProbe((layout.run_dir / "shard-0.port").read_text().strip(), layout.certs_dir,
+                                         layout.tokens["admin"])
+            except OSError:
+                return -1
+            try:
+                return probe.version()
+            except Exception:
+                return -1
+            finally:
+                probe.close()
+
         def at(version: int, shards: int) -> None:
-            probe = ShardStatusProbe(open(layout.run_dir / "shard-0.port").read().strip(), layout.certs_dir,
-                                     layout.tokens["admin"])
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and probe.version() < version:
-                time.sleep(0.05)
-            probe.close()
+            while time.monotonic() < deadline and version_now() < version:
+                time.sleep(0.2)
             result = CliRunner().invoke(app, ["ps", "scale", str(layout.run_dir), "--shards", str(shards)])
             answers.append((result.exit_code, result.output, repr(result.exception)))
 
-        threading.Thread(target=lambda: (at(10, 4), at(25, 3)), daemon=True).start()
+        scaler.append(threading.Thread(target=lambda: (at(10, 4), at(25, 3)), daemon=True))
+        scaler[0].start()
 
     # Execute
     scaled = run_ps_job(load_spec(job), job, echo=False, show_progress=False, run_root=tmp_path / "scaled",
                         on_started=scale_twice, report=False, metrics=False)
+    scaler[0].join(60)  # the second answer may be read just after the job ends
     # Assert: both changes were answered mid-run, three shards ended the job, the model is the plain run's
     assert plain["status"] == "completed" and scaled["status"] == "completed", scaled
     assert [code for code, _, _ in answers] == [0, 0], answers

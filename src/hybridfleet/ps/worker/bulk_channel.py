@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Callable
 
 import grpc
@@ -17,6 +19,9 @@ from hybridfleet.ps.wire.bulk import (
 )
 from hybridfleet.ps.wire.protocol import WIRE_VERSION
 from hybridfleet.ps.wire.tls import remember_files, wrap
+
+# Attempts to open a connection that the shard closes during its handshake (see BulkChannel._connect)
+CONNECT_ATTEMPTS = 8
 
 
 def client_ssl_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
@@ -57,6 +62,23 @@ class BulkChannel:
         return f"{self.host}:{self.port}"
 
     def _connect(self) -> socket.socket:
+        """A new connection past its HELLO. A shard that gets a burst of new connections from one
+        address (a site behind one NAT address, all joining at once) ends the oldest of those still
+        in their handshake (`hybridfleet.ps.wire.admission`); such a connection, closed before the
+        HELLO was answered, is opened again after a short random delay, up to `CONNECT_ATTEMPTS`
+        times. A refused connection or an untrusted certificate is not tried again here."""
+        for attempt in range(CONNECT_ATTEMPTS):
+            try:
+                return self._connect_once()
+            except ssl.SSLCertVerificationError:
+                raise
+            except (EOFError, ConnectionError, ssl.SSLError):
+                if attempt == CONNECT_ATTEMPTS - 1:
+                    raise
+                time.sleep(random.uniform(0.0, 0.02 * 2 ** attempt))
+        raise AssertionError("unreachable")
+
+    def _connect_once(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
