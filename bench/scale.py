@@ -40,7 +40,8 @@ The churn run (BSP, top-k, ``--churn-n`` workers, 2 shards, ``--churn-s`` second
 the membership per minute: workers leave (``Leave``) and rejoin on new connections, and a
 whole client process is SIGKILLed mid-round and started again (its workers rejoin).
 
-Keys of the JSON last line: per_worker_round_us, per_worker_rss_kib, per_worker_cpu_us (of the
+Keys of the JSON last line: per_worker_round_us, per_worker_rss_kib (all shards together),
+per_worker_rss_kib_per_shard (the same over S: what one shard holds per worker), per_worker_cpu_us (of the
 reference group: S = 4, top-k, bsp, else the first group with two N), round_p99_s_n1000 (null
 when N = 1000 was not run), lost_pushes, double_applied (all runs together), workers_agree,
 churn (its events and checks), configs (every configuration's figures).
@@ -464,6 +465,7 @@ def main() -> None:
             slopes[f"S{s}-{codec}-{sync}"] = {
                 "per_worker_round_us": round(slope(xs, [r["round_p50_s"] * 1e6 for r in rs]), 1),
                 "per_worker_rss_kib": round(slope(xs, [r["shard_rss_kib"] for r in rs]), 2),
+                "per_worker_rss_kib_per_shard": round(slope(xs, [r["shard_rss_kib"] for r in rs]) / s, 2),
                 "per_worker_cpu_us": round(slope(xs, [r["shard_cpu_s_per_round"] * 1e6 for r in rs]), 1),
                 "per_worker_bytes": round(slope(xs, [r["bytes_per_worker"] for r in rs]), 1)}
     ref = slopes.get("S4-topk-bsp") or next(iter(slopes.values()), {})
@@ -488,6 +490,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "scale", "parameters": args.numel,
         "per_worker_round_us": ref.get("per_worker_round_us"), "per_worker_rss_kib": ref.get("per_worker_rss_kib"),
+        "per_worker_rss_kib_per_shard": ref.get("per_worker_rss_kib_per_shard"),
         "per_worker_cpu_us": ref.get("per_worker_cpu_us"),
         "round_p99_s_n1000": n1000[0]["round_p99_s"] if n1000 else None,
         "lost_pushes": sum(r["lost_pushes"] for r in runs), "double_applied": sum(r["double_applied"] for r in runs),
