@@ -17,6 +17,7 @@ import pytest
 from hybridfleet.ps.worker import client as client_module
 from hybridfleet.ps.wire import bulk
 from hybridfleet.ps.wire._proto import ps_pb2
+from tests.ps_attack_helpers import wait_until
 from tests.ps_helpers import join_and_init, start_cluster
 from tests.test_ps_bulk import _closed, _raw
 from tests.test_ps_server import encoded, grads
@@ -45,24 +46,21 @@ def _established_to(port: int) -> int:
     return n
 
 
-def _wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+def _two_members(cluster):
+    """Workers a-0 (which initialised the shard) and b-0, both joined."""
+    a, b = cluster.client("a"), cluster.client("b")
+    join_and_init(cluster, a)
+    join_and_init(cluster, b, init=False)
+    return a, b
 
 
 def test_a_worker_stays_in_the_quorum_on_its_bulk_connection_alone(cluster):
     # Prepare: two workers joined; their gRPC channels carried the Join and nothing since
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
     shard = cluster.servers[0]
 
     # Execute: wait well past the heartbeat timeout
-    closed = _wait_for(lambda: _established_to(shard.port) == 0)
+    closed = wait_until(lambda: _established_to(shard.port) == 0)
     time.sleep(2.5 * cluster.spec.ps.heartbeat_timeout_s)
 
     # Assert: no gRPC connection left, one bulk connection per worker, both still members
@@ -77,9 +75,7 @@ def test_a_worker_stays_in_the_quorum_on_its_bulk_connection_alone(cluster):
 
 def test_a_pull_waiting_past_the_heartbeat_timeout_keeps_its_worker(cluster):
     # Prepare: a has pushed round 0 and waits for it; b has not pushed yet
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
     shard = cluster.servers[0]
     a.push(encoded(a, grads(1.0)), codec="none")
     got: dict = {}
@@ -87,7 +83,7 @@ def test_a_pull_waiting_past_the_heartbeat_timeout_keeps_its_worker(cluster):
 
     # Execute: a's pull waits 2.5x the heartbeat timeout (no heartbeat can go on its busy connection)
     waiter.start()
-    assert _wait_for(lambda: shard.bulk.parked_pulls == 1)
+    assert wait_until(lambda: shard.bulk.parked_pulls == 1)
     time.sleep(2.5 * cluster.spec.ps.heartbeat_timeout_s)
     alive_while_waiting = shard.state.live_members()
     b.push(encoded(b, grads(3.0)), codec="none")
@@ -103,16 +99,14 @@ def test_a_pull_waiting_past_the_heartbeat_timeout_keeps_its_worker(cluster):
 
 def test_a_pull_whose_worker_vanishes_is_dropped_and_the_worker_times_out(cluster):
     # Prepare: b parks a pull on a raw bulk connection and sends no heartbeat otherwise
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
     shard = cluster.servers[0]
     b.close(leave=False)  # its own connections and heartbeats stop
     sock, status, _ = _raw(cluster, token=cluster.token("b"))
     assert status == "OK"
     pull = ps_pb2.PullRequest(worker_id="b-0", since_version=0, wait_for_version=1, timeout_s=60)
     sock.sendall(bulk._frame(bytes([bulk.OP_PULL]), pull.SerializeToString()))
-    assert _wait_for(lambda: shard.bulk.parked_pulls == 1)
+    assert wait_until(lambda: shard.bulk.parked_pulls == 1)
     time.sleep(2.0 * cluster.spec.ps.heartbeat_timeout_s)
     alive_while_parked = "b-0" in shard.state.live_members()
 
@@ -121,17 +115,15 @@ def test_a_pull_whose_worker_vanishes_is_dropped_and_the_worker_times_out(cluste
 
     # Assert: the pull is let go and b is dropped by the heartbeat timeout; a stays
     assert alive_while_parked
-    assert _wait_for(lambda: shard.bulk.parked_pulls == 0, 5)
-    assert _wait_for(lambda: "b-0" not in shard.state.live_members(), 5)
+    assert wait_until(lambda: shard.bulk.parked_pulls == 0, 5)
+    assert wait_until(lambda: "b-0" not in shard.state.live_members(), 5)
     assert "a-0" in shard.state.live_members()
     assert shard.state.version == 0
     a.close()
 
 
 def test_leave_goes_by_the_bulk_connection(cluster):
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
 
     def refuse(*args, **kwargs):
         raise AssertionError("Leave went by gRPC")
@@ -146,9 +138,7 @@ def test_a_shard_without_control_calls_on_its_bulk_plane_gets_heartbeats_by_grpc
     # Prepare: the shard's bulk plane answers pushes and pulls only (as one built before these calls)
     shard = cluster.servers[0]
     shard.bulk._control = {}
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
 
     # Execute: past the heartbeat timeout
     time.sleep(2.5 * cluster.spec.ps.heartbeat_timeout_s)
@@ -165,9 +155,7 @@ def test_a_shard_without_control_calls_on_its_bulk_plane_gets_heartbeats_by_grpc
 
 def test_a_heartbeat_or_leave_naming_another_worker_is_refused_and_changes_nothing(cluster):
     # Prepare: a and b joined; a raw bulk connection with a's token
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
     state = cluster.servers[0].state
     sock, _, _ = _raw(cluster, token=cluster.token("a"))
     b.close(leave=False)  # b's own heartbeats stop: only the refused ones below could refresh it
@@ -204,14 +192,12 @@ def test_a_malformed_heartbeat_is_refused_and_the_connection_closed(cluster):
 
 
 def test_a_worker_dropped_from_the_quorum_is_told_on_the_bulk_plane_and_joins_again(cluster):
-    a, b = cluster.client("a"), cluster.client("b")
-    join_and_init(cluster, a)
-    join_and_init(cluster, b, init=False)
+    a, b = _two_members(cluster)
     state = cluster.servers[0].state
     with state.cond:
         state.members["a-0"].alive = False  # as the reaper does when a worker falls silent
 
-    assert _wait_for(lambda: a._needs_rejoin, 5)
+    assert wait_until(lambda: a._needs_rejoin, 5)
     a.pull()  # the next call joins again first
     assert "a-0" in state.live_members()
     a.close()
