@@ -5,21 +5,21 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch  # noqa: F401  the job's framework: a real worker has it loaded, so "framework" counts it
 
 from hybridfleet.ps.worker.session import PSSession, WorkerConfig, client_security_from_env
 from hybridfleet.spec import load_spec
+from _proc import cpu_s, status_field  # bench/ is sys.path[0] when a bench runs
 
 
 def resident_bytes() -> int:
     """This process's resident set now (VmRSS), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    kib = status_field("VmRSS")
+    if kib is None:
+        raise RuntimeError("no VmRSS in /proc/self/status")
+    return kib * 1024
 
 
 def own_cpu_s() -> float:
@@ -34,11 +34,7 @@ def shard_cpu_s() -> float | None:
     pids = os.environ.get("HFLEET_BENCH_SHARD_PIDS")
     if not pids:
         return None
-    total = 0
-    for pid in pids.split(","):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_s(int(pid)) for pid in pids.split(","))
 
 
 def main() -> None:

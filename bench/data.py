@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _proc import status_field  # bench/ is sys.path[0] when a bench runs
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -46,10 +47,7 @@ WORKERS = 2
 
 
 def rss_anon_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return (status_field("RssAnon") or 0) / 1024
 
 
 def make_rows(n: int, row_bytes: int) -> dict[str, np.ndarray]:

@@ -50,6 +50,7 @@ import yaml
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
 from hybridfleet.ps.wire.tls import ENV_SWITCH, native_available
+from _proc import status_field  # bench/ is sys.path[0] when a bench runs
 
 HERE = Path(__file__).resolve().parent
 TENSORS = 16
@@ -95,10 +96,10 @@ def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
 
 def peak_rss_bytes(pid: int) -> int:
     """A running process's peak resident set (VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
+    kib = status_field("VmHWM", pid)
+    if kib is None:
+        raise RuntimeError(f"no VmHWM for process {pid}")
+    return kib * 1024
 
 
 def slice_bytes(numel: int, shards: int) -> list[int]:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -67,11 +66,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _scale_worker import LEDGER, model_params  # noqa: E402
+from _proc import cpu_s, status_field  # noqa: E402
 from _shards import REPO, serve_shards, stop_shards  # noqa: E402
 
 LR = 0.125  # a power of two: ledger counts stay exact
 SITE_WORKERS = 100  # workers per site in the simulated job
-TICK_S = os.sysconf("SC_CLK_TCK")
 
 
 def job_data(n: int, shards: int, codec: str, sync: str, numel: int, churn: bool, framework: str = "torch") -> dict:
@@ -87,26 +86,6 @@ def job_data(n: int, shards: int, codec: str, sync: str, numel: int, churn: bool
           "compression": {"codec": codec},
           "heartbeat_interval_s": 0.5 if churn else 5.0, "heartbeat_timeout_s": 3.0 if churn else 120.0}
     return {"name": "bench-scale", "framework": framework, "entrypoint": "t.py", "sites": sites, "ps": ps}
-
-
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK_S  # utime, stime
-
-
-def proc_rss_kib(pid: int) -> int:
-    return _proc_status(pid, "VmRSS:")
-
-
-def proc_threads(pid: int) -> int:
-    return _proc_status(pid, "Threads:")
-
-
-def _proc_status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
 
 
 class Fleet:
@@ -194,13 +173,13 @@ class Fleet:
                 "accepted": self.accepted, "finals": finals}
 
     def shard_cpu_s(self) -> float:
-        return sum(proc_cpu_s(p.pid) for p in self.shards)
+        return sum(cpu_s(p.pid) for p in self.shards)
 
     def shard_rss_kib(self) -> int:
-        return sum(proc_rss_kib(p.pid) for p in self.shards)
+        return sum(status_field("VmRSS", p.pid) or 0 for p in self.shards)
 
     def shard_threads(self) -> int:
-        return max(proc_threads(p.pid) for p in self.shards)
+        return max(status_field("Threads", p.pid) or 0 for p in self.shards)
 
     def versions(self) -> list[int]:
         return [int(p.status(timeout_s=30)["version"]) for p in self.probes]

@@ -49,6 +49,7 @@ from typing import Callable
 
 import httpx
 import numpy as np
+from _proc import cpu_s  # bench/ is sys.path[0] when a bench runs
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "examples" / "digits"), str(REPO / "examples" / "fashion"), str(REPO)]
@@ -83,8 +84,7 @@ def _start(cmd: list[str], port: int, headers: dict[str, str], model: str) -> su
 
 def _server_cpu_s(proc: subprocess.Popen) -> float:
     """CPU-seconds (user + system, every thread) the server process has used so far."""
-    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return cpu_s(proc.pid)
 
 
 def _load(port: int, headers: dict[str, str], body: bytes, requests: int, model: str,
