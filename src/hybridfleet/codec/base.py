@@ -23,6 +23,25 @@ from hybridfleet.codec.frame import DTYPE_CODES, Frame, check_numel, pack_frame,
 from hybridfleet.errors import ProtocolError
 
 SUPPORTED_DTYPES = tuple(DTYPE_CODES)
+# Elements checked at a time by `all_finite`: its boolean scratch is this many bytes, whatever the array
+FINITE_CHUNK = 1 << 20
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """Whether every value of ``x`` is finite: ``np.isfinite(x).all()`` without its boolean array of
+    ``x.size`` bytes (a quarter of a float32 tensor), checked `FINITE_CHUNK` elements at a time
+    into one reused scratch and stopping at the first piece that holds NaN or Inf."""
+    if x.size <= FINITE_CHUNK or not x.flags.c_contiguous:
+        return bool(np.isfinite(x).all())
+    flat = x.reshape(-1)
+    scratch = np.empty(FINITE_CHUNK, dtype=bool)
+    for start in range(0, flat.size, FINITE_CHUNK):
+        piece = flat[start:start + FINITE_CHUNK]
+        found = scratch[:piece.size]
+        np.isfinite(piece, out=found)
+        if not found.all():
+            return False
+    return True
 
 
 class SparseTensor(NamedTuple):
@@ -61,7 +80,7 @@ class Codec(ABC):
         check_numel(shape)
         with np.errstate(over="ignore"):  # overflow is reported just below
             flat = np.ascontiguousarray(array, dtype=self._work_dtype(array.dtype)).reshape(-1)
-        if flat.dtype.itemsize < array.dtype.itemsize and not np.isfinite(flat).all():
+        if flat.dtype.itemsize < array.dtype.itemsize and not all_finite(flat):
             raise ValueError(f"codec {self.name!r} computes in {flat.dtype}; the gradient holds values beyond its range")
         return pack_frame(self.name, array.dtype, shape, self._encode_fields(flat))
 
@@ -128,7 +147,7 @@ def check_gradient(x: Any, codec_name: str) -> np.ndarray:
     if x.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise TypeError(f"codec {codec_name!r} encodes {names} arrays (got {x.dtype})")
-    if not np.isfinite(x).all():
+    if not all_finite(x):
         raise ValueError(f"codec {codec_name!r} cannot encode a gradient holding NaN or Inf (shape {x.shape})")
     return x
 
@@ -141,6 +160,6 @@ def _expect(frame: Frame, expected_numel: int | None) -> Frame:
 
 
 def _finite(values: np.ndarray, codec_name: str) -> np.ndarray:
-    if not np.isfinite(values).all():
+    if not all_finite(values):
         raise ProtocolError(f"{codec_name} payload decodes to NaN or Inf values")
     return values

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridfleet.codec.base import Codec, check_gradient
+from hybridfleet.codec.base import Codec, all_finite, check_gradient
 from hybridfleet.codec.cast import FP16_MAX
 
 _KINDS = ("residual", "velocity", "step", "q")
@@ -201,7 +201,7 @@ class ErrorFeedback:
             tables[kind][key] = value
         residuals, velocities, steps, warm = tables["residual"], tables["velocity"], tables["step"], tables["q"]
         for key, residual in residuals.items():
-            if residual.dtype not in (np.float32, np.float64) or not np.isfinite(residual).all():
+            if residual.dtype not in (np.float32, np.float64) or not all_finite(residual):
                 raise ValueError(f"error-feedback state: residual/{key} must be finite float32 or float64 (got {residual.dtype})")
             step = steps.get(key)
             if step is None or step.shape != (1,) or step.dtype.kind not in "iu" or step[0] < 0:

@@ -44,6 +44,7 @@ import numpy as np
 
 from hybridfleet.ckpt.run_model import MODEL_DIR_ENV
 from hybridfleet.ckpt.site_buffers import save_site_buffers
+from hybridfleet.codec.base import all_finite
 from hybridfleet.errors import SpecError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.worker import sparse_grads
@@ -340,7 +341,7 @@ class ParameterServerHandle(ABC):
         """Step the script's optimizer on this worker, unless a gradient is not finite (GradScaler
         semantics: that step is skipped, logged and counted)."""
         bad = sorted(n for n, p in self._named_parameters().items()
-                     if p.grad is not None and not np.isfinite(self._grad(p)).all())
+                     if p.grad is not None and not all_finite(self._grad(p)))
         if bad:
             self.session.note_skipped_nonfinite(bad)
         else:

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from hybridfleet.codec.advice import sparse_advice
+from hybridfleet.codec.base import all_finite
 from hybridfleet.errors import install_excepthook
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metrics import StepTimer
@@ -214,7 +215,7 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
         unknown = sorted(set(grads) - set(self.shapes))
         if unknown:
             raise ValueError(f"gradients of parameters the job does not have: {unknown[:3]}")
-        nonfinite = sorted(k for k, g in grads.items() if not np.isfinite(g).all())
+        nonfinite = sorted(k for k, g in grads.items() if not all_finite(g))
         if nonfinite:
             if self.link is not None or self.hub is not None or self.secure is not None:
                 raise ValueError(f"gradient of {nonfinite[0]!r} has non-finite values (NaN or Inf) at step "

@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from hybridfleet.codec.base import all_finite
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire.admission import HandshakeSlots
@@ -301,7 +302,7 @@ class SiteHub:
             raise ProtocolError(f"follower sent {len(frame)} gradient bytes, expected {expected}")
         g = np.frombuffer(frame, dtype=DTYPE, count=self.numel)
         flags = np.frombuffer(frame, dtype=np.uint8, offset=self.numel * DTYPE.itemsize)
-        if not np.isfinite(g).all():
+        if not all_finite(g):
             raise ProtocolError("follower sent non-finite gradient values")
         if (flags > 1).any():
             raise ProtocolError("follower sent presence flags other than 0 and 1")
