@@ -48,7 +48,7 @@ from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.server.bulk_loop import FAILED, WOULD_BLOCK, Conn, EventLoop
 from hybridfleet.ps.server.deadlines import Deadlines
 from hybridfleet.ps.server.identity import tls_peer_site
-from hybridfleet.ps.wire.admission import HandshakeSlots
+from hybridfleet.ps.wire.admission import HandshakeSlots, peer_open
 from hybridfleet.ps.wire.reject import Reject
 from hybridfleet.ps.wire.tls import remember_files, wrap, wrap_nonblocking
 
@@ -378,7 +378,7 @@ class BulkServer:
             due = [p for p in self._parked if p.deadline <= now and not p.expiring]
             parked = list(self._parked)
         for p in parked:
-            if not p.expiring and not _peer_open(p.conn.fd):
+            if not p.expiring and not peer_open(p.conn.fd):
                 self._drop_parked(p)
         if parked:
             self._pulls.poll_parked()
@@ -613,24 +613,6 @@ class BulkServer:
         for _, pieces, _, _ in items:
             for piece in pieces:
                 conn.sendall(piece)
-
-
-def _peer_open(fd: int) -> bool:
-    """Whether the peer of the connected socket ``fd`` may still be there: False once it closed its
-    end (end of stream, a reset) or sent bytes while it should be waiting for an answer."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:  # closed meanwhile (its pull was answered): nothing to say about it
-        return True
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        return False  # the end of the stream, or bytes it should not send now
-    except (BlockingIOError, InterruptedError):
-        return True  # nothing to read: it waits, as it should
-    except OSError:
-        return False
-    finally:
-        sock.detach()
 
 
 def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:

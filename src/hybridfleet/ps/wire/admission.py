@@ -30,6 +30,24 @@ def shutdown_fd(fd: int) -> None:
         sock.detach()
 
 
+def peer_open(fd: int) -> bool:
+    """Whether the peer of the connected socket ``fd`` may still be there: False once it closed its
+    end (end of stream, a reset) or sent bytes while it should be waiting for an answer."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile (its pull was answered): nothing to say about it
+        return True
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return False  # the end of the stream, or bytes it should not send now
+    except (BlockingIOError, InterruptedError):
+        return True  # nothing to read: it waits, as it should
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
 class HandshakeSlots:
     """Pending (not yet authenticated) connections by descriptor, bounded per source and in all.
 
