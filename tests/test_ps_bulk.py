@@ -381,3 +381,54 @@ def test_a_burst_of_connections_from_one_address_all_get_in(cluster):
     assert errors == [] and len(socks) == len(channels)
     for s in socks.values():
         s.close()
+
+
+def test_a_connection_closed_in_its_handshake_is_retried_without_touching_the_scripts_rng(monkeypatch):
+    # Prepare: a listener that ends each connection at once (a shard evicting pending handshakes);
+    # the script's own `random` state, which its checkpoints record for an exact resume
+    import random
+    import threading
+
+    from hybridfleet.ps.worker import bulk_channel
+
+    monkeypatch.setattr(bulk_channel, "CONNECT_ATTEMPTS", 3)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve() -> None:
+        for _ in range(3):
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            conn.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    random.seed(1234)
+    before = random.getstate()
+    channel = BulkChannel("127.0.0.1", listener.getsockname()[1], None, None, "token")
+
+    # Execute
+    with pytest.raises((EOFError, ConnectionError)):
+        channel._connect()
+    server.join(10)
+    listener.close()
+
+    # Assert: three attempts, and the script's generator is where it was
+    assert len(accepted) == 3
+    assert random.getstate() == before
+
+
+def test_a_refused_connection_is_not_tried_again(monkeypatch):
+    # Prepare: a port nobody listens on
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    channel = BulkChannel("127.0.0.1", port, None, None, "token")
+    attempts = []
+    once = channel._connect_once
+    monkeypatch.setattr(channel, "_connect_once", lambda: attempts.append(1) or once())
+
+    # Execute / Assert: refused once, raised at once
+    with pytest.raises(ConnectionRefusedError):
+        channel._connect()
+    assert attempts == [1]

@@ -22,6 +22,9 @@ from hybridfleet.ps.wire.tls import remember_files, wrap
 
 # Attempts to open a connection that the shard closes during its handshake (see BulkChannel._connect)
 CONNECT_ATTEMPTS = 8
+# The delays between those attempts come from a generator of their own: a worker's threads never draw
+# from the script's `random` module, whose state the script's checkpoints record for an exact resume
+_JITTER = random.Random()
 
 
 def client_ssl_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
@@ -70,12 +73,12 @@ class BulkChannel:
         for attempt in range(CONNECT_ATTEMPTS):
             try:
                 return self._connect_once()
-            except ssl.SSLCertVerificationError:
+            except (ssl.SSLCertVerificationError, ConnectionRefusedError):
                 raise
             except (EOFError, ConnectionError, ssl.SSLError):
                 if attempt == CONNECT_ATTEMPTS - 1:
                     raise
-                time.sleep(random.uniform(0.0, 0.02 * 2 ** attempt))
+                time.sleep(_JITTER.uniform(0.0, 0.02 * 2 ** attempt))
         raise AssertionError("unreachable")
 
     def _connect_once(self) -> socket.socket:
