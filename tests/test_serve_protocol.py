@@ -56,6 +56,48 @@ def test_a_body_orjson_refuses_gets_the_standard_library_reading_and_its_reason(
     assert message in str(refused.value)
 
 
+@pytest.mark.parametrize("values,ids,message", [
+    ("[1.0, true, 0, 0]", "[1, 2]", "input 'input': the model takes float32 and the data holds JSON booleans"),
+    ("[[false, 0.5, 0, 0]]", "[1, 2]", "input 'input': the model takes float32 and the data holds JSON booleans"),
+    ("[true, false, true, false]", "[1, 2]", "input 'input': the model takes float32 (numbers) and the data holds booleans"),
+    ('["1.5", 0, 0, 0]', "[1, 2]", "input 'input': the model takes float32 (numbers) and the data holds strings"),
+    ("[null, 0, 0, 0]", "[1, 2]", "input 'input': the model takes float32 (numbers) and the data holds integers and nulls"),
+    ("[0, 0, 0, 0]", "[1, true]", "input 'ids': the model takes int64 and the data holds JSON booleans"),
+    ("[0, 0, 0, 0]", '["1", 2]', "input 'ids': the model takes int64 and the data holds values that are not integers (strings)"),
+])  # fmt: skip
+def test_values_a_cast_would_silently_change_are_refused_with_what_they_are(values, ids, message):
+    # a boolean among numbers: numpy alone reads true as 1; a string: numpy alone parses "1.5" as 1.5
+    with pytest.raises(InferRequestError) as refused:
+        CODEC.parse(_body(values, ids), None)
+    assert message in str(refused.value)
+
+
+def test_numbers_are_read_alike_with_and_without_a_boolean_elsewhere_in_the_request():
+    # the per-value look for booleans runs only when the JSON holds true or false somewhere (here: a parameter)
+    plain = CODEC.parse(_body("[0.5, 1, -2, 3e3]"), None)
+    flagged = CODEC.parse(_body("[0.5, 1, -2, 3e3]").replace(b'"id": "r1"', b'"id": "r1", "parameters": {"x": true}'), None)
+    for got in (plain, flagged):
+        np.testing.assert_array_equal(got.inputs["input"], np.float32([[0.5, 1, -2, 3e3]]))
+        np.testing.assert_array_equal(got.inputs["ids"], np.int64([[1, 2]]))
+
+
+def test_integers_past_int64_are_read_exactly_for_an_unsigned_input_and_refused_past_its_range():
+    codec = TensorCodec([TensorSpec("u", "UINT64", (-1, 2)), TensorSpec("flag", "BOOL", (-1, 2))],
+                        [TensorSpec("output", "FP32", (-1, 3))])  # fmt: skip
+
+    def body(u: str, flag: str = "[true, false]") -> bytes:
+        return ('{"inputs": [{"name": "u", "shape": [1, 2], "datatype": "UINT64", "data": ' + u + '}, '
+                '{"name": "flag", "shape": [1, 2], "datatype": "BOOL", "data": ' + flag + '}]}').encode()  # fmt: skip
+
+    got = codec.parse(body("[9223372036854775808, 1]"), None)
+    assert got.inputs["u"].tolist() == [[2**63, 1]] and got.inputs["flag"].tolist() == [[True, False]]
+    for u, flag, message in [("[-1, 1]", "[true, false]", "input 'u': values outside uint64's range"),
+                             ("[1, 2]", "[1, 0]", "input 'flag': the model takes bool (booleans) and the data holds integers")]:
+        with pytest.raises(InferRequestError) as refused:
+            codec.parse(body(u, flag), None)
+        assert message in str(refused.value)
+
+
 @pytest.mark.parametrize("values", [
     [[0.1, -2.5e-7, 3.0]],
     [[np.float32(1) / 3, 1e-45, 3.4028235e38]],

@@ -172,6 +172,8 @@ def test_requests_without_a_valid_reader_token_are_refused_and_nothing_runs(serv
     (b"[" * 100_000 + b"]" * 100_000, 400, "request body is not JSON: nested too deeply"),
     (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1e400' + b",0" * 63 + b']}]}', 400, "data holds NaN or infinity"),
     (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [NaN' + b",0" * 63 + b']}]}', 400, "data holds NaN or infinity"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [true' + b",0" * 63 + b']}]}', 400, "the data holds JSON booleans"),
+    (b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": ["0.5"' + b",0" * 63 + b']}]}', 400, "the model takes float32 (numbers) and the data holds strings"),
 ])  # fmt: skip
 def test_bad_infer_requests_get_a_400_with_the_reason(served, body, status, text):
     import httpx

@@ -72,6 +72,7 @@ class TensorCodec:
         else:
             head, raw = body, memoryview(b"")
         doc = _loads(head)
+        may_hold_booleans = b"true" in head or b"false" in head
         if type(doc) is not dict or type(doc.get("inputs")) is not list:
             raise InferRequestError("request must be a JSON object with an 'inputs' list")
         parameters = doc.get("parameters") or {}
@@ -105,7 +106,7 @@ class TensorCodec:
                 array = np.frombuffer(raw[offset:offset + size], dtype=wire).reshape(shape).astype(native)
                 offset += size
             else:
-                array = _from_json(item.get("data"), native, shape, name)
+                array = _from_json(item.get("data"), native, shape, name, may_hold_booleans)
             inputs[name] = array
         if offset != len(raw):
             raise InferRequestError(f"{len(raw) - offset} bytes of binary data after the last binary input")
@@ -197,28 +198,76 @@ def _refuse_shape(shape: Any, spec: TensorSpec) -> tuple[int, ...]:
     return tuple(shape)  # fits (an int subclass the fast path does not take)
 
 
-def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
-    """``data`` as an array of ``dtype`` (native byte order) and ``shape``, all values finite."""
+def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str, may_hold_booleans: bool = True) -> np.ndarray:
+    """``data`` as an array of ``dtype`` (native byte order) and ``shape``, all values finite.
+
+    Refuses what a cast would silently change: strings ("1.5" is not read as 1.5), JSON
+    booleans for a numeric input (true is not 1) and numbers for a BOOL input, fractions for an
+    integer input (1.5 is not 1), integers outside its range (300 is not 44 in INT8).
+    ``may_hold_booleans``: False when the request's JSON has no ``true`` or ``false`` at all,
+    which spares looking at each value for one (numpy reads a boolean among numbers as 1 or 0)."""
     if data is None:
         raise InferRequestError(f"input {name!r}: no 'data' and no binary_data_size parameter")
     try:
-        array = _integers(data, dtype, name) if dtype.kind in "iu" else np.asarray(data, dtype=dtype)
+        raw = np.asarray(data)
     except (TypeError, ValueError, OverflowError) as err:
-        raise InferRequestError(f"input {name!r}: data is not a list of {dtype.name} numbers ({err})") from None
-    if array.size != math.prod(shape):
-        raise InferRequestError(f"input {name!r}: {array.size} values for shape {list(shape)} ({math.prod(shape)} expected)")
+        raise InferRequestError(f"input {name!r}: data is not a list of {dtype.name} values ({err})") from None
+    if raw.size:
+        raw = _checked_kinds(raw, data, dtype, name, may_hold_booleans)
+    if raw.size != math.prod(shape):
+        raise InferRequestError(f"input {name!r}: {raw.size} values for shape {list(shape)} ({math.prod(shape)} expected)")
+    if dtype.kind in "iu" and raw.size:
+        limits = np.iinfo(dtype)
+        if raw.min() < limits.min or raw.max() > limits.max:
+            raise InferRequestError(f"input {name!r}: values outside {dtype.name}'s range {limits.min}..{limits.max}")
+    with np.errstate(over="ignore"):  # a number beyond the input's float range becomes infinity, refused below
+        array = raw.astype(dtype.newbyteorder("="), copy=False)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise InferRequestError(f"input {name!r}: data holds NaN or infinity")
+        raise InferRequestError(f"input {name!r}: data holds NaN or infinity (or a value beyond {dtype.name}'s range)")
     return array.reshape(shape)
 
 
-def _integers(data: Any, dtype: np.dtype, name: str) -> np.ndarray:
-    """JSON integers as ``dtype``, refusing what a cast would silently change (1.5 -> 1, 300 -> 44 in INT8, true -> 1)."""
-    raw = np.asarray(data)
-    if raw.size and raw.dtype.kind not in "iu":
-        raise InferRequestError(f"input {name!r}: the model takes {dtype.name} and the data holds values that are not "
-                                f"integers (JSON {raw.dtype.name} values)")  # fmt: skip
-    limits = np.iinfo(dtype)
-    if raw.size and (raw.min() < limits.min or raw.max() > limits.max):
-        raise InferRequestError(f"input {name!r}: values outside {dtype.name}'s range {limits.min}..{limits.max}")
-    return raw.astype(dtype.newbyteorder("="))
+# what JSON values numpy's reading of them may give, by the kind of the model's input
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+_KIND_WORDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "U": "strings"}
+_TYPE_WORDS = {bool: "booleans", int: "integers", float: "numbers", str: "strings", dict: "objects", type(None): "nulls"}
+
+
+def _holds(raw: np.ndarray) -> str:
+    """What the JSON values numpy read as ``raw`` are, in words."""
+    if raw.dtype.kind != "O":
+        return _KIND_WORDS.get(raw.dtype.kind, f"JSON {raw.dtype.name} values")
+    kinds = {type(v) for v in raw.reshape(-1)}
+    if kinds == {int}:
+        return "integers beyond 64 bits"
+    return " and ".join(sorted(_TYPE_WORDS.get(k, k.__name__) for k in kinds))
+
+
+def _checked_kinds(raw: np.ndarray, data: Any, dtype: np.dtype, name: str, may_hold_booleans: bool) -> np.ndarray:
+    """``raw`` (numpy's reading of ``data``) when its values are of the kind the input takes."""
+    if raw.dtype.kind == "O" and dtype.kind == "f":  # integers beyond 64 bits among the numbers
+        values = raw.reshape(-1)
+        if all(type(v) in (int, float) for v in values):
+            return np.asarray(values.tolist(), dtype=np.float64).reshape(raw.shape)
+        may_hold_booleans = False  # the message below names what the data holds
+    if raw.dtype.kind in "fO" and dtype.kind in "iu":  # numpy reads integers past int64's range as floats or objects
+        values = np.asarray(data, dtype=object).reshape(-1)
+        if all(type(v) is int for v in values):
+            limits = np.iinfo(dtype)
+            if min(values) < limits.min or max(values) > limits.max:
+                raise InferRequestError(f"input {name!r}: values outside {dtype.name}'s range {limits.min}..{limits.max}")
+            return np.asarray(values.tolist(), dtype=dtype).reshape(raw.shape)
+    allowed = _JSON_KINDS.get(dtype.kind, "iuf")
+    if raw.dtype.kind not in allowed:
+        got = _holds(raw)
+        if dtype.kind in "iu":
+            raise InferRequestError(f"input {name!r}: the model takes {dtype.name} and the data holds values that are "
+                                    f"not integers ({got})")  # fmt: skip
+        raise InferRequestError(f"input {name!r}: the model takes {dtype.name} ({_KIND_WORDS.get(dtype.kind, 'numbers')}) and the data "
+                                f"holds {got}")  # fmt: skip
+    if dtype.kind != "b" and may_hold_booleans:
+        values = np.asarray(data, dtype=object).reshape(-1)
+        if any(type(v) is bool for v in values):
+            raise InferRequestError(f"input {name!r}: the model takes {dtype.name} and the data holds JSON booleans "
+                                    "(true is not read as 1)")  # fmt: skip
+    return raw
