@@ -46,6 +46,50 @@ def _established_to(port: int) -> int:
     return n
 
 
+def _clients_of(port: int) -> set[int]:
+    """The peers' ports of the ESTABLISHED TCP connections whose local port is ``port``."""
+    peers = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                peers.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return peers
+
+
+def test_a_channel_carrying_heartbeats_keeps_its_connection_between_them(tmp_path, monkeypatch):
+    # Prepare: a worker on gRPC alone (transport grpc), heartbeats 1.5 s apart, longer than the
+    # idle timeout a channel whose calls went to the bulk plane closes its connection after
+    monkeypatch.setattr(client_module, "IDLE_CHANNEL_MS", 1000)
+    cluster = start_cluster(tmp_path, expected_workers=1, transport="grpc", sites={"a": {"workers": 1}},
+                            heartbeat_interval_s=1.5, heartbeat_timeout_s=6.0)
+    try:
+        a = cluster.client("a")
+        join_and_init(cluster, a)
+        shard = cluster.servers[0]
+        first = _clients_of(shard.port)
+
+        # Execute: watch the shard's gRPC connections over four heartbeats
+        seen = []
+        deadline = time.monotonic() + 4 * 1.5
+        while time.monotonic() < deadline:
+            seen.append(_clients_of(shard.port))
+            time.sleep(0.1)
+
+        # Assert: one connection, the same one throughout (no reconnect per heartbeat), and the
+        # worker is still a member
+        assert len(first) == 1
+        assert all(peers == first for peers in seen), [p for p in seen if p != first][:3]
+        assert shard.state.live_members() == {"a-0"}
+        a.close()
+    finally:
+        cluster.stop()
+
+
 def _two_members(cluster):
     """Workers a-0 (which initialised the shard) and b-0, both joined."""
     a, b = cluster.client("a"), cluster.client("b")

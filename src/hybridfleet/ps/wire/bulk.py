@@ -53,8 +53,9 @@ MAX_HEADER_BYTES = 16 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 120.0  # the shard drops a connection whose started frame stalls this long
 IDLE_TIMEOUT_S = 30.0  # a worker gives up on a transfer that moves no byte for this long, then reconnects
-# A worker's gRPC channel closes its connection after this long without a call (its control
-# calls go by the bulk plane once that is up; a later Join or Status opens it again).
+# A worker's gRPC channel closes its connection after this long without a call while its control
+# calls go by the bulk plane (a later Join or Status opens it again). A channel that carries the
+# heartbeats (ps.transport: grpc, a shard without a bulk plane) keeps its connection.
 IDLE_CHANNEL_MS = 5_000
 _U32 = struct.Struct("<I")
 

@@ -186,16 +186,18 @@ class PSClient:
         self.retry_timeout_s = retry_timeout_s
         self.resolve = resolve
         self.bytes = ByteCounter()
-        # a channel whose calls all went to the bulk plane closes its connection once idle
-        self._options = [*GRPC_OPTIONS, ("grpc.client_idle_timeout_ms", IDLE_CHANNEL_MS)]
+        self._options = list(GRPC_OPTIONS)
         if security.target_name_override:
             self._options.append(("grpc.ssl_target_name_override", security.target_name_override))
         self.security = security
-        self._channels = [self._channel(s) for s in self.servers]
-        self._stubs = [_Stub(c) for c in self._channels]
         self._bulk_allowed = transport == "auto" and (security.insecure or security.ssl_context is not None)
         self._bulk: list = [None] * len(servers)  # hybridfleet.ps.wire.bulk.BulkChannel per shard, when used
         self._control_on_grpc = [False] * len(servers)  # a shard whose bulk plane refused a control call
+        # per shard: whether its channel closes its connection once idle (see _fit_channel)
+        self._idle_closing = [False] * len(servers)
+        self._channel_lock = threading.Lock()
+        self._channels = [self._channel(s) for s in self.servers]
+        self._stubs = [_Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="ps-client")
         self.plan: ShardingPlan | None = None
         self.versions = [-1] * len(servers)
@@ -210,10 +212,29 @@ class PSClient:
         self.plan_generation = watch_plan()[0] if watch_plan is not None else 0
 
     # --------------------------------------------------------------- plumbing
-    def _channel(self, address: str) -> grpc.Channel:
+    def _channel(self, address: str, idle_closing: bool = False) -> grpc.Channel:
+        """A channel to ``address``; ``idle_closing``: it closes its connection after `IDLE_CHANNEL_MS`
+        without a call (a later call opens a new one)."""
+        options = self._options + ([("grpc.client_idle_timeout_ms", IDLE_CHANNEL_MS)] if idle_closing else [])
         if self.security.channel_credentials is not None:
-            return grpc.secure_channel(address, self.security.channel_credentials, options=self._options)
-        return grpc.insecure_channel(address, options=self._options)
+            return grpc.secure_channel(address, self.security.channel_credentials, options=options)
+        return grpc.insecure_channel(address, options=options)
+
+    def _fit_channel(self, shard: int) -> None:
+        """Give shard ``shard`` a channel that closes its connection once idle exactly while that
+        shard's Push, Pull, Heartbeat and Leave go by the bulk plane (only Join and Status are left on
+        gRPC then: the shard holds one connection per worker, not two). A channel that carries the
+        heartbeats keeps its connection: closing it after each idle stretch longer than
+        `IDLE_CHANNEL_MS` would cost a reconnect (a TLS handshake) per heartbeat."""
+        with self._channel_lock:  # the heartbeat thread may call this too
+            wanted = self._bulk_control(shard) is not None
+            if wanted == self._idle_closing[shard]:
+                return
+            old = self._channels[shard]
+            self._channels[shard] = self._channel(self.servers[shard], idle_closing=wanted)
+            self._stubs[shard] = _Stub(self._channels[shard])
+            self._idle_closing[shard] = wanted
+        old.close()
 
     def _follow(self, shard: int) -> bool:
         """Look shard ``shard`` up again (``resolve``); at a new address, talk to it there from now on.
@@ -223,7 +244,7 @@ class PSClient:
             return False
         old = self._channels[shard]
         self.servers[shard] = address
-        self._channels[shard] = self._channel(address)
+        self._channels[shard] = self._channel(address, idle_closing=self._idle_closing[shard])
         self._stubs[shard] = _Stub(self._channels[shard])
         old.close()
         log.warning("shard_moved", shard=shard, address=address)
@@ -340,6 +361,7 @@ class PSClient:
             self._bulk[shard] = BulkChannel(host, port, self.security.ssl_context,
                                             self.security.target_name_override, self.security.current_token,
                                             count=self.bytes.add)
+        self._fit_channel(shard)
 
     @property
     def _metadata(self) -> tuple:
@@ -380,6 +402,7 @@ class PSClient:
                 except grpc.RpcError as err:
                     if isinstance(err, BulkError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         self._control_on_grpc[i] = True  # a shard whose bulk plane predates control calls
+                        self._fit_channel(i)
                         log.info("heartbeat_on_grpc", shard=i, reason=err.details())
                         continue
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
