@@ -13,11 +13,10 @@ import httpx
 
 from hybridfleet.obs.discovery import Target, write_targets
 from hybridfleet.obs.live import (
-    LiveDisplay, Phases, RunView, Snapshot, WorkerFigures, final_exits, pick_metric, plain_line, render,
+    LiveDisplay, Phases, RunView, Snapshot, WorkerFigures, final_exits, pick_metric, plain_line, render, reported_figures,
 )
 from hybridfleet.obs.metrics import ProcessMetrics, WorkerMetrics, counter, serve_metrics
 from hybridfleet.obs.runinfo import load_run
-from hybridfleet.ui import runs_view
 from tests.test_ui import in_process_ui
 
 
@@ -100,7 +99,7 @@ def test_a_worker_the_view_never_scraped_shows_its_last_logged_figures(tmp_path)
         loaded = load_run(run)
     # Assert
     assert page.status_code == 200
-    assert runs_view.reported_figures(loaded)["worker-hospital-0"] == WorkerFigures(20, 2000, 1800, {"test_bpc": 2.3})
+    assert reported_figures(loaded.metrics)["worker-hospital-0"] == WorkerFigures(20, 2000, 1800, {"test_bpc": 2.3})
     assert "<th>test_bpc</th>" in page.text
     assert '<tr class="final"><td>hospital</td><td>0/1 (1 exited, code 1) · final</td><td>20</td>' in page.text
     assert "<td>2.0 kB</td><td>1.8 kB</td><td>2.300</td>" in page.text

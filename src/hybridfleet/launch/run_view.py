@@ -14,7 +14,7 @@ import contextlib
 from typing import IO, Callable
 
 from hybridfleet.obs.discovery import Target
-from hybridfleet.obs.live import LiveDisplay, Phases, RunView, final_exits
+from hybridfleet.obs.live import LiveDisplay, Phases, RunView, final_exits, reported_figures
 from hybridfleet.spec.models import JobSpec
 
 
@@ -103,9 +103,8 @@ class RunProgress:
 def _reported(run_dir) -> dict:
     """Worker process -> its last logged figures (the run's metrics.jsonl), for a worker that no longer answers."""
     from hybridfleet.obs.runinfo import load_run
-    from hybridfleet.ui.runs_view import reported_figures
 
     try:
-        return reported_figures(load_run(run_dir))
+        return reported_figures(load_run(run_dir).metrics)
     except (OSError, ValueError):  # a file being written or gone: the view keeps what it scraped
         return {}

@@ -22,6 +22,7 @@ from typing import IO, Callable
 from hybridfleet.obs.discovery import Target
 from hybridfleet.obs.log import get_logger
 from hybridfleet.obs.metric_direction import lower_is_better
+from hybridfleet.obs.metric_plots import is_metric_key
 from hybridfleet.obs.scrape import Scraped, scrape_all
 
 _log = get_logger("obs.live")
@@ -77,6 +78,27 @@ class SiteState:
     def final(self) -> bool:
         """Whether every worker of the site exited: its figures are final."""
         return self.workers > 0 and len(self.exited) >= self.workers
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def reported_figures(metrics: list[dict]) -> dict[str, WorkerFigures]:
+    """Worker process -> its last logged figures (step, bytes sent and received, every metric it reported),
+    from a run's metrics.jsonl records: what the live view shows for a worker that no longer answers."""
+    out: dict[str, WorkerFigures] = {}
+    for r in metrics:
+        if not str(r.get("process", "")).startswith("worker-"):
+            continue
+        fig = out.setdefault(str(r.get("process")), WorkerFigures())
+        fig.steps = float(max(fig.steps, _count(r.get("step"))))
+        fig.uplink_bytes = float(max(fig.uplink_bytes, _count(r.get("sent"))))
+        fig.downlink_bytes = float(max(fig.downlink_bytes, _count(r.get("received"))))
+        for key, value in r.items():
+            if is_metric_key(key) and isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+                fig.metrics[key] = float(value)
+    return out
 
 
 def final_exits(events: list[dict]) -> dict[str, int]:

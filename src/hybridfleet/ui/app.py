@@ -40,7 +40,7 @@ from hybridfleet.errors import (
     ReportError,
 )
 from hybridfleet.obs.discovery import read_targets
-from hybridfleet.obs.live import RunView, Snapshot, final_exits
+from hybridfleet.obs.live import RunView, Snapshot, final_exits, reported_figures
 from hybridfleet.obs.metric_plots import is_metric_key
 from hybridfleet.obs.report import (
     RUN_SECTIONS, STYLE_CSP_SOURCE, build_report, metric_section, render_plot, sections_for,
@@ -314,7 +314,7 @@ def create_app(runs_root: Path, token: str | None = None, registry: RegistryAcce
 def live_snapshot(run) -> Snapshot:
     """The live view of ``run`` now: its workers scraped, those that exited with their last logged figures."""
     view = RunView(run.job, read_targets(run.path), lambda: (0.0, 0.0), lambda: 0,
-                   read_exits=lambda: final_exits(run.events), read_reported=lambda: runs_view.reported_figures(run))
+                   read_exits=lambda: final_exits(run.events), read_reported=lambda: reported_figures(run.metrics))
     return view.snapshot()
 
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridfleet.obs.live import SiteState, WorkerFigures, human_bytes
-from hybridfleet.obs.metric_plots import DEFAULT_METRICS, final_values, is_metric_key, metric_label, reported_sections
+from hybridfleet.obs.live import SiteState, human_bytes
+from hybridfleet.obs.metric_plots import DEFAULT_METRICS, final_values, metric_label, reported_sections
 from hybridfleet.obs.runinfo import RunData
 from hybridfleet.ui.pages import latest_step, number, status_of, when
 
@@ -133,26 +133,6 @@ def run_row(run_id: str, run: RunData) -> dict[str, Any]:
             "accuracy": number(summary.get("test_accuracy")), "accuracy_source": str(source) if source else "",
             "bytes": [(b["site"], b["sent"]) for b in bytes_by_site(run)], "empty": empty,
             "problems": list(run.problems)}  # fmt: skip
-
-
-def _number_or_none(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    return float(value) if ok else None
-
-
-def reported_figures(run: RunData) -> dict[str, WorkerFigures]:
-    """Worker process -> its last logged figures (step, bytes sent and received, every metric it reported),
-    from metrics.jsonl: what the live page shows for a worker that no longer answers."""
-    out: dict[str, WorkerFigures] = {}
-    for r in _worker_records(run):
-        fig = out.setdefault(str(r.get("process")), WorkerFigures())
-        fig.steps = float(max(fig.steps, _count(r.get("step"))))
-        fig.uplink_bytes = float(max(fig.uplink_bytes, _count(r.get("sent"))))
-        fig.downlink_bytes = float(max(fig.downlink_bytes, _count(r.get("received"))))
-        for key, value in r.items():
-            if is_metric_key(key) and _number_or_none(value) is not None:
-                fig.metrics[key] = float(value)
-    return out
 
 
 def _site(name: str, st: SiteState) -> dict[str, Any]:
