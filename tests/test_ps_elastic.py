@@ -33,10 +33,10 @@ from hybridfleet.spec import load_spec
 STEPS, KILL_AT = 16, 6
 
 
-def _job_file(tmp_path: Path, framework: str) -> Path:
+def _job_file(tmp_path: Path, framework: str, snapshot_every: int = 1) -> Path:
     (tmp_path / "train.py").write_text("")
     doc = {"name": "elastic", "framework": framework, "entrypoint": "train.py", "sites": {"a": {"workers": 2}},
-           "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": 1,
+           "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": snapshot_every,
                   "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -75,8 +75,8 @@ def elastic_cluster(tmp_path):
     procs: list[subprocess.Popen] = []
     held: list[socket.socket] = []
 
-    def start(framework: str):
-        job = _job_file(tmp_path, framework)
+    def start(framework: str, snapshot_every: int = 1):
+        job = _job_file(tmp_path, framework, snapshot_every)
         certs = tmp_path / "certs"
         make_dev_pki(certs)
         generate_signing_key(certs)
@@ -170,6 +170,52 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
     assert procs[0].returncode == -signal.SIGKILL and procs[-1].poll() is None
     h.assert_close(got[0], f.values(ref))
     h.assert_close(got[1], f.values(ref))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
+def test_a_replacement_holding_an_older_snapshot_loses_those_rounds_and_training_goes_on(elastic_cluster, framework,
+                                                                                         name, capfd):
+    # Prepare: snapshots every 4 rounds; shard 0 is SIGKILLed with 6 rounds applied, so its
+    # replacement restores version 4 (the third row of docs/SCALE.md's table)
+    f, hf = _framework(framework)
+    job, certs, run_dir, store, procs, held = elastic_cluster(framework, snapshot_every=4)
+    old_address = port_file_resolver(run_dir)(0)
+    lock = threading.Lock()
+    joined = threading.Barrier(2)
+    clients = []
+
+    def kill_shard_0(step, _m, _opt):
+        if step != KILL_AT:
+            return
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
+        port_file(run_dir, 0).unlink()
+        procs.append(_serve(job, 0, run_dir, certs, store))
+
+    def worker(rank):
+        with lock:
+            m = f.model()
+            opt, sched = f.make(name, m)
+        ps = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
+        clients.append(ps)
+        joined.wait(120)
+        f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
+                on_step=kill_shard_0 if rank == 0 else None)
+        ps.close()
+        return f.values(m)
+
+    # Execute
+    got = h.run_workers(worker, 2)
+
+    # Assert: every step ran, the lost rounds were said, and both workers hold the same parameters
+    logs = capfd.readouterr()
+    assert any('"event":"snapshot_restored","shard":0,"version":4' in p.read_text() for p in run_dir.glob("shard-0.*.log"))
+    assert '"event":"shard_restarted"' in logs.out + logs.err
+    assert [c.session.step_count for c in clients] == [STEPS, STEPS], [c.session.step_count for c in clients]
+    h.assert_close(got[0], got[1])
 
 
 def test_restarted_shard_whose_port_is_taken_serves_on_a_new_port_and_says_so_in_its_port_file(tmp_path):
