@@ -120,6 +120,53 @@ def _concat(parts):
     return tuple(np.concatenate(p) for p in zip(*parts))
 
 
+def _train_killing_shard_0(f, hf, name: str, cluster, snapshot_of: int, both_waiting: bool = False):
+    """Two workers (threads, each with its own client) train STEPS steps; at the start of step KILL_AT
+    rank 0 SIGKILLs shard 0, holds its port so it never comes back there and starts its replacement
+    (once the snapshot of version ``snapshot_of`` is in the store; ``both_waiting``: while
+    rank 1 waits at the start of the same step, so both learn of the replacement in that step's push).
+    Returns each worker's final values, their frontends and the address shard 0 had."""
+    job, certs, run_dir, store, procs, held = cluster
+    old_address = port_file_resolver(run_dir)(0)
+    lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
+    joined = threading.Barrier(2)  # both in the quorum before the first round (a slow start is no dropout)
+    at_kill, killed = threading.Barrier(2), threading.Barrier(2)
+    frontends = [None, None]
+
+    def kill_shard_0(step, _m, _opt):
+        if step != KILL_AT:
+            return
+        if both_waiting:
+            at_kill.wait(120)
+        url = snapshot_url(store, 0)
+        _wait_for(lambda: any(c.step == snapshot_of for c in list_checkpoints(url)), f"the snapshot of {snapshot_of}")
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
+        port_file(run_dir, 0).unlink()
+        procs.append(_serve(job, 0, run_dir, certs, store))
+        if both_waiting:
+            killed.wait(120)
+
+    def wait_for_the_kill(step, _m, _opt):
+        if step == KILL_AT and both_waiting:
+            at_kill.wait(120)
+            killed.wait(120)
+
+    def worker(rank):
+        with lock:
+            m = f.model()
+            opt, sched = f.make(name, m)
+        ps = frontends[rank] = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
+        joined.wait(120)
+        f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
+                on_step=kill_shard_0 if rank == 0 else wait_for_the_kill)
+        ps.close()
+        return f.values(m)
+
+    return h.run_workers(worker, 2), frontends, old_address
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
                                              pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
@@ -130,41 +177,13 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
     ref = f.model()
     opt, sched = f.make(name, ref)
     f.train(ref, opt, sched, map(_concat, zip(h.batches(1, STEPS), h.batches(2, STEPS))))
-    job, certs, run_dir, store, procs, held = elastic_cluster(framework)
-    old_address = port_file_resolver(run_dir)(0)
-    replaced: dict = {}
-    lock = threading.Lock()  # workers are threads here: one forward/backward at a time (paddle's autograd)
-    joined = threading.Barrier(2)  # both in the quorum before the first round (a slow start is no dropout)
+    cluster = elastic_cluster(framework)
+    _, _, run_dir, _, procs, _ = cluster
 
-    def kill_shard_0(step, _m, _opt):
-        """At the start of step KILL_AT (KILL_AT rounds applied, the snapshot of that version written):
-        SIGKILL shard 0, hold its port so it never comes back there, start its replacement."""
-        if step != KILL_AT:
-            return
-        url = snapshot_url(store, 0)
-        _wait_for(lambda: any(c.step == KILL_AT for c in list_checkpoints(url)), "the snapshot of the kill round")
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(10)
-        held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
-        port_file(run_dir, 0).unlink()
-        procs.append(_serve(job, 0, run_dir, certs, store))
-        replaced["at_step"] = step
+    # Execute: shard 0 killed with KILL_AT rounds applied and their snapshot written
+    got, _, old_address = _train_killing_shard_0(f, hf, name, cluster, snapshot_of=KILL_AT)
 
-    def worker(rank):
-        with lock:
-            m = f.model()
-            opt, sched = f.make(name, m)
-        ps = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
-        joined.wait(120)
-        f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
-                on_step=kill_shard_0 if rank == 0 else None)
-        ps.close()
-        return f.values(m)
-
-    # Execute
-    got = h.run_workers(worker, 2)
     # Assert: the replacement served from a new address and training ended where the plain script did
-    assert replaced["at_step"] == KILL_AT
     new_address = port_file_resolver(run_dir)(0)
     assert new_address and new_address != old_address
     assert procs[0].returncode == -signal.SIGKILL and procs[-1].poll() is None
@@ -177,44 +196,22 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
                                              pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
 def test_a_replacement_holding_an_older_snapshot_loses_those_rounds_and_training_goes_on(elastic_cluster, framework,
                                                                                          name, capfd):
-    # Prepare: snapshots every 4 rounds; shard 0 is SIGKILLed with 6 rounds applied, so its
-    # replacement restores version 4 (the third row of docs/SCALE.md's table)
+    # Prepare: snapshots every 4 rounds, so the replacement of a shard killed with 6 rounds applied
+    # restores version 4 (the third row of docs/SCALE.md's table)
     f, hf = _framework(framework)
-    job, certs, run_dir, store, procs, held = elastic_cluster(framework, snapshot_every=4)
-    old_address = port_file_resolver(run_dir)(0)
-    lock = threading.Lock()
-    joined = threading.Barrier(2)
-    clients = []
+    cluster = elastic_cluster(framework, snapshot_every=4)
+    run_dir, procs = cluster[2], cluster[4]
 
-    def kill_shard_0(step, _m, _opt):
-        if step != KILL_AT:
-            return
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(10)
-        held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
-        port_file(run_dir, 0).unlink()
-        procs.append(_serve(job, 0, run_dir, certs, store))
-
-    def worker(rank):
-        with lock:
-            m = f.model()
-            opt, sched = f.make(name, m)
-        ps = hf.connect(m, opt, config=_config(job, certs, run_dir, rank))
-        clients.append(ps)
-        joined.wait(120)
-        f.train(m, opt, sched, h.batches(1 + rank, STEPS), ps=ps, lock=lock,
-                on_step=kill_shard_0 if rank == 0 else None)
-        ps.close()
-        return f.values(m)
-
-    # Execute
-    got = h.run_workers(worker, 2)
+    # Execute: the kill while both workers wait at the start of step KILL_AT (see docs/SCALE.md for
+    # workers that learn of it in different steps)
+    got, frontends, _ = _train_killing_shard_0(f, hf, name, cluster, snapshot_of=4, both_waiting=True)
 
     # Assert: every step ran, the lost rounds were said, and both workers hold the same parameters
     logs = capfd.readouterr()
+    assert procs[0].returncode == -signal.SIGKILL
     assert any('"event":"snapshot_restored","shard":0,"version":4' in p.read_text() for p in run_dir.glob("shard-0.*.log"))
     assert '"event":"shard_restarted"' in logs.out + logs.err
-    assert [c.session.step_count for c in clients] == [STEPS, STEPS], [c.session.step_count for c in clients]
+    assert [ps.session.step_count for ps in frontends] == [STEPS, STEPS]
     h.assert_close(got[0], got[1])
 
 
