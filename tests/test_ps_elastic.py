@@ -33,7 +33,7 @@ from hybridfleet.spec import load_spec
 STEPS, KILL_AT = 16, 6
 
 
-def _job_file(tmp_path: Path, framework: str, snapshot_every: int = 1) -> Path:
+def _job_file(tmp_path: Path, framework: str, snapshot_every: int | None = 1) -> Path:
     (tmp_path / "train.py").write_text("")
     doc = {"name": "elastic", "framework": framework, "entrypoint": "train.py", "sites": {"a": {"workers": 2}},
            "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": snapshot_every,
@@ -75,7 +75,7 @@ def elastic_cluster(tmp_path):
     procs: list[subprocess.Popen] = []
     held: list[socket.socket] = []
 
-    def start(framework: str, snapshot_every: int = 1):
+    def start(framework: str, snapshot_every: int | None = 1):
         job = _job_file(tmp_path, framework, snapshot_every)
         certs = tmp_path / "certs"
         make_dev_pki(certs)
@@ -120,10 +120,10 @@ def _concat(parts):
     return tuple(np.concatenate(p) for p in zip(*parts))
 
 
-def _train_killing_shard_0(f, hf, name: str, cluster, snapshot_of: int, both_waiting: bool = False):
+def _train_killing_shard_0(f, hf, name: str, cluster, snapshot_of: int | None, both_waiting: bool = False):
     """Two workers (threads, each with its own client) train STEPS steps; at the start of step KILL_AT
     rank 0 SIGKILLs shard 0, holds its port so it never comes back there and starts its replacement
-    (once the snapshot of version ``snapshot_of`` is in the store; ``both_waiting``: while
+    (once the snapshot of version ``snapshot_of``, if any, is in the store; ``both_waiting``: while
     rank 1 waits at the start of the same step, so both learn of the replacement in that step's push).
     Returns each worker's final values, their frontends and the address shard 0 had."""
     job, certs, run_dir, store, procs, held = cluster
@@ -138,8 +138,9 @@ def _train_killing_shard_0(f, hf, name: str, cluster, snapshot_of: int, both_wai
             return
         if both_waiting:
             at_kill.wait(120)
-        url = snapshot_url(store, 0)
-        _wait_for(lambda: any(c.step == snapshot_of for c in list_checkpoints(url)), f"the snapshot of {snapshot_of}")
+        if snapshot_of is not None:
+            url = snapshot_url(store, 0)
+            _wait_for(lambda: any(c.step == snapshot_of for c in list_checkpoints(url)), f"the snapshot of {snapshot_of}")
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(10)
         held.append(socket.create_server(("127.0.0.1", int(old_address.rsplit(":", 1)[1]))))
@@ -211,6 +212,33 @@ def test_a_replacement_holding_an_older_snapshot_loses_those_rounds_and_training
     assert procs[0].returncode == -signal.SIGKILL
     assert any('"event":"snapshot_restored","shard":0,"version":4' in p.read_text() for p in run_dir.glob("shard-0.*.log"))
     assert '"event":"shard_restarted"' in logs.out + logs.err
+    assert [ps.session.step_count for ps in frontends] == [STEPS, STEPS]
+    h.assert_close(got[0], got[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
+def test_a_replacement_without_any_snapshot_is_given_the_workers_values_and_training_goes_on(elastic_cluster,
+                                                                                             framework, name, capfd):
+    # Prepare: a job without snapshots, so shard 0's replacement comes back holding no parameters
+    f, hf = _framework(framework)
+    cluster = elastic_cluster(framework, snapshot_every=None)
+    run_dir, procs = cluster[2], cluster[4]
+
+    # Execute: the kill while both workers wait at the start of step KILL_AT
+    got, frontends, _ = _train_killing_shard_0(f, hf, name, cluster, snapshot_of=None, both_waiting=True)
+
+    # Assert: the initialising worker gave the replacement its values of version KILL_AT, which the
+    # shard went on from, and both pushed step KILL_AT to it again; every step ran and both workers
+    # hold the same parameters
+    logs = capfd.readouterr()
+    replacement = max(run_dir.glob("shard-0.*.log"), key=lambda p: int(p.name.split(".")[1])).read_text()
+    assert procs[0].returncode == -signal.SIGKILL
+    assert '"event":"snapshot_restored"' not in replacement
+    assert f'"event":"shard_initialised_again","shard":0,"worker":"a-0","version":{KILL_AT}' in replacement
+    assert '"event":"shard_initialised_again","worker":"a-0","shard":0' in logs.out + logs.err
+    assert (logs.out + logs.err).count('"event":"pushed_again"') == 2  # each worker's step KILL_AT, as from a snapshot
     assert [ps.session.step_count for ps in frontends] == [STEPS, STEPS]
     h.assert_close(got[0], got[1])
 

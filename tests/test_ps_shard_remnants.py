@@ -71,6 +71,33 @@ def test_init_from_a_member_other_than_the_initialising_worker_is_refused_and_pa
         cluster.stop()
 
 
+def test_an_init_naming_a_version_gives_an_empty_shard_that_version_and_one_past_the_bound_is_refused(cluster):
+    # Prepare: the initialising worker joined an empty shard (as after a restart without a snapshot)
+    a = cluster.client("a")
+    a.join(PARAMS, cluster.spec.ps.block_size_bytes, "none", "torch")
+    state = cluster.servers[0].state
+    before = shard_state(cluster)
+
+    # Execute / Assert: a version past the bound is refused and nothing changes
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(_init_blocks(a), codec="none", kind="INIT", base_versions=[(1 << 62) + 1])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (f"INIT from worker a-0 names version {(1 << 62) + 1}; at most {1 << 62}; "
+                                   "nothing changed")
+    assert_unchanged(before, shard_state(cluster))
+    assert not state.is_initialized() and state.version == 0
+
+    # Execute / Assert: version 7 is taken up with the values; a second INIT changes neither
+    a.push(_init_blocks(a), codec="none", kind="INIT", base_versions=[7])
+    assert state.is_initialized() and state.version == 7 and set(state.key_version.values()) == {7}
+    a.push({k: np.zeros(len(v) // 4, "<f4").tobytes() for k, v in _init_blocks(a).items()}, codec="none",
+           kind="INIT", base_versions=[9])
+    assert state.version == 7
+    params = cluster.params()
+    np.testing.assert_array_equal(params["fc.bias"], initial_values()["fc.bias"])
+    a.close()
+
+
 def test_init_site_names_the_initialising_worker(tmp_path):
     cluster = start_cluster(tmp_path, init_site="b")
     try:

@@ -24,6 +24,9 @@ _ROWS = RowsCodec()  # stateless: one instance serves every key
 # How far past its last applied step (or the shard's version, after a rejoin) a worker's
 # push may claim to be; anything beyond is refused, not recorded as the worker's clock.
 STEP_WINDOW = 64
+# The highest version an INIT may hand a shard that came back without a snapshot (far below
+# uint64's end, so the versions that follow it stay on the wire)
+MAX_INIT_VERSION = 1 << 62
 
 
 class Rounds:
@@ -88,7 +91,10 @@ class Rounds:
                     raise Reject("PERMISSION_DENIED", f"worker {worker_id} may not initialise the parameters: the "
                                                       f"job names {self.initialiser} (ps.init_site, else global "
                                                       f"rank 0); nothing changed")
-                return self._push_init(worker_id, payloads)
+                if base_version > MAX_INIT_VERSION:
+                    raise Reject("INVALID_ARGUMENT", f"INIT from worker {worker_id} names version {base_version}; "
+                                                     f"at most {MAX_INIT_VERSION}; nothing changed")
+                return self._push_init(worker_id, payloads, base_version)
             if not self.is_initialized():
                 raise Reject("FAILED_PRECONDITION", "parameters are not initialized yet; pull first")
             most = self.sites.get(member.site, 1) if self.sites is not None else None
@@ -156,10 +162,19 @@ class Rounds:
             self.cond.notify_all()  # secure aggregation's own waiters (roster, unmasking)
             return self.version, applied
 
-    def _push_init(self, worker_id: str, payloads: dict[str, bytes]) -> tuple[int, bool]:
+    def _push_init(self, worker_id: str, payloads: dict[str, bytes], base_version: int = 0) -> tuple[int, bool]:
+        """Initial values of keys not initialised yet. ``base_version`` above 0 on a shard that holds no
+        value and no version (it came back without a snapshot): the values are those of that version
+        (the initialising worker's last pull), and the shard goes on from it, so its rounds keep the
+        numbers the workers' clocks count in."""
         values = {}
         for key, payload in payloads.items():
             values[key] = self._decode_raw(key, payload)
+        if base_version > 0 and self.version == 0 and not self.initialized and values:
+            self.version = base_version
+            for key in values:
+                self.key_version[key] = base_version
+            log.warning("shard_initialised_again", shard=self.shard, worker=worker_id, version=base_version)
         fresh = 0
         for key, arr in values.items():
             if key not in self.initialized:

@@ -46,9 +46,10 @@ class ShardRestarted(Exception):
     base version of the push in flight, that push is not in the restored shard and can be pushed
     again; above it, the push was applied before the snapshot was taken."""
 
-    def __init__(self, message: str, shard: int = -1, version: int = -1):
+    def __init__(self, message: str, shard: int = -1, version: int = -1, initialized: bool = True):
         super().__init__(message)
         self.shard, self.version = shard, version
+        self.initialized = initialized  # False: it came back without any snapshot (no parameters)
 
 
 class PlanChanged(Exception):
@@ -262,8 +263,9 @@ class PSClient:
                 if rejoin:
                     # the shard was unreachable and may have restarted from a snapshot: it must answer
                     # a Join before anything else, then the caller starts the step over from its state
-                    version = self._join_one(shard)
-                    raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}", shard, version)
+                    version, initialized = self._join_one(shard)
+                    raise ShardRestarted(f"shard {self.servers[shard]} came back during {what}", shard, version,
+                                         initialized)
                 return fn(self._stubs[shard])
             except grpc.RpcError as err:
                 self._check_plan()
@@ -336,15 +338,15 @@ class PSClient:
             params=[ps_pb2.TensorSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params],
             num_shards=len(self.servers), block_size_bytes=block_size_bytes, codec=codec, framework=framework)
 
-    def _join_one(self, shard: int) -> int:
+    def _join_one(self, shard: int) -> tuple[int, bool]:
         """Re-register with one shard (after it restarted); its values will be pulled in full.
-        Returns the shard's version."""
+        Returns the shard's version and whether it holds parameters."""
         reply = self._stubs[shard].Join(self._join_request(), metadata=self._metadata, timeout=10)
         self._set_bulk(shard, reply.bulk_port)
         self.clock = max(self.clock, reply.worker_clock)
         self.versions[shard] = -1
-        log.info("rejoined_shard", shard=shard, version=reply.version)
-        return reply.version
+        log.info("rejoined_shard", shard=shard, version=reply.version, initialized=reply.initialized)
+        return reply.version, reply.initialized
 
     def _set_bulk(self, shard: int, port: int) -> None:
         """Use shard ``shard``'s bulk data plane at ``port`` (0: the shard has none)."""

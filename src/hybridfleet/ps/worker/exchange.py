@@ -125,8 +125,16 @@ class ShardExchange(NewPlan):
         round is then the one the other shards closed: BSP stays exact); above it the push was
         applied before the snapshot. Either way the step waits for its round as usual. Below it
         (an older snapshot) the shard lost applied rounds: this step's gradient is dropped and
-        training goes on from the restored values (not the values an uninterrupted run would hold)."""
+        training goes on from the restored values (not the values an uninterrupted run would hold).
+        A shard that came back without any snapshot holds no parameters: the worker that initialises
+        the job gives it its values of the shard's blocks and their version (its last pull, the push's
+        base), and every worker goes on as from a snapshot of that version; the shard's optimizer
+        state starts again."""
         shard, version = restarted.shard, restarted.version
+        if not restarted.initialized and 0 <= shard < len(base):
+            self._initialise_again(shard, base[shard])
+            self._apply_pulled(self.client.pull(full=True))  # waits for the initialising worker's values
+            version = self.client.versions[shard]
         known = 0 <= shard < len(base) and self.secure is None
         if known and version == base[shard]:
             try:
@@ -153,6 +161,19 @@ class ShardExchange(NewPlan):
         log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
         self.step_count = self.client.clock
         self._apply_pulled(self.client.pull(full=True))
+
+    def _initialise_again(self, shard: int, version: int) -> None:
+        """Give shard ``shard``, back without a snapshot, this worker's values of its blocks, those of
+        ``version`` (only the worker that initialises the job does; the others' pulls wait for them).
+        Its optimizer state (the script's, or the job's ``ps.optimizer``) starts again from nothing."""
+        if not self.config.initialises:
+            return
+        init = {b.key: memoryview(self._flat[b.param][b.start:b.stop]).cast("B") for b in self.plan.blocks_for_shard(shard)}
+        self.client.push(init, codec="none", kind="INIT", only_shard=shard,
+                         base_versions=[max(version, 0) if i == shard else 0 for i in range(self.plan.num_shards)])
+        log.warning("shard_initialised_again", worker=self.config.worker_id, shard=shard, keys=len(init), version=version,
+                    detail="the shard came back without a snapshot: it holds this worker's current values, and its "
+                           "optimizer state starts again")  # fmt: skip
 
     def _encode(self, grads: dict[str, np.ndarray],
                 staged: dict[str, tuple[np.ndarray, dict[str, bytes]]] | None = None) -> dict[str, bytes]:
