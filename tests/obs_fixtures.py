@@ -52,7 +52,6 @@ def demo_job(tmp: Path, framework: str, steps: int = 200) -> Path:
 @pytest.fixture(scope="session", params=["torch", "paddle"])
 def demo_run(request, tmp_path_factory) -> DemoRun:
     from hybridfleet.obs.discovery import read_targets
-    from hybridfleet.obs.scrape import scrape_one
     from hybridfleet.spec import load_spec
 
     framework = request.param
@@ -73,18 +72,20 @@ def demo_run(request, tmp_path_factory) -> DemoRun:
         found = prom.query(expr)
         rate = max(rate, float(found[0]["value"][1]) if found else 0.0)
         run_dirs = list((runs / spec.name).glob("*"))
-        if rate > 0 and run_dirs:
-            for target in read_targets(run_dirs[0]):  # each process's exposition once, taken while it trains
-                process = target.labels["process"]
-                if process in expositions or not scrape_one(target).up:
-                    continue
+        if run_dirs:
+            # every live process's exposition, read again at each pass so the last one taken while
+            # it ran is kept (independent of when Prometheus first saw the steps move: on a loaded
+            # host that can be after the workers have finished)
+            for target in read_targets(run_dirs[0]):
                 try:
                     with urllib.request.urlopen(f"http://{target.address}/metrics", timeout=2) as resp:
-                        expositions[process] = resp.read().decode()
-                except OSError:  # it stopped between the two reads (a worker that finished): next pass
+                        expositions[target.labels["process"]] = resp.read().decode()
+                except OSError:  # not up yet, or it stopped (a worker that finished)
                     continue
-            if not active:
-                active = [t for t in prom.api("targets")["activeTargets"] if t["labels"].get("job") == spec.name]
+        if rate > 0 and run_dirs:
+            now = [t for t in prom.api("targets")["activeTargets"] if t["labels"].get("job") == spec.name]
+            if len(now) > len(active):
+                active = now
     log.close()
     finished = time.time()
     out = (tmp / "hfleet-run.out").read_text(errors="replace")
