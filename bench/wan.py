@@ -9,11 +9,12 @@ per-worker row), top-k BSP, and local SGD / DiLoCo (dense, int8, int4, PowerSGD)
     sudo python bench/wan.py --workload charlm --estimate-dense    # the character transformer, test_bpc
     sudo python bench/wan.py --quick --variants dense,local_int4   # the anchor and local + int4 only
 
-The capped site's 2 workers run in their own network namespace (``hf-hosp``),
-joined to the host by a veth pair whose egress is capped both ways with
-``tc qdisc tbf`` (see ``_wan_net.py``); the shards bind the host end
-(10.231.0.1), which the cloud site's 2 workers reach without the cap. The cap
-is checked first with a raw TCP transfer each way across the link.
+The capped site's workers (digits: 2 per site; the examples' jobs: their own count, 1 per site)
+run in their own network namespace (``hf-hosp``), joined to the host by a veth pair whose egress
+is capped both ways with ``tc qdisc tbf`` (see ``_wan_net.py``); the shards bind the host end
+(10.231.0.1), which the cloud site's workers reach without the cap. The cap is checked first
+with a raw TCP transfer each way across the link. With one worker per site, site aggregation
+changes nothing, so the per-worker row is the anchor's job again (``--variants`` can leave it out).
 
 Workloads (``_wan_workloads.py``): ``digits`` trains the digits job of ``compression.py`` (2048,512 MLP,
 1.19M parameters; sites hospital, behind the link, and cloud) and measures test accuracy; ``fashion``
@@ -107,6 +108,7 @@ from compression import ENTRYPOINTS, digits_job, fail, num_parameters, quiet_par
 CAP_TOLERANCE = (0.5, 1.2)  # measured / set rate outside this range means the cap does not hold
 INNER_LR = 0.002
 DIGITS_CAPPED_SITE = "hospital"  # the site behind the link (digits_job's hospital_netns)
+DIGITS_SITE_WORKERS = 2  # digits_job's workers per site
 LOCAL_STEPS = 25
 MIN_TIMING_STEPS = 30
 DENSE_ROWS = ("dense", "dense_per_worker")
@@ -489,13 +491,21 @@ def main(argv: list[str] | None = None) -> None:
     report(args, results, up_mbit, down_mbit, workdir)
 
 
+def workers_behind_link(args) -> int:
+    """How many workers the capped site runs: the example job's own count, 2 for digits."""
+    job = getattr(args, "example_job", None)
+    return int(job["sites"][args.capped]["workers"]) if job else DIGITS_SITE_WORKERS
+
+
 def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, workdir: Path) -> None:
     """Print the table and the JSON line (its ``not_reached`` names the variants that missed the target,
     whose figures are null; then exit 1 when there is one)."""
     wl, metric = args.wl, args.wl.metric
+    capped_workers = workers_behind_link(args)
     what = (f"digits hybrid job, {num_parameters():,} parameters" if args.workload == "digits"
             else f"{args.workload} job ({args.wl.jobs[args.framework]})")
-    print(f"\n{what}, {args.framework}; {args.capped} (2 workers) behind {args.rate_mbit:g} Mbit/s, the other site "
+    workers = f"{capped_workers} worker{'s' if capped_workers != 1 else ''}"
+    print(f"\n{what}, {args.framework}; {args.capped} ({workers}) behind {args.rate_mbit:g} Mbit/s, the other site "
           f"local; target {metric} {'>=' if wl.higher_is_better else '<='} {args.target}; {args.job_steps} steps; "
           f"local: H={min(args.local_steps, args.job_steps)}, outer Nesterov SGD lr 0.7; PowerSGD rank {args.rank}; "
           f"shards initialised by the other site")
@@ -522,7 +532,8 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
 
     print(json.dumps({
         "bench": "wan", "workload": args.workload, "framework": args.framework, "rate_mbit": args.rate_mbit,
-        "metric": metric, "higher_is_better": wl.higher_is_better, "anchor_site_aggregation": True,
+        "capped_workers": capped_workers, "metric": metric, "higher_is_better": wl.higher_is_better,
+        "anchor_site_aggregation": True,
         "dense_s": dense["time_s"], "compressed_s": topk["time_s"],
         "speedup": ratio(dense["time_s"], topk["time_s"]),
         "local_dense_s": local["time_s"], "local_int8_s": local_int8["time_s"], "local_int4_s": local_int4["time_s"],

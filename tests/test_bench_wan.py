@@ -165,8 +165,10 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
                              0.9667) for name in wan.VARIANTS}
     results["local_powersgd"] = {**reached(0.0, 0.0, 0.5), "time_s": None, "step": None, "bytes": None,
                                  "link_bytes": None}
+    one_each = {**EXAMPLE_JOB, "sites": {site: {**conf, "workers": 1} for site, conf in EXAMPLE_JOB["sites"].items()}}
     args = argparse.Namespace(wl=workloads.WORKLOADS["fashion"], workload="fashion", framework="torch", capped="clinic",
-                              rate_mbit=20.0, target=0.9, job_steps=150, local_steps=25, rank=4, inner_lr=0.002)
+                              rate_mbit=20.0, target=0.9, job_steps=150, local_steps=25, rank=4, inner_lr=0.002,
+                              example_job=one_each)
     workdir = tmp_path / "work"
     workdir.mkdir()
 
@@ -179,6 +181,7 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     line = json.loads(out.strip().splitlines()[-1])
     assert exit_info.value.code == 1
     assert line["not_reached"] == ["local_powersgd"]
+    assert "clinic (1 worker) behind 20 Mbit/s" in out and line["capped_workers"] == 1
     assert line["local_powersgd_time_s"] is None and line["local_powersgd_speedup"] is None
     assert line["local_powersgd_final"] == 0.5 and line["local_powersgd_acc_drop"] == pytest.approx(0.4667)
     assert line["local_speedup"] == pytest.approx(200.0 / 3.0, rel=1e-3) and line["local_acc_drop"] == 0.0
@@ -210,6 +213,7 @@ def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_
     out, _ = capsys.readouterr()
     line = json.loads(out.strip().splitlines()[-1])
     assert line["variants"] == ["dense", "local_int4"] and line["not_reached"] == []
+    assert "hospital (2 workers) behind 100 Mbit/s" in out and line["capped_workers"] == 2
     assert line["local_speedup"] == 2.0 and line["local_bytes_reduction"] == pytest.approx(1 - 1.3 / 28.5, abs=1e-5)
     assert line["compressed_s"] is None and line["speedup"] is None and line["local_vs_topk"] is None
     assert line["dense_per_worker_bytes"] is None and line["local_powersgd_final"] is None
