@@ -568,7 +568,9 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         "local_powersgd_bytes_reduction": ratio_drop(powersgd["bytes"], dense["bytes"]),
         "local_powersgd_acc_drop": worse(dense["final_acc"], powersgd["final_acc"]),
         "powersgd_rank": args.rank,
-        "local_steps": min(args.local_steps, args.job_steps), "inner_lr": args.inner_lr, "steps": args.job_steps,
+        "local_steps": min(args.local_steps, args.job_steps),
+        "inner_lr": args.inner_lr if args.workload == "digits" else None,  # examples: the script's own optimizer
+        "steps": args.job_steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),
         "variants": list(results), "not_reached": missing,
     }), flush=True)

@@ -182,6 +182,7 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     assert exit_info.value.code == 1
     assert line["not_reached"] == ["local_powersgd"]
     assert "clinic (1 worker) behind 20 Mbit/s" in out and line["capped_workers"] == 1
+    assert line["inner_lr"] is None  # an example's local workers step with the script's own optimizer
     assert line["local_powersgd_time_s"] is None and line["local_powersgd_speedup"] is None
     assert line["local_powersgd_final"] == 0.5 and line["local_powersgd_acc_drop"] == pytest.approx(0.4667)
     assert line["local_speedup"] == pytest.approx(200.0 / 3.0, rel=1e-3) and line["local_acc_drop"] == 0.0
@@ -214,6 +215,7 @@ def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_
     line = json.loads(out.strip().splitlines()[-1])
     assert line["variants"] == ["dense", "local_int4"] and line["not_reached"] == []
     assert "hospital (2 workers) behind 100 Mbit/s" in out and line["capped_workers"] == 2
+    assert line["inner_lr"] == 0.002  # digits' local workers: Adam at --inner-lr
     assert line["local_speedup"] == 2.0 and line["local_bytes_reduction"] == pytest.approx(1 - 1.3 / 28.5, abs=1e-5)
     assert line["compressed_s"] is None and line["speedup"] is None and line["local_vs_topk"] is None
     assert line["dense_per_worker_bytes"] is None and line["local_powersgd_final"] is None
