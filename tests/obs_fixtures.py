@@ -24,6 +24,12 @@ from tests.needs import missing
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"torch": "digits-hybrid.yaml", "paddle": "digits-hybrid-paddle.yaml"}
+# Long enough that every shard is scraped many times while its rounds move: Prometheus hands
+# newly discovered targets to its scrapers at most every 5 s (its discovery manager's update
+# interval), so the run's targets are first scraped 4-5 s after the targets file is written. At
+# 200 steps the paddle demo's rounds ran for about 3 s after that on a quiet host, and on a
+# loaded one they once ended before a second scrape of the shards (their rate panels empty).
+DEMO_STEPS = 600
 
 
 @dataclass
@@ -39,7 +45,7 @@ class DemoRun:
     active_targets: list[dict] = field(default_factory=list)    # Prometheus's targets, mid-run
 
 
-def demo_job(tmp: Path, framework: str, steps: int = 200) -> Path:
+def demo_job(tmp: Path, framework: str, steps: int = DEMO_STEPS) -> Path:
     data = yaml.safe_load((REPO / "examples" / EXAMPLES[framework]).read_text())
     data["entrypoint"] = str(REPO / data["entrypoint"])
     data["train"]["steps"] = steps

@@ -20,7 +20,7 @@ import yaml
 
 from hybridfleet.obs.runinfo import load_run
 from tests.browser import chromium_page, pixel_stddev
-from tests.obs_fixtures import demo_job
+from tests.obs_fixtures import DEMO_STEPS, demo_job
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -69,7 +69,7 @@ def test_click_from_runs_to_a_finished_run_and_its_report(demo_run, tmp_path):
         headings = page.locator("h2").all_inner_texts()
         first_plot = page.locator("img").first.screenshot()
         # Assert
-        assert "COMPLETED" in row_text and "200/200" in row_text
+        assert "COMPLETED" in row_text and f"{DEMO_STEPS}/{DEMO_STEPS}" in row_text
         assert "Summary" in detail and "joint test accuracy" in detail and "COMPLETED" in detail
         assert any(h.startswith("Training loss (lower is better)") for h in headings), headings
         assert any(h.startswith("Test accuracy (higher is better)") for h in headings), headings
