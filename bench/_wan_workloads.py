@@ -106,11 +106,11 @@ def ensure_packed(job: dict, workload: Workload, root: Path = REPO) -> None:
 
 def variant_from_example(job: dict, name: str, *, compression: dict, aggregate: bool, local_steps: int | None,
                          eval_every_steps: int, steps: int | None, host: str, netns: str | None,
-                         root: Path = REPO) -> dict:
+                         root: Path = REPO, outer_optimizer: dict | None = None) -> dict:
     """A copy of the example `job` set up as one WAN bench variant.
 
     Kept: entrypoint, args, train settings, shards, BSP optimizer. Set: the sync mode (``local`` with
-    DiLoCo's outer optimizer when `local_steps` is given), codec, site aggregation on both sites, the
+    `outer_optimizer` as the shards' outer step when `local_steps` is given; DiLoCo's when None), codec, site aggregation on both sites, the
     capped site's namespace, the cloud site as the shards' initialiser, the shards' host. Dropped:
     checkpoint, registry and baseline settings (a bench run publishes nothing).
     """
@@ -127,7 +127,9 @@ def variant_from_example(job: dict, name: str, *, compression: dict, aggregate: 
         sites[site] = conf
     ps = {k: v for k, v in (job.get("ps") or {}).items() if k not in ("sync", "local_steps", "compression")}
     if local_steps is not None:
-        ps.pop("optimizer", None)  # the outer optimizer: DiLoCo's default
+        ps.pop("optimizer", None)  # the BSP optimizer is not the outer one
+        if outer_optimizer is not None:
+            ps["optimizer"] = dict(outer_optimizer)
         ps.update(sync="local", local_steps=local_steps)
     else:
         ps["sync"] = "bsp"

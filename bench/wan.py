@@ -8,6 +8,8 @@ per-worker row), top-k BSP, and local SGD / DiLoCo (dense, int8, int4, PowerSGD)
     sudo python bench/wan.py --workload fashion --estimate-dense   # the examples' CNN; dense timed per step
     sudo python bench/wan.py --workload charlm --estimate-dense    # the character transformer, test_bpc
     sudo python bench/wan.py --quick --variants dense,local_int4   # the anchor and local + int4 only
+    sudo python bench/wan.py --workload fashion --estimate-dense --variants dense,local_int4 \
+        --local-steps 200 --outer-lr 1 --outer-momentum 0            # plain outer averaging, H = 200
 
 The capped site's workers (digits: 2 per site; the examples' jobs: their own count, 1 per site)
 run in their own network namespace (``hf-hosp``), joined to the host by a veth pair whose egress
@@ -34,8 +36,10 @@ missing. When a workload's script, job file or pack script is not in the checkou
 * local dense / local + int8 / local + int4 / local + PowerSGD: ``sync: local`` (DiLoCo): each worker takes
   ``--local-steps`` steps with the script's own optimizer (digits: Adam, lr ``--inner-lr``), then the sites'
   averaged pseudo-gradients (plain, or int8 / int4 / rank-``--rank`` PowerSGD factors with error feedback;
-  the shards send the new parameters back through the same codec) go to the shards, which apply Nesterov
-  SGD (lr 0.7, momentum 0.9); site aggregation on both sites.
+  the shards send the new parameters back through the same codec) go to the shards, which apply the outer
+  step: Nesterov SGD (lr 0.7, momentum 0.9, DiLoCo's) unless ``--outer-lr`` / ``--outer-momentum`` say
+  otherwise (``--outer-lr 1 --outer-momentum 0`` is plain averaging of the sites' models, FedAvg's outer
+  step); site aggregation on both sites. The JSON line names the outer step (``outer_optimizer``).
 
 In every variant the cloud site's first worker initialises the shards (``ps.init_site``), so the
 initial values do not cross the capped link; the other workers hold the same initial values (same
@@ -105,11 +109,14 @@ from _wan_workloads import REPO, WORKLOADS, Workload, ensure_packed, example_job
 from _wan_workloads import variant_from_example  # noqa: E402
 from compression import ENTRYPOINTS, digits_job, fail, num_parameters, quiet_parent_logs, run_job  # noqa: E402
 
+from hybridfleet.spec.rules import OUTER_OPTIMIZER_DEFAULT  # noqa: E402
+
 CAP_TOLERANCE = (0.5, 1.2)  # measured / set rate outside this range means the cap does not hold
 INNER_LR = 0.002
 DIGITS_CAPPED_SITE = "hospital"  # the site behind the link (digits_job's hospital_netns)
 DIGITS_SITE_WORKERS = 2  # digits_job's workers per site
 LOCAL_STEPS = 25
+OUTER_LR, OUTER_MOMENTUM = OUTER_OPTIMIZER_DEFAULT["lr"], OUTER_OPTIMIZER_DEFAULT["momentum"]  # DiLoCo's
 MIN_TIMING_STEPS = 30
 DENSE_ROWS = ("dense", "dense_per_worker")
 # name -> (label, compression, site aggregation, local mode)
@@ -282,13 +289,14 @@ def variant_job(name: str, args, steps: int | None, capped: bool = True, eval_ev
     eval_every = eval_every or local_steps or args.eval_every
     job_name = f"wan-{args.workload}-{name.replace('_', '-')}{'' if capped else '-uncapped'}"
     netns = _wan_net.NAMESPACE if capped else None
+    outer = args.outer_optimizer if local else None
     if args.workload == "digits":
         return digits_job(job_name, args.framework, job_steps, compression, eval_every_steps=eval_every,
-                          host=_wan_net.HOST_ADDR, aggregate=aggregate, hospital_netns=netns,
+                          optimizer=outer, host=_wan_net.HOST_ADDR, aggregate=aggregate, hospital_netns=netns,
                           local_steps=local_steps, inner_lr=args.inner_lr if local else None, init_site="cloud")
     return variant_from_example(args.example_job, job_name, compression=compression, aggregate=aggregate,
                                 local_steps=local_steps, eval_every_steps=eval_every, steps=steps,
-                                host=_wan_net.HOST_ADDR, netns=netns)
+                                host=_wan_net.HOST_ADDR, netns=netns, outer_optimizer=outer)
 
 
 def run_variant(name: str, args, steps: int | None, workdir: Path, stop_early: bool, link: _wan_net.WanLink) -> dict:
@@ -375,6 +383,18 @@ def ratio_drop(part: int | None, whole: int | None) -> float | None:
     return None if part is None or not whole else round(1 - part / whole, 5)
 
 
+def outer_optimizer(lr: float, momentum: float) -> dict:
+    """The shards' outer step in local mode: SGD at `lr`, Nesterov when `momentum` > 0."""
+    return {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": momentum > 0}
+
+
+def describe_outer(opt: dict) -> str:
+    if opt["momentum"] == 0 and opt["lr"] == 1:
+        return "outer plain averaging (SGD lr 1)"
+    kind = f"Nesterov SGD lr {opt['lr']:g}, momentum {opt['momentum']:g}" if opt["nesterov"] else f"SGD lr {opt['lr']:g}"
+    return f"outer {kind}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
@@ -390,6 +410,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--local-steps", type=int, default=None,
                     help=f"local mode: inner steps per outer round (default {LOCAL_STEPS}; quick 10)")
     ap.add_argument("--inner-lr", type=float, default=INNER_LR, help="digits local mode: the inner Adam's learning rate")
+    ap.add_argument("--outer-lr", type=float, default=OUTER_LR,
+                    help=f"local mode: the shards' outer SGD learning rate (default {OUTER_LR}, DiLoCo's)")
+    ap.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                    help=f"local mode: the outer SGD's Nesterov momentum (default {OUTER_MOMENTUM}); 0 with "
+                         "--outer-lr 1 averages the sites' models (FedAvg)")
     ap.add_argument("--rank", type=int, default=4, help="local + PowerSGD: the rank of each matrix's factors")
     ap.add_argument("--estimate-dense", action="store_true",
                     help="time the dense rows as uncapped steps to target x median capped step time")
@@ -417,6 +442,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--local-steps: must be >= 1 (got {args.local_steps})")
     if args.inner_lr <= 0:
         ap.error(f"--inner-lr: must be > 0 (got {args.inner_lr})")
+    if args.outer_lr <= 0:
+        ap.error(f"--outer-lr: must be > 0 (got {args.outer_lr})")
+    if not 0 <= args.outer_momentum < 1:
+        ap.error(f"--outer-momentum: must be in [0, 1) (got {args.outer_momentum})")
+    args.outer_optimizer = outer_optimizer(args.outer_lr, args.outer_momentum)
     if not 1 <= args.rank <= 1024:
         ap.error(f"--rank: must be in 1..1024 (got {args.rank})")
     if args.timing_steps < MIN_TIMING_STEPS:
@@ -507,7 +537,7 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
     workers = f"{capped_workers} worker{'s' if capped_workers != 1 else ''}"
     print(f"\n{what}, {args.framework}; {args.capped} ({workers}) behind {args.rate_mbit:g} Mbit/s, the other site "
           f"local; target {metric} {'>=' if wl.higher_is_better else '<='} {args.target}; {args.job_steps} steps; "
-          f"local: H={min(args.local_steps, args.job_steps)}, outer Nesterov SGD lr 0.7; PowerSGD rank {args.rank}; "
+          f"local: H={min(args.local_steps, args.job_steps)}, {describe_outer(args.outer_optimizer)}; PowerSGD rank {args.rank}; "
           f"shards initialised by the other site")
     print(f"{'variant':<42}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'link MB':>10}"
           f"{'final ' + metric[5:]:>16}{'wall s':>9}")
@@ -568,7 +598,7 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
         "local_powersgd_bytes_reduction": ratio_drop(powersgd["bytes"], dense["bytes"]),
         "local_powersgd_acc_drop": worse(dense["final_acc"], powersgd["final_acc"]),
         "powersgd_rank": args.rank,
-        "local_steps": min(args.local_steps, args.job_steps),
+        "local_steps": min(args.local_steps, args.job_steps), "outer_optimizer": args.outer_optimizer,
         "inner_lr": args.inner_lr if args.workload == "digits" else None,  # examples: the script's own optimizer
         "steps": args.job_steps,
         "target": args.target, "measured_up_mbit": round(up_mbit, 2), "measured_down_mbit": round(down_mbit, 2),

@@ -93,8 +93,51 @@ def test_an_example_job_becomes_a_valid_variant_job(tmp_path):
     assert dense["ps"]["sync"] == "bsp" and dense["ps"]["optimizer"] == EXAMPLE_JOB["ps"]["optimizer"]
     assert dense["train"]["steps"] == 30 and all("netns" not in s for s in dense["sites"].values())
     assert parse_spec(local).ps.compression.rank == 4
+    assert parse_spec(local).ps.optimizer.nesterov is True  # no outer step given: DiLoCo's default
     assert parse_spec(dense).ps.compression.codec == "none"
     assert EXAMPLE_JOB["ps"]["sync"] == "bsp" and "netns" not in EXAMPLE_JOB["sites"]["clinic"]  # input untouched
+
+
+@pytest.mark.torch  # the bench checks its PyTorch anchor before its settings
+def test_the_outer_step_is_set_on_every_local_variant_and_named_in_the_output(tmp_path):
+    # Prepare: plain outer averaging (FedAvg's outer step) at H = 200
+    import wan
+
+    args = wan.parse_args(["--workload", "fashion", "--local-steps", "200", "--outer-lr", "1", "--outer-momentum", "0"])
+    args.example_job, args.job_steps = EXAMPLE_JOB, 400
+
+    # Execute: a local variant, the anchor, and the digits workload's local job
+    local, dense = wan.variant_job("local_int4", args, None), wan.variant_job("dense", args, None)
+    args.workload = "digits"
+    digits = wan.variant_job("local_int4", args, 150)
+
+    # Assert: the local jobs carry the outer step and parse to it; the anchor keeps the job's BSP optimizer
+    from hybridfleet.spec import parse_spec
+
+    plain = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert args.outer_optimizer == plain
+    assert local["ps"]["optimizer"] == plain and local["ps"]["local_steps"] == 200
+    assert digits["ps"]["optimizer"] == plain and digits["ps"]["sync"] == "local"
+    spec = parse_spec(local).ps.optimizer
+    assert (spec.lr, spec.momentum, spec.nesterov) == (1.0, 0.0, False)
+    assert dense["ps"]["optimizer"] == EXAMPLE_JOB["ps"]["optimizer"]
+    assert wan.describe_outer(plain) == "outer plain averaging (SGD lr 1)"
+    assert wan.describe_outer(wan.outer_optimizer(0.7, 0.9)) == "outer Nesterov SGD lr 0.7, momentum 0.9"
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("flags, message", [
+    (["--outer-lr", "0"], "--outer-lr: must be > 0 (got 0.0)"),
+    (["--outer-momentum", "1"], "--outer-momentum: must be in [0, 1) (got 1.0)"),
+    (["--outer-momentum", "-0.1"], "--outer-momentum: must be in [0, 1) (got -0.1)"),
+])
+def test_an_outer_step_out_of_range_is_refused(flags, message, capsys):
+    import wan
+
+    with pytest.raises(SystemExit) as exit_info:
+        wan.parse_args(flags)
+
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_missing_site_data_is_packed_with_the_workloads_pack_script(tmp_path):
@@ -168,7 +211,7 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     one_each = {**EXAMPLE_JOB, "sites": {site: {**conf, "workers": 1} for site, conf in EXAMPLE_JOB["sites"].items()}}
     args = argparse.Namespace(wl=workloads.WORKLOADS["fashion"], workload="fashion", framework="torch", capped="clinic",
                               rate_mbit=20.0, target=0.9, job_steps=150, local_steps=25, rank=4, inner_lr=0.002,
-                              example_job=one_each)
+                              example_job=one_each, outer_optimizer=wan.outer_optimizer(1.0, 0.0))
     workdir = tmp_path / "work"
     workdir.mkdir()
 
@@ -182,6 +225,7 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     assert exit_info.value.code == 1
     assert line["not_reached"] == ["local_powersgd"]
     assert "clinic (1 worker) behind 20 Mbit/s" in out and line["capped_workers"] == 1
+    assert "outer plain averaging (SGD lr 1)" in out and line["outer_optimizer"]["momentum"] == 0.0
     assert line["inner_lr"] is None  # an example's local workers step with the script's own optimizer
     assert line["local_powersgd_time_s"] is None and line["local_powersgd_speedup"] is None
     assert line["local_powersgd_final"] == 0.5 and line["local_powersgd_acc_drop"] == pytest.approx(0.4667)
@@ -203,7 +247,7 @@ def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_
     results = {"dense": reached(12.0, 28.5, 0.60), "local_int4": reached(6.0, 1.3, 0.72)}
     args = argparse.Namespace(wl=workloads.WORKLOADS["digits"], workload="digits", framework="torch",
                               capped="hospital", rate_mbit=100.0, target=0.3, job_steps=10, local_steps=10, rank=4,
-                              inner_lr=0.002)
+                              inner_lr=0.002, outer_optimizer=wan.outer_optimizer(0.7, 0.9))
     workdir = tmp_path / "work"
     workdir.mkdir()
 
@@ -216,6 +260,7 @@ def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_
     assert line["variants"] == ["dense", "local_int4"] and line["not_reached"] == []
     assert "hospital (2 workers) behind 100 Mbit/s" in out and line["capped_workers"] == 2
     assert line["inner_lr"] == 0.002  # digits' local workers: Adam at --inner-lr
+    assert "outer Nesterov SGD lr 0.7, momentum 0.9" in out and line["outer_optimizer"]["nesterov"] is True
     assert line["local_speedup"] == 2.0 and line["local_bytes_reduction"] == pytest.approx(1 - 1.3 / 28.5, abs=1e-5)
     assert line["compressed_s"] is None and line["speedup"] is None and line["local_vs_topk"] is None
     assert line["dense_per_worker_bytes"] is None and line["local_powersgd_final"] is None
