@@ -535,10 +535,14 @@ def report(args, results: dict[str, dict], up_mbit: float, down_mbit: float, wor
     what = (f"digits hybrid job, {num_parameters():,} parameters" if args.workload == "digits"
             else f"{args.workload} job ({args.wl.jobs[args.framework]})")
     workers = f"{capped_workers} worker{'s' if capped_workers != 1 else ''}"
+    settings = []  # name only the settings of the variants that ran
+    if any(name.startswith("local") for name in results):
+        settings.append(f"local: H={min(args.local_steps, args.job_steps)}, {describe_outer(args.outer_optimizer)}; ")
+    if "local_powersgd" in results:
+        settings.append(f"PowerSGD rank {args.rank}; ")
     print(f"\n{what}, {args.framework}; {args.capped} ({workers}) behind {args.rate_mbit:g} Mbit/s, the other site "
           f"local; target {metric} {'>=' if wl.higher_is_better else '<='} {args.target}; {args.job_steps} steps; "
-          f"local: H={min(args.local_steps, args.job_steps)}, {describe_outer(args.outer_optimizer)}; PowerSGD rank {args.rank}; "
-          f"shards initialised by the other site")
+          f"{''.join(settings)}shards initialised by the other site")
     print(f"{'variant':<42}{'time to target s':>17}{'at step':>9}{'WAN MB to target':>18}{'link MB':>10}"
           f"{'final ' + metric[5:]:>16}{'wall s':>9}")
     for name, r in results.items():

@@ -226,6 +226,7 @@ def test_a_variant_that_misses_the_target_is_named_in_the_json_line_and_fails_th
     assert line["not_reached"] == ["local_powersgd"]
     assert "clinic (1 worker) behind 20 Mbit/s" in out and line["capped_workers"] == 1
     assert "outer plain averaging (SGD lr 1)" in out and line["outer_optimizer"]["momentum"] == 0.0
+    assert "H=25, outer plain averaging (SGD lr 1); PowerSGD rank 4;" in out
     assert line["inner_lr"] is None  # an example's local workers step with the script's own optimizer
     assert line["local_powersgd_time_s"] is None and line["local_powersgd_speedup"] is None
     assert line["local_powersgd_final"] == 0.5 and line["local_powersgd_acc_drop"] == pytest.approx(0.4667)
@@ -265,4 +266,5 @@ def test_variants_left_out_by_variants_keep_their_keys_null_and_are_not_counted_
     assert line["compressed_s"] is None and line["speedup"] is None and line["local_vs_topk"] is None
     assert line["dense_per_worker_bytes"] is None and line["local_powersgd_final"] is None
     assert "[anchor]" in out and "(DiLoCo) int4" in out and "per-worker push" not in out and "(DiLoCo) int8" not in out
+    assert "PowerSGD rank" not in out  # the header names only the settings of the variants that ran
     assert not workdir.exists()  # a complete run leaves nothing behind
