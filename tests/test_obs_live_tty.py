@@ -50,7 +50,8 @@ def _run_in_tmux(tmp_path: Path, job: Path) -> tuple[str, Path]:
     session = f"hf-{uuid.uuid4().hex[:8]}"
     done = tmp_path / "done"
     cmd = (f"trap true INT; cd {REPO} && PYTHONPATH={REPO / 'src'} {sys.executable} -m hybridfleet run {job} "
-           f"--no-baselines --run-root {tmp_path / 'runs'}; echo $? > {done}; sleep 60")
+           f"--no-baselines --run-root {tmp_path / 'runs'}; echo $? > {done}; "
+           "for _ in $(seq 60); do sleep 1; done")  # a late Ctrl-C ends one sleep, not the shell and its tty
     _tmux("new-session", "-d", "-s", session, "-x", "130", "-y", "45", cmd)
     _tmux("set-option", "-t", session, "remain-on-exit", "on")
     return session, done
