@@ -98,7 +98,7 @@ def test_ps_serve_exits_130_on_ctrl_c_and_0_when_stopped_with_sigterm(tmp_path, 
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists() and time.monotonic() < deadline and shard.poll() is None:
-            time.sleep(0.05)
+            time.sleep(0.001)  # signal as soon as the file appears: a supervisor may stop the shard at once
         assert port_file.exists(), shard.stderr.read() if shard.poll() is not None else "no port file"
         shard.send_signal(signum)
         _out, err = shard.communicate(timeout=30)

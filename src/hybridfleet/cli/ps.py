@@ -66,15 +66,16 @@ def serve(
 
     watch_shard(server.state)
     serve_from_env()  # before the port file: `hfleet run` waits for that file, then expects metrics
+    done = threading.Event()
+    stopped_by: list[int] = []
+    # SIGUSR1: hand over (`hfleet ps scale`): stop answering, write a snapshot of the version held, exit 0.
+    # The handlers go in before the port file: whoever waits for that file may signal at once.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, _frame: (stopped_by.append(signum), done.set()))
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{host}:{server.port}\n")
         tmp.rename(port_file)
-    done = threading.Event()
-    stopped_by: list[int] = []
-    # SIGUSR1: hand over (`hfleet ps scale`): stop answering, write a snapshot of the version held, exit 0
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, _frame: (stopped_by.append(signum), done.set()))
     while not stopped_by:  # polled as well: a wake-up from the handler can be missed
         done.wait(0.2)
     handover = stopped_by[0] == signal.SIGUSR1
