@@ -13,7 +13,10 @@ from safetensors.numpy import save as save_safetensors
 from hybridfleet.ps.server.optim import SGD, Adam, AdamW, ServerOptimizer, make_optimizer
 from hybridfleet.spec.models import OptimizerSpec
 
-SHAPES = {"fc.weight": (16, 9), "fc.bias": (37,), "conv.weight": (3, 4, 5), "emb.weight": (1000,)}
+# big.weight has more elements than one piece of a large tensor's step (optim._STEP_BLOCK), so the
+# comparisons with the frameworks cover the piecewise update too
+SHAPES = {"fc.weight": (16, 9), "fc.bias": (37,), "conv.weight": (3, 4, 5), "emb.weight": (1000,),
+          "big.weight": (2, 65536 + 389)}
 NUM_STEPS = 24
 LR_CHANGE_AT_STEP = 12  # a schedule halves lr here; both sides must follow
 
@@ -420,3 +423,59 @@ def test_blockwise_fma_of_a_large_tensor_equals_the_one_pass_formula():
     assert got_array.dtype == np.float32 and got_array.shape == (n,)
     assert np.array_equal(got_array, one_pass(a))
     assert np.array_equal(got_scalar, one_pass(np.float32(-0.01)))
+
+
+@pytest.mark.parametrize("flavour", ["torch", "paddle"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_a_large_tensor_stepped_in_pieces_equals_one_pass_to_the_bit(config, flavour, monkeypatch):
+    # Prepare: the same optimizer twice, once stepping in pieces (the default above _STEP_BLOCK
+    # elements) and once in a single pass (the piece size raised above the tensor)
+    from hybridfleet.ps.server import optim
+
+    spec = OptimizerSpec(**CONFIGS[config])
+    rng = np.random.default_rng(3)
+    n = 3 * optim._STEP_BLOCK + 389  # the last piece is a partial one
+    start = rng.standard_normal(n).astype(np.float32)
+    grads = [(rng.standard_normal(n) * (k + 1)).astype(np.float32) for k in range(4)]
+
+    def run(block: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        monkeypatch.setattr(optim, "_STEP_BLOCK", block)
+        opt, param = make_optimizer(spec, flavour), start.copy()
+        for grad in grads:
+            opt.step("w", param, grad)
+        return param, opt.state_dict()
+
+    # Execute
+    pieces, one_pass = run(optim._STEP_BLOCK), run(2 * n)
+
+    # Assert: parameters and every slot (Paddle's beta powers too) identical
+    np.testing.assert_array_equal(pieces[0], one_pass[0])
+    assert sorted(pieces[1]) == sorted(one_pass[1])
+    for entry, value in one_pass[1].items():
+        np.testing.assert_array_equal(pieces[1][entry], value, err_msg=entry)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_stepping_a_large_tensor_allocates_pieces_not_copies_of_it(name):
+    # Prepare: a 16 MiB key whose state exists (the second step allocates no new slots)
+    import tracemalloc
+
+    spec = OptimizerSpec(**(CONFIGS["adam-wd"] if name == "adam" else CONFIGS["nesterov-wd"]))
+    opt = make_optimizer(spec, "torch")
+    rng = np.random.default_rng(5)
+    param = rng.standard_normal(4 << 20).astype(np.float32)
+    grad = rng.standard_normal(param.size).astype(np.float32)
+    opt.step("w", param, grad)
+    before = param.copy()
+
+    # Execute
+    tracemalloc.start()
+    try:
+        opt.step("w", param, grad)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    # Assert: the step's temporaries are piece-sized (one pass held several 16 MiB arrays at once)
+    assert peak < 4 << 20, f"a step of a 16 MiB tensor allocated {peak / 2**20:.1f} MiB at its peak"
+    assert not np.array_equal(param, before)

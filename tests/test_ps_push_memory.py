@@ -220,3 +220,47 @@ def test_bsp_round_sums_are_let_go_once_the_round_is_applied(tmp_path):
         a.close()
         b.close()
         cluster.stop()
+
+
+def test_the_push_that_closes_a_bsp_round_lets_go_of_its_buffers_before_the_step(tmp_path, monkeypatch):
+    # Prepare: two workers on the bulk plane, one BSP shard with the job's optimizer; every push
+    # buffer the shard receives is watched (weak references to what the bulk server's reads return)
+    from hybridfleet.ps.server import bulk_server
+
+    received: list[weakref.ref] = []
+    real_recv = bulk_server.recv_exact
+
+    def watched_recv(conn, n):
+        buf = real_recv(conn, n)
+        received.append(weakref.ref(buf))
+        return buf
+
+    monkeypatch.setattr(bulk_server, "recv_exact", watched_recv)
+    cluster = start_cluster(tmp_path)
+    state = cluster.servers[0].state
+    a, b = cluster.client("a"), cluster.client("b")
+    try:
+        join_and_init(cluster, a)
+        join_and_init(cluster, b, init=False)
+        _push_constant(a, 1.0)
+        first = len(received)  # b's buffers are the reads from here on
+        alive_in_step = []
+        real_step = state.optimizer.step
+
+        def step(key, param, grad):
+            alive_in_step.append(sum(r() is not None for r in received[first:]))
+            real_step(key, param, grad)
+
+        state.optimizer.step = step
+
+        # Execute: b's push closes and applies the round
+        _push_constant(b, 3.0)
+
+        # Assert: b's buffers were read, and none was alive while the round's keys were stepped
+        assert len(received) > first
+        assert state.version == 1 and alive_in_step and set(alive_in_step) == {0}
+        np.testing.assert_allclose(cluster.params()["fc.bias"], initial_values()["fc.bias"] - 1.0, rtol=1e-6)
+    finally:
+        a.close()
+        b.close()
+        cluster.stop()

@@ -44,6 +44,9 @@ _ONE = np.float32(1.0)
 
 
 _FMA_BLOCK = 1 << 16  # elements per pass: the float64 scratch stays in cache, nothing large is allocated
+# Elements per piece of a large tensor's step (`ServerOptimizer._step_in_blocks`): an update's
+# temporaries are a few arrays of this size instead of several copies of the tensor.
+_STEP_BLOCK = 1 << 16
 
 
 def _fma(a: Any, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -158,11 +161,42 @@ class ServerOptimizer(ABC):
                         f"optimizer state {slot!r} has shape {state[slot].shape}"
                     )
         step = int(state[STEP_SLOT]) + 1
-        new_param, new_state = self._update(param.astype(_F32, copy=False), grad32, state, step)
+        if param.size > _STEP_BLOCK and all(a.flags.c_contiguous for a in (param, grad32, *self._tensors(state))):
+            self._step_in_blocks(key, param, grad32, state, step)
+            return
+        new_param, new_state = self._update(param, grad32, state, step)
         new_state[STEP_SLOT] = np.array(step, dtype=np.int64)
         # Commit only once everything is computed, so a failure leaves nothing half-done.
         param[...] = new_param
         self._state[key] = new_state
+
+    def _tensors(self, state: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [state[slot] for slot in self._tensor_slots()]
+
+    def _step_in_blocks(self, key: str, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                        step: int) -> None:
+        """`step` for a large tensor: the update runs over ``_STEP_BLOCK`` elements at a time and
+        writes each piece's new parameter and slots in place, so its temporaries are a few pieces,
+        not several copies of the tensor. Every element's arithmetic is the same as in one pass
+        (the update is element-wise), so the result is identical to the bit. The input was
+        checked whole before the first piece is written, and what runs after that (float32
+        arithmetic on piece-sized arrays) does not fail on any input, so no key is left half-stepped
+        by a refusal. The scalar slots every piece reads (Paddle's ``beta1_pow``/``beta2_pow``)
+        change once, after the last piece."""
+        flat_param, flat_grad = param.reshape(-1), grad.reshape(-1)
+        slots = self._tensor_slots()
+        flat_slots = {slot: state[slot].reshape(-1) for slot in slots}
+        new_state: dict[str, np.ndarray] = {}
+        for i in range(0, flat_param.size, _STEP_BLOCK):
+            j = min(i + _STEP_BLOCK, flat_param.size)
+            piece = {**state, **{slot: flat_slots[slot][i:j] for slot in slots}}
+            new_param, new_state = self._update(flat_param[i:j], flat_grad[i:j], piece, step)
+            flat_param[i:j] = new_param
+            for slot in slots:
+                flat_slots[slot][i:j] = new_state[slot]
+        committed = {**state, **{slot: value for slot, value in new_state.items() if slot not in slots}}
+        committed[STEP_SLOT] = np.array(step, dtype=np.int64)
+        self._state[key] = committed
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A flat copy of the state: ``"<key>/<slot>"`` -> numpy array (safetensors-ready)."""
@@ -213,9 +247,10 @@ class ServerOptimizer(ABC):
             raise ValueError(f"{where}: grad shape {grad.shape} does not match param shape {param.shape}")
         with np.errstate(over="ignore"):  # overflow to inf is reported just below
             grad32 = grad.astype(_F32, copy=False)
-        finite = np.isfinite(grad32)
-        if not finite.all():
-            bad = int(grad32.size - np.count_nonzero(finite))
+        flat = grad32.reshape(-1)
+        bad = sum(int(flat[i:i + _STEP_BLOCK].size - np.count_nonzero(np.isfinite(flat[i:i + _STEP_BLOCK])))
+                  for i in range(0, flat.size, _STEP_BLOCK))  # in pieces: no tensor-sized mask
+        if bad:
             raise ValueError(f"{where}: grad has {bad} non-finite value(s) (NaN or inf, "
                              f"in float32); the update was not applied")
         return grad32

@@ -54,7 +54,7 @@ class Rounds:
     # -------------------------------------------------------------------- push
     def push(self, worker_id: str, site: str, kind: str, step: int, base_version: int, codec: str,
              payloads: dict[str, bytes], contributors: int = 1, optimizer_json: str = "",
-             skip_nonfinite: bool = False) -> tuple[int, bool]:
+             skip_nonfinite: bool = False, take_payloads: bool = False) -> tuple[int, bool]:
         """Validate a whole push, then apply it per the consistency mode; nothing changes if it is rejected.
 
         ``skip_nonfinite``: the worker's gradient was not finite (GradScaler semantics): the push
@@ -69,7 +69,13 @@ class Rounds:
 
         Decoding (the costly part of validation) runs before the shard's lock is taken, so
         pushes from several workers decode in parallel; its verdict is given in the same order
-        as before, after the membership, replay and round checks."""
+        as before, after the membership, replay and round checks.
+
+        ``take_payloads``: the caller hands ``payloads`` over (the servers' receive buffers). Once
+        a round holds what it needs of an accepted push (its sum adopts the first push's buffer
+        and adds the others into it), the dict is emptied, so the buffers of the push that
+        closes a round are freed before the round's optimizer step instead of beside it. A
+        refused push leaves the dict as it was."""
         decoded: dict[str, np.ndarray] | Reject | None = None
         if kind != "INIT" and self.plan is not None:
             try:
@@ -145,6 +151,9 @@ class Rounds:
             if self.in_rounds:
                 rnd = self.rounds.get(self.version) or self.rounds.setdefault(self.version, self._new_round())
                 rnd.add(worker_id, grads, weight)
+                if take_payloads:  # the round keeps what it needs; the rest of this push goes now
+                    grads = decoded = None
+                    payloads.clear()
                 self.round_optimizer.setdefault(self.version, (worker_id, desc))
                 if skip_nonfinite:
                     self.skip_votes.setdefault(self.version, set()).add(worker_id)

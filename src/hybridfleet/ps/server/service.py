@@ -248,13 +248,14 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         return {k: v[0] if len(v) == 1 else b"".join(v) for k, v in parts.items()}
 
     def push_payloads(self, header: ps_pb2.PushHeader, payloads: dict, claims=None) -> ps_pb2.PushResponse:
-        """Apply one complete push (every declared key's bytes); raises Reject and then changes nothing."""
+        """Apply one complete push (every declared key's bytes, a dict this call takes over: it is
+        emptied once the push is in its round); raises Reject and then changes nothing."""
         member = self.state.members.get(header.worker_id)
         site = _claims_site(member.site if member is not None else "", claims)
         kind = ps_pb2.PushHeader.Kind.Name(header.kind)
         version, applied = self.state.push(header.worker_id, site, kind, header.step, header.base_version,
                                            header.codec, payloads, header.contributors or 1,
-                                           header.optimizer_json, header.skip_nonfinite)
+                                           header.optimizer_json, header.skip_nonfinite, take_payloads=True)
         return ps_pb2.PushResponse(version=version, applied=applied)
 
     def heartbeat(self, request: ps_pb2.HeartbeatRequest, claims=None, peer_site: str | None = None
