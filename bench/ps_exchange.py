@@ -21,6 +21,12 @@ ratio = ps_s / gloo_s, wire_efficiency = (bytes through the shard / ps_s) /
 raw TCP bytes per second. ``native_tls`` says whether the bulk plane's TLS ran in the
 C extension (hybridfleet.ps.wire.tls) or in Python's ssl module.
 
+The parameter server's round includes the optimizer step (on the shards); all_reduce alone
+does not. ``gloo_step_s`` times what a DDP iteration does after its backward, in the same
+torchrun processes: all_reduce of the gradients, their mean, and torch.optim's step of the
+shards' optimizer and lr (torch's defaults) on every process; ``ratio_to_ddp_step`` =
+ps_s / gloo_step_s. ``ratio`` keeps the all_reduce-only anchor.
+
 Memory (TLS run): ``shard_rss_over_slice`` is the largest shard's peak RSS over its slice
 of the parameters, ``shard_rss_over_target`` its peak RSS over 1.25 x (slice + optimizer
 slots) + 128 MiB, ``worker_rss_over_model`` a worker's peak RSS over the model's bytes (the
@@ -56,6 +62,7 @@ HERE = Path(__file__).resolve().parent
 TENSORS = 16
 BLOCK_BYTES = 64 << 20
 SLOTS = {"sgd": 0, "adam": 2}  # optimizer state arrays shaped like the parameters
+LR = 0.01  # the shards' optimizer's, and the DDP anchor's
 
 
 def raw_tcp_bytes_per_s(total_bytes: int, chunk: int = 1 << 20) -> float:
@@ -114,7 +121,7 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
     job = {
         "name": "bench-ps-exchange", "framework": "torch", "entrypoint": "unused.py",
         "sites": {"w0": {"workers": 1}, "w1": {"workers": 1}},
-        "ps": {"shards": shards, "sync": "bsp", "optimizer": {"name": optimizer, "lr": 0.01},
+        "ps": {"shards": shards, "sync": "bsp", "optimizer": {"name": optimizer, "lr": LR},
                "block_size_bytes": BLOCK_BYTES, "heartbeat_timeout_s": 60, "transport": transport},
         "security": {"tls": "off" if plaintext else "auto", "tokens": "off" if plaintext else "auto"},
     }
@@ -174,14 +181,18 @@ def run_ps(numel: int, rounds: int, plaintext: bool, workdir: Path, transport: s
                                           for r in results)}
 
 
-def run_gloo(numel: int, rounds: int) -> dict:
+def run_gloo(numel: int, rounds: int, optimizer: str = "sgd") -> dict:
+    """gloo's all_reduce rounds (``median_s``) and DDP-iteration rounds (``step_median_s``: all_reduce,
+    mean and torch.optim's step of ``optimizer`` at the shards' lr) of the same tensors."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), str(HERE / "_gloo_worker.py"), str(rounds), str(numel),
-                          str(TENSORS)], env=env, capture_output=True, text=True, timeout=600, check=True)
+                          str(TENSORS), optimizer, str(LR)], env=env, capture_output=True, text=True, timeout=600,
+                         check=True)
     line = next(l for l in out.stdout.splitlines() if l.startswith("GLOO "))
-    times = json.loads(line[5:])["round_s"]
-    return {"round_s": times, "median_s": statistics.median(times)}
+    got = json.loads(line[5:])
+    return {"round_s": got["round_s"], "median_s": statistics.median(got["round_s"]),
+            "step_median_s": statistics.median(got["step_round_s"])}
 
 
 def main() -> None:
@@ -218,7 +229,7 @@ def main() -> None:
     if args.grpc:
         with tempfile.TemporaryDirectory() as tmp:
             ps_grpc = run_ps(numel, rounds, False, Path(tmp), transport="grpc")
-    gloo = run_gloo(numel, rounds)
+    gloo = run_gloo(numel, rounds, args.optimizer)
     shard_bytes = 4 * tensor_bytes  # 2 pushes in + 2 pulls out
     tcp = raw_tcp_bytes_per_s(shard_bytes)
     ratio = ps["median_s"] / gloo["median_s"]
@@ -237,13 +248,16 @@ def main() -> None:
         print(f"{'hybridfleet PS over gRPC (TLS)':<44}{ps_grpc['median_s']:>10.3f}"
               f"{shard_bytes / ps_grpc['median_s'] / 1e9:>22.2f}")
     print(f"{'torch gloo all_reduce (torchrun)':<44}{gloo['median_s']:>10.3f}{'':>22}")
+    print(f"{f'torch gloo all_reduce + {args.optimizer} step (DDP)':<44}{gloo['step_median_s']:>10.3f}{'':>22}")
     print(f"{'raw TCP loopback (same bytes)':<44}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
     result = {"bench": "ps_exchange", "mb": mb, "ps_s": round(ps["median_s"], 4), "gloo_s": round(gloo["median_s"], 4),
               "ratio": round(ratio, 3), "wire_efficiency": round(eff, 3), "raw_tcp_gb_s": round(tcp / 1e9, 3),
               "native_tls": native_available(), "tls_vs_plaintext": round(ps["median_s"] / ps_plain["median_s"], 3),
               "ps_plaintext_s": round(ps_plain["median_s"], 4),
               "ratio_plaintext": round(ps_plain["median_s"] / gloo["median_s"], 3),
-              "wire_efficiency_plaintext": round((shard_bytes / ps_plain["median_s"]) / tcp, 3)}
+              "wire_efficiency_plaintext": round((shard_bytes / ps_plain["median_s"]) / tcp, 3),
+              "gloo_step_s": round(gloo["step_median_s"], 4),
+              "ratio_to_ddp_step": round(ps["median_s"] / gloo["step_median_s"], 3)}
     result.update({"shards": args.shards, "optimizer": args.optimizer,
                    "shard_rss_mib": round(ps["shard_rss_bytes"] / (1 << 20), 1),
                    "worker_rss_mib": round(ps["worker_rss_bytes"] / (1 << 20), 1),

@@ -166,8 +166,9 @@ def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_r
     assert result["bench"] == "ps_exchange" and result["mb"] == 4
     for key in ("ratio", "wire_efficiency", "tls_vs_plaintext", "ps_s", "ps_plaintext_s", "gloo_s",
                 "shard_rss_over_slice", "shard_rss_over_target", "worker_rss_over_model", "worker_rss_over_target",
-                "worker_framework_rss_mib"):
+                "worker_framework_rss_mib", "gloo_step_s", "ratio_to_ddp_step"):
         assert result[key] > 0, key
+    assert result["ratio_to_ddp_step"] == pytest.approx(result["ps_s"] / result["gloo_step_s"], rel=0.01)
     # the worker's bound counts its framework: the peak is above what torch and the session take alone
     assert result["worker_rss_mib"] > result["worker_framework_rss_mib"]
     assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
