@@ -7,6 +7,7 @@ worker's allocations only. Figures asserted are memory, never time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -131,14 +132,24 @@ def _push_constant(client, g: float) -> None:
     client.push(blocks, codec="none", base_versions=[0])
 
 
-def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(tmp_path):
-    # Prepare: two workers, one BSP shard, one round pushed by both
+@contextlib.contextmanager
+def _two_joined_workers(tmp_path):
+    """One BSP shard (SGD lr 0.5) and two workers a, b joined on it (a initialised the values)."""
     cluster = start_cluster(tmp_path)
-    state = cluster.servers[0].state
     a, b = cluster.client("a"), cluster.client("b")
     try:
         join_and_init(cluster, a)
         join_and_init(cluster, b, init=False)
+        yield cluster, cluster.servers[0].state, a, b
+    finally:
+        a.close()
+        b.close()
+        cluster.stop()
+
+
+def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(tmp_path):
+    # Prepare: two workers, one BSP shard, one round pushed by both
+    with _two_joined_workers(tmp_path) as (cluster, state, a, b):
         for client, g in ((a, 1.0), (b, 3.0)):
             _push_constant(client, g)
         assert state.version == 1
@@ -155,10 +166,6 @@ def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(t
         for pulled in (pulled_a, pulled_b, a.pull(full=True)):
             got = next(p for p in pulled if p.key.startswith("fc.bias"))
             np.testing.assert_allclose(np.frombuffer(got.payload(), np.float32), expected, rtol=1e-6)
-    finally:
-        a.close()
-        b.close()
-        cluster.stop()
 
 
 def test_a_worker_joining_with_other_values_receives_the_jobs_values_in_place(shard):
@@ -195,13 +202,7 @@ def test_a_worker_joining_with_other_values_receives_the_jobs_values_in_place(sh
 
 def test_bsp_round_sums_are_let_go_once_the_round_is_applied(tmp_path):
     # Prepare: two workers, one BSP shard; the first push's values become the round's sums
-    cluster = start_cluster(tmp_path)
-    state = cluster.servers[0].state
-    a, b = cluster.client("a"), cluster.client("b")
-    try:
-        join_and_init(cluster, a)
-        join_and_init(cluster, b, init=False)
-
+    with _two_joined_workers(tmp_path) as (cluster, state, a, b):
         _push_constant(a, 1.0)
         sums = [weakref.ref(arr) for arr in state.rounds[0].sums.values()]
         assert sums and all(r() is not None for r in sums)
@@ -216,10 +217,6 @@ def test_bsp_round_sums_are_let_go_once_the_round_is_applied(tmp_path):
         assert state.version == 1 and state.rounds == {}
         assert alive_when_applied == [0]
         np.testing.assert_allclose(cluster.params()["fc.bias"], initial_values()["fc.bias"] - 1.0, rtol=1e-6)
-    finally:
-        a.close()
-        b.close()
-        cluster.stop()
 
 
 def test_the_push_that_closes_a_bsp_round_lets_go_of_its_buffers_before_the_step(tmp_path, monkeypatch):
@@ -236,12 +233,7 @@ def test_the_push_that_closes_a_bsp_round_lets_go_of_its_buffers_before_the_step
         return buf
 
     monkeypatch.setattr(bulk_server, "recv_exact", watched_recv)
-    cluster = start_cluster(tmp_path)
-    state = cluster.servers[0].state
-    a, b = cluster.client("a"), cluster.client("b")
-    try:
-        join_and_init(cluster, a)
-        join_and_init(cluster, b, init=False)
+    with _two_joined_workers(tmp_path) as (cluster, state, a, b):
         _push_constant(a, 1.0)
         first = len(received)  # b's buffers are the reads from here on
         alive_in_step = []
@@ -260,7 +252,3 @@ def test_the_push_that_closes_a_bsp_round_lets_go_of_its_buffers_before_the_step
         assert len(received) > first
         assert state.version == 1 and alive_in_step and set(alive_in_step) == {0}
         np.testing.assert_allclose(cluster.params()["fc.bias"], initial_values()["fc.bias"] - 1.0, rtol=1e-6)
-    finally:
-        a.close()
-        b.close()
-        cluster.stop()
