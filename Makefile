@@ -7,6 +7,16 @@ JOB ?= examples/digits-hybrid.yaml
 # extras installed for `make test`; e.g. EXTRAS=paddle,dev for a paddle-only interpreter
 EXTRAS ?= torch,paddle,dev
 
+# The bulk plane's native TLS (hybridfleet.ps.wire._tls) links this OpenSSL statically, with
+# its symbols hidden, when it has been built (.ci/install-openssl.sh: 3.5, whose AES-GCM uses
+# VAES, into $HFLEET_OPENSSL_PREFIX or /opt/hybridfleet/openssl); otherwise the system's
+# libssl-dev. OPENSSL_PREFIX= (empty) forces the system's.
+OPENSSL_PREFIX ?= $(patsubst %/.built,%,$(wildcard $(or $(HFLEET_OPENSSL_PREFIX),/opt/hybridfleet/openssl)/.built))
+ifneq ($(strip $(OPENSSL_PREFIX)),)
+export CPPFLAGS := -I$(OPENSSL_PREFIX)/include $(CPPFLAGS)
+export LDFLAGS := -L$(OPENSSL_PREFIX)/lib -Wl,--exclude-libs,ALL $(LDFLAGS)
+endif
+
 .PHONY: demo test venv proto clean bench-streaming-venv
 
 $(BIN)/python:

@@ -9,9 +9,12 @@ bulk-plane suite itself (test_ps_bulk.py) runs with the native path by default a
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -152,6 +155,35 @@ def test_the_cipher_alone_runs_in_the_extensions_openssl_and_bad_sizes_are_refus
     for total, record in ((-1, 16384), (100, 0), (100, (1 << 20) + 1)):
         with pytest.raises(ValueError, match=r"seal_open needs total >= 0 and 0 < record <= 1 MiB"):
             tls.native_seal_open(total, record)
+
+
+OPENSSL_PREFIX = Path(os.environ.get("HFLEET_OPENSSL_PREFIX", "/opt/hybridfleet/openssl"))
+
+
+@needs_native
+@pytest.mark.skipif(not (OPENSSL_PREFIX / ".built").exists(),
+                    reason=f"no OpenSSL built in {OPENSSL_PREFIX} (.ci/install-openssl.sh): the extension links the system's")
+def test_the_extension_carries_the_built_openssl_inside_it_and_exports_none_of_it():
+    # Prepare: the version the built OpenSSL's headers declare; Python's own ssl module loaded
+    header = (OPENSSL_PREFIX / "include" / "openssl" / "opensslv.h").read_text()
+    built = re.search(r'#\s*define OPENSSL_FULL_VERSION_STR "([^"]+)"', header).group(1)
+    so_path = tls._tls.__file__
+
+    # Execute: look the extension's own dynamic symbols up, apart from every other library
+    # (RTLD_NOLOAD: the handle of the copy already loaded)
+    handle = ctypes.CDLL(so_path, mode=os.RTLD_LOCAL | os.RTLD_NOLOAD)
+
+    # Assert: the extension runs the built OpenSSL, needs no libssl/libcrypto of the system's and
+    # lends it none of its symbols, while Python's ssl module keeps its own
+    assert tls.native_openssl_version().startswith(f"OpenSSL {built} ")
+    assert ssl.OPENSSL_VERSION != tls.native_openssl_version()
+    for symbol in ("SSL_new", "SSL_write", "EVP_EncryptUpdate", "OpenSSL_version"):
+        assert not hasattr(handle, symbol), symbol
+    assert hasattr(handle, "PyInit__tls")
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]",
+                        subprocess.run(["readelf", "-d", so_path], capture_output=True, text=True, check=True).stdout)
+    assert needed and not [lib for lib in needed if lib.startswith(("libssl", "libcrypto"))], needed
+    assert tls.native_seal_open(1 << 20) is True
 
 
 @needs_native
