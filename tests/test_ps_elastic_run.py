@@ -117,7 +117,10 @@ def test_hfleet_ps_scale_changes_a_running_jobs_shards_2_4_3_and_training_ends_a
     from hybridfleet.cli.app import app
     from hybridfleet.ps.worker.status import ShardStatusProbe
 
-    steps = 40
+    # 100 steps: after the first change (at version 10, a hand-over of 1-2 s) the job must still
+    # be short of version 25 and then run long enough for a 0.2 s poll to see it there; with 40
+    # steps a fast host finished the last 30 in 1.3 s, before the poll saw 25
+    steps = 100
     job = _job(tmp_path, example, train__site_baselines=False, train__steps=steps,
                train__eval_every_steps=steps, checkpoint={"every_steps": steps, "keep_last": 2},
                registry={}, ps__snapshot_every_steps=1)
