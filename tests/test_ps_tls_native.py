@@ -27,7 +27,7 @@ from hybridfleet.ps.wire import tls
 from hybridfleet.ps.wire.bulk import recv_exact_into
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import make_dev_pki
-from tests.needs import skip_outside_ci
+from tests.needs import missing, skip_outside_ci
 
 NOT_BUILT = ("the hybridfleet.ps.wire._tls extension is not built (gcc and OpenSSL headers were missing at install: "
              "run .ci/install-build-deps.sh, then pip install -e .)")
@@ -161,10 +161,11 @@ OPENSSL_PREFIX = Path(os.environ.get("HFLEET_OPENSSL_PREFIX", "/opt/hybridfleet/
 
 
 @needs_native
-@pytest.mark.skipif(not (OPENSSL_PREFIX / ".built").exists(),
-                    reason=f"no OpenSSL built in {OPENSSL_PREFIX} (.ci/install-openssl.sh): the extension links the system's")
 def test_the_extension_carries_the_built_openssl_inside_it_and_exports_none_of_it():
     # Prepare: the version the built OpenSSL's headers declare; Python's own ssl module loaded
+    if not (OPENSSL_PREFIX / ".built").exists():
+        missing(f"no static OpenSSL is built in {OPENSSL_PREFIX}: run .ci/install-openssl.sh, then make test "
+                f"relinks the extension (without it the extension links the system's OpenSSL)")
     header = (OPENSSL_PREFIX / "include" / "openssl" / "opensslv.h").read_text()
     built = re.search(r'#\s*define OPENSSL_FULL_VERSION_STR "([^"]+)"', header).group(1)
     so_path = tls._tls.__file__
