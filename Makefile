@@ -10,11 +10,13 @@ EXTRAS ?= torch,paddle,dev
 # The bulk plane's native TLS (hybridfleet.ps.wire._tls) links this OpenSSL statically, with
 # its symbols hidden, when it has been built (.ci/install-openssl.sh: 3.5, whose AES-GCM uses
 # VAES, into $HFLEET_OPENSSL_PREFIX or /opt/hybridfleet/openssl); otherwise the system's
-# libssl-dev. OPENSSL_PREFIX= (empty) forces the system's.
+# libssl-dev. OPENSSL_PREFIX= (empty) links the system's at the next install.
 OPENSSL_PREFIX ?= $(patsubst %/.built,%,$(wildcard $(or $(HFLEET_OPENSSL_PREFIX),/opt/hybridfleet/openssl)/.built))
 ifneq ($(strip $(OPENSSL_PREFIX)),)
 export CPPFLAGS := -I$(OPENSSL_PREFIX)/include $(CPPFLAGS)
 export LDFLAGS := -L$(OPENSSL_PREFIX)/lib -Wl,--exclude-libs,ALL $(LDFLAGS)
+# a newer OpenSSL build reinstalls, so the extension is linked against it
+OPENSSL_STAMP := $(OPENSSL_PREFIX)/.built
 endif
 
 .PHONY: demo test venv proto clean bench-streaming-venv
@@ -23,11 +25,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-demo: pyproject.toml $(OPENSSL_STAMP) | $(BIN)/python
 	$(BIN)/pip install -q -e '.[torch,paddle,examples,report,registry,privacy]'
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml $(OPENSSL_STAMP) | $(BIN)/python
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
