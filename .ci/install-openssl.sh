@@ -20,16 +20,14 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/src"
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 echo "deb-src [signed-by=$keyring] http://deb.debian.org/debian trixie main" > "$work/sources.list"
-apt_src() {
-  apt-get -q -o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/nonexistent \
-    -o Dir::State::Lists="$work/lists" -o Dir::Cache="$work/cache" -o APT::Sandbox::User=root "$@"
-}
+# apt on this one source list, its own index and cache: the system's apt state is left alone
+apt_opts=(-o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+          -o Dir::State::Lists="$work/lists" -o Dir::Cache="$work/cache")
+apt_src() { apt-get -q "${apt_opts[@]}" -o APT::Sandbox::User=root "$@"; }
 fetched=""
 if apt_src update >/dev/null; then
   # newest first; the index can name a version whose files the mirror does not hold yet
-  for version in $(apt-cache -o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/nonexistent \
-                     -o Dir::State::Lists="$work/lists" -o Dir::Cache="$work/cache" showsrc openssl \
-                   | sed -n 's/^Version: //p' | sort -rV); do
+  for version in $(apt-cache "${apt_opts[@]}" showsrc openssl | sed -n 's/^Version: //p' | sort -rV); do
     if (cd "$work/src" && apt_src source --download-only "openssl=$version" >/dev/null 2>&1); then
       fetched=$version; break
     fi
