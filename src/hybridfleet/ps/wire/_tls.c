@@ -24,6 +24,7 @@
 #include <limits.h>
 #include <math.h>
 #include <poll.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -61,33 +62,67 @@ typedef struct {
     PyObject_HEAD
     SSL_CTX *ctx;
     int server_side, check_hostname, hostname_checks_common_name;
+    int sealed; /* offer (client) or accept (server) sealed records, see "Sealed records" below */
+    char *keylog; /* NSS key log file (SSLKEYLOGFILE's format), or NULL */
 } ContextObject;
+
+/* ALPN's name for sealed records: wire format, a length byte then the name */
+static const unsigned char SEALED_ALPN[] = "\x0fhfleet-sealed/1";
+#define SEALED_ALPN_LEN (sizeof SEALED_ALPN - 1)
 
 static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname);
 
 static void Context_dealloc(ContextObject *self) {
     SSL_CTX_free(self->ctx);
+    free(self->keylog);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int tls_version(long v) { return v < 0 ? 0 : (int)v; } /* MINIMUM/MAXIMUM_SUPPORTED: no bound */
 
+/* The server picks sealed records when the client offers them; else no ALPN at all (plain TLS). */
+static int select_sealed(SSL *ssl, const unsigned char **out, unsigned char *outlen, const unsigned char *in,
+                         unsigned int inlen, void *arg) {
+    (void)ssl, (void)arg;
+    for (unsigned int i = 0; i < inlen; i += 1u + in[i]) {
+        if (i + 1u + in[i] > inlen) break;
+        if (in[i] == SEALED_ALPN_LEN - 1 && memcmp(in + i, SEALED_ALPN, SEALED_ALPN_LEN) == 0) {
+            *out = in + i + 1;
+            *outlen = in[i];
+            return SSL_TLSEXT_ERR_OK;
+        }
+    }
+    return SSL_TLSEXT_ERR_NOACK;
+}
+
+/* One line per secret, appended as the ssl module's keylog_filename does (for Wireshark and tests). */
+static void write_keylog(const SSL *ssl, const char *line) {
+    ContextObject *self = SSL_CTX_get_app_data(SSL_get_SSL_CTX(ssl));
+    if (self == NULL || self->keylog == NULL) return;
+    FILE *f = fopen(self->keylog, "a");
+    if (f == NULL) return;
+    fprintf(f, "%s\n", line);
+    fclose(f);
+}
+
 static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"server_side", "cafile", "certfile", "keyfile", "verify_mode", "check_hostname",
                              "hostname_checks_common_name", "options", "min_version", "max_version",
-                             "verify_flags", "ciphers", NULL};
-    int server_side, verify_mode, check_hostname, common_name;
-    const char *cafile, *certfile, *keyfile, *ciphers;
+                             "verify_flags", "ciphers", "sealed", "keylog_filename", NULL};
+    int server_side, verify_mode, check_hostname, common_name, sealed = 1;
+    const char *cafile, *certfile, *keyfile, *ciphers, *keylog = NULL;
     unsigned long long options;
     long min_version, max_version;
     unsigned long verify_flags;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "pzzzippKllkz", kwlist, &server_side, &cafile, &certfile, &keyfile,
-                                     &verify_mode, &check_hostname, &common_name, &options, &min_version,
-                                     &max_version, &verify_flags, &ciphers))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "pzzzippKllkz|pz", kwlist, &server_side, &cafile, &certfile,
+                                     &keyfile, &verify_mode, &check_hostname, &common_name, &options, &min_version,
+                                     &max_version, &verify_flags, &ciphers, &sealed, &keylog))
         return -1;
+    char *keylog_copy = NULL;
+    if (keylog != NULL && *keylog && (keylog_copy = strdup(keylog)) == NULL) return PyErr_NoMemory(), -1;
     ERR_clear_error();
     SSL_CTX *ctx = SSL_CTX_new(server_side ? TLS_server_method() : TLS_client_method());
-    if (ctx == NULL) return raise_ssl_error(ERR_get_error(), NULL, NULL), -1;
+    if (ctx == NULL) return free(keylog_copy), raise_ssl_error(ERR_get_error(), NULL, NULL), -1;
     SSL_CTX_clear_options(ctx, SSL_CTX_get_options(ctx));
     SSL_CTX_set_options(ctx, (uint64_t)options);
     if (!SSL_CTX_set_min_proto_version(ctx, tls_version(min_version)) ||
@@ -99,6 +134,7 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         (cafile != NULL && SSL_CTX_load_verify_locations(ctx, cafile, NULL) != 1)) {
         raise_ssl_error(ERR_get_error(), NULL, NULL);
         SSL_CTX_free(ctx);
+        free(keylog_copy);
         return -1;
     }
     X509_VERIFY_PARAM *param = SSL_CTX_get0_param(ctx);
@@ -116,7 +152,18 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
     SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY |
                               SSL_MODE_RELEASE_BUFFERS);
     SSL_CTX_set_read_ahead(ctx, 0);
+    /* Sealed records: the server selects them by ALPN and sends no session tickets (nothing follows
+     * its handshake on the stream but sealed records; connections are never resumed). */
+    if (sealed && server_side) {
+        SSL_CTX_set_alpn_select_cb(ctx, select_sealed, NULL);
+        SSL_CTX_set_num_tickets(ctx, 0);
+    }
+    SSL_CTX_set_app_data(ctx, self);
+    if (keylog_copy != NULL) SSL_CTX_set_keylog_callback(ctx, write_keylog);
     if (self->ctx) SSL_CTX_free(self->ctx);
+    free(self->keylog);
+    self->keylog = keylog_copy;
+    self->sealed = sealed;
     self->ctx = ctx;
     self->server_side = server_side;
     self->check_hostname = check_hostname;
@@ -149,9 +196,27 @@ typedef struct {
      * new buffer gets (IDLE_READ_BUFFER_BYTES, or READ_BUFFER_BYTES during a large read). */
     char *rbuf;
     size_t rcap, rstart, rend, rwant;
+    PyObject *context; /* the ContextObject (its SSL_CTX's app data is the context, for the key log) */
+    /* Sealed records (see below): on once both ends agreed after the handshake. */
+    int sealed, broken;
+    EVP_CIPHER_CTX *seal, *open;
+    unsigned char seal_iv[12], open_iv[12];
+    uint64_t seal_seq, open_seq, seal_bytes, open_bytes; /* records and bytes under the current keys */
+    uint64_t seal_epoch, open_epoch;                     /* keys used so far, each way: epoch + 1 */
+    /* the record being received: its header, how much of its body and tag have arrived */
+    unsigned char in_hdr[8], in_tag[16];
+    size_t in_len, in_body, in_tagn;
+    int in_state, in_direct;
+    /* plaintext of a record larger than the read that opened it, waiting for the next reads */
+    char *pbuf;
+    size_t pstart, pend;
+    /* a sealed record still to send: sbuf[soff:slen] of scap */
+    char *sbuf;
+    size_t scap, soff, slen;
+    const char *seal_error; /* why a sealed read or write failed (ST_SEALED) */
 } ConnObject;
 
-enum { ST_OK, ST_EOF, ST_TIMEOUT, ST_ERRNO, ST_SSL, ST_EINTR };
+enum { ST_OK, ST_EOF, ST_TIMEOUT, ST_ERRNO, ST_SSL, ST_EINTR, ST_SEALED };
 
 typedef struct { /* one call's progress, kept across GIL round trips (EINTR) */
     int result, saved_errno;
@@ -311,15 +376,373 @@ static int flush(ConnObject *self, double deadline, Progress *p) {
     }
 }
 
+/* ----------------------------------------------------------- sealed records
+ * After a TLS 1.3 handshake in which both ends agreed on it (ALPN "hfleet-sealed/1"), the
+ * connection's bytes travel in sealed records instead of TLS records: the same AEAD (AES-256-GCM),
+ * keyed from the handshake by TLS 1.3's exporter (RFC 8446 7.5, as DTLS-SRTP keys media from DTLS),
+ * laid out so that a record is opened in the caller's buffer and sealed from it. OpenSSL's record
+ * layer copies every byte into its record buffer and out again (no call seals from or opens into the
+ * caller's buffer); here the receiver reads a record's body straight into the frame it belongs to
+ * and decrypts it there, and the sender seals the caller's bytes into the buffer it sends from, so
+ * what TLS adds to a transfer is the cipher itself.
+ *
+ *   record  = header(8) | ciphertext(length) | tag(16)
+ *   header  = 0xB7 | 0x01 | 0x00 0x00 | length (u32, big-endian, 1 .. SEALED_MAX_RECORD)
+ *   keys    = TLS-Exporter("EXPORTER-hybridfleet-sealed-records", epoch as u64 big-endian, 88):
+ *             client-to-server key(32) | server-to-client key(32) | c2s iv(12) | s2c iv(12)
+ *   nonce   = iv XOR the record's sequence number under that key (u64 big-endian in the last 8
+ *             bytes), as TLS 1.3 forms its nonces; additional data = the header.
+ *
+ * Each direction moves to the next epoch's keys before a record once SEALED_REKEY_BYTES were sealed
+ * under the current ones (TLS 1.3 bounds AES-GCM at ~2^24.5 full records, ~2^38.5 bytes, per key).
+ * A record that fails its tag, a header that is not one, or one longer than SEALED_MAX_RECORD ends
+ * the connection with ssl.SSLError; the bytes of the failed record in the caller's buffer are zeroed
+ * first, and every later call fails too. Implicit sequence numbers make a replayed, dropped or
+ * reordered record fail its tag. The peer's certificate, the host-name checks and the bearer tokens
+ * are the handshake's and the bulk protocol's, unchanged. A TLS alert in place of the first record (a
+ * server that refused the client's certificate after the client's handshake completed) is read by
+ * OpenSSL, so it raises what it raises on TLS records. */
+#define SEALED_TYPE 0xB7
+#define SEALED_FORMAT 1
+#define SEALED_HEADER 8
+#define SEALED_TAG 16
+#ifndef SEALED_MAX_RECORD
+#define SEALED_MAX_RECORD (256 * 1024)
+#endif
+#define SEALED_LABEL "EXPORTER-hybridfleet-sealed-records"
+/* A transfer whose remaining request is below this reads small records through the reader's buffer
+ * (a small record, its tag and the next header in one recv); above it, exactly what a record needs. */
+#define SEALED_SMALL_READ (64 * 1024)
+static uint64_t sealed_rekey_bytes = (uint64_t)1 << 34; /* 16 GiB per key and direction; tests lower it */
+
+enum { IN_HEADER, IN_BODY, IN_TAG };
+
+static int sealed_fail(ConnObject *self, const char *why) {
+    self->seal_error = why;
+    self->broken = 1;
+    return ST_SEALED;
+}
+
+/* Keys for one direction at ``epoch`` (``sending``: the ones this end seals with). 0, or -1. */
+static int sealed_keys(ConnObject *self, int sending, uint64_t epoch) {
+    unsigned char km[88], context[8];
+    for (int i = 0; i < 8; i++) context[i] = (unsigned char)(epoch >> (56 - 8 * i));
+    if (SSL_export_keying_material(self->ssl, km, sizeof km, SEALED_LABEL, strlen(SEALED_LABEL), context,
+                                   sizeof context, 1) != 1)
+        return -1;
+    int client_to_server = SSL_is_server(self->ssl) ? !sending : sending;
+    const unsigned char *key = km + (client_to_server ? 0 : 32), *iv = km + 64 + (client_to_server ? 0 : 12);
+    int ok = sending ? EVP_EncryptInit_ex(self->seal, EVP_aes_256_gcm(), NULL, key, NULL)
+                     : EVP_DecryptInit_ex(self->open, EVP_aes_256_gcm(), NULL, key, NULL);
+    memcpy(sending ? self->seal_iv : self->open_iv, iv, 12);
+    OPENSSL_cleanse(km, sizeof km);
+    if (ok != 1) return -1;
+    if (sending) self->seal_seq = self->seal_bytes = 0, self->seal_epoch = epoch + 1;
+    else self->open_seq = self->open_bytes = 0, self->open_epoch = epoch + 1;
+    return 0;
+}
+
+static void sealed_nonce(const unsigned char iv[12], uint64_t seq, unsigned char out[12]) {
+    memcpy(out, iv, 12);
+    for (int i = 0; i < 8; i++) out[4 + i] ^= (unsigned char)(seq >> (56 - 8 * i));
+}
+
+/* After the handshake: sealed records when both ends chose them (ALPN) over TLS 1.3. 0, or -1. */
+static int enter_sealed(ConnObject *self) {
+    const unsigned char *alpn = NULL;
+    unsigned int alpn_len = 0;
+    if (self->sealed || self->seal != NULL) return 0; /* decided at the first completed handshake */
+    SSL_get0_alpn_selected(self->ssl, &alpn, &alpn_len);
+    self->seal = EVP_CIPHER_CTX_new();
+    self->open = EVP_CIPHER_CTX_new();
+    if (self->seal == NULL || self->open == NULL) return -1;
+    if (alpn_len != SEALED_ALPN_LEN - 1 || memcmp(alpn, SEALED_ALPN + 1, alpn_len) != 0 ||
+        SSL_version(self->ssl) != TLS1_3_VERSION)
+        return 0; /* plain TLS records */
+    if (sealed_keys(self, 1, 0) < 0 || sealed_keys(self, 0, 0) < 0) return -1;
+    self->in_state = IN_HEADER;
+    self->sealed = 1;
+    return 0;
+}
+
+/* Wait for the socket after EAGAIN; ST_OK to try again. */
+static int sealed_wait(ConnObject *self, int for_write, double deadline, Progress *p) {
+    return wait_fd(self->fd, for_write, self->timeout, deadline, p);
+}
+
+/* Up to ``want`` received bytes into ``dst`` (*got > 0), from what the reader's buffer holds first.
+ * With ``refill`` an empty reader's buffer is filled by one recv first; else the socket is read
+ * into ``dst`` directly. ST_OK, ST_EOF or a failure. */
+static int pull(ConnObject *self, char *dst, size_t want, int refill, size_t *got, double deadline, Progress *p) {
+    for (;;) {
+        size_t have = self->rend - self->rstart;
+        ssize_t r;
+        if (have == 0 && refill) {
+            self->rstart = self->rend = 0;
+            if (self->rbuf == NULL || self->rcap != self->rwant) {
+                free(self->rbuf);
+                self->rcap = 0;
+                if ((self->rbuf = malloc(self->rwant)) == NULL) {
+                    p->saved_errno = ENOMEM;
+                    return ST_ERRNO;
+                }
+                self->rcap = self->rwant;
+            }
+            r = recv(self->fd, self->rbuf, self->rcap, 0);
+            if (r > 0) {
+                self->rend = (size_t)r;
+                have = (size_t)r;
+                p->last_progress = now_s();
+            }
+        } else if (have == 0) {
+            r = recv(self->fd, dst, want, 0);
+            if (r > 0) {
+                *got = (size_t)r;
+                p->last_progress = now_s();
+                return ST_OK;
+            }
+        } else {
+            r = 1;
+        }
+        if (have > 0) {
+            size_t k = have < want ? have : want;
+            memcpy(dst, self->rbuf + self->rstart, k);
+            self->rstart += k;
+            *got = k;
+            return ST_OK;
+        }
+        if (r == 0) return ST_EOF;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int w = sealed_wait(self, 0, deadline, p);
+            if (w != ST_OK) return w;
+            continue;
+        }
+        p->saved_errno = errno;
+        return errno == EINTR ? ST_EINTR : ST_ERRNO;
+    }
+}
+
+/* A TLS record where the first sealed one was due: give its bytes back to OpenSSL, which reads the
+ * alert (or whatever it is) through the reader and fails as it fails on TLS records. */
+static int hand_to_openssl(ConnObject *self, double deadline, Progress *p) {
+    size_t left = self->rend - self->rstart, n = self->in_tagn + left; /* in_tagn: header bytes held */
+    char *back = malloc(n > self->rwant ? n : self->rwant);
+    if (back == NULL) {
+        p->saved_errno = ENOMEM;
+        return ST_ERRNO;
+    }
+    memcpy(back, self->in_hdr, self->in_tagn);
+    if (left) memcpy(back + self->in_tagn, self->rbuf + self->rstart, left);
+    free(self->rbuf);
+    self->rbuf = back;
+    self->rcap = n > self->rwant ? n : self->rwant;
+    self->rstart = 0;
+    self->rend = n;
+    self->in_tagn = 0;
+    for (;;) {
+        char scratch[256];
+        size_t k = 0;
+        int want_write = 0;
+        errno = 0;
+        if (SSL_read_ex(self->ssl, scratch, sizeof scratch, &k) == 1)
+            return sealed_fail(self, "the peer sent a TLS record where sealed records were agreed");
+        int r = classify(self, 0, &want_write, p);
+        if (r != ST_OK) {
+            self->broken = 1;
+            return r;
+        }
+        r = flush(self, deadline, p);
+        if (r == ST_OK) r = sealed_wait(self, want_write, deadline, p);
+        if (r != ST_OK) return r;
+    }
+}
+
+/* Read sealed records into buf[p->done:n] (OP_READ_ALL: all of it; OP_READ_SOME: at least a byte). */
+static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p) {
+    if (self->broken) return sealed_fail(self, "the sealed record stream broke off earlier; the connection is unusable");
+    for (;;) {
+        if (self->pstart < self->pend) { /* what an earlier record left for the next reads */
+            size_t k = self->pend - self->pstart;
+            if (k > n - p->done) k = n - p->done;
+            memcpy(buf + p->done, self->pbuf + self->pstart, k);
+            self->pstart += k;
+            p->done += k;
+        }
+        if (p->done >= n || (op == OP_READ_SOME && p->done > 0)) return ST_OK;
+        size_t remaining = n - p->done, got = 0;
+        int small = op == OP_READ_SOME || remaining < SEALED_SMALL_READ, r;
+        if (self->in_state == IN_HEADER) {
+            /* in_tagn counts the header's bytes while the header is read */
+            r = pull(self, (char *)self->in_hdr + self->in_tagn, SEALED_HEADER - self->in_tagn, small, &got, deadline,
+                     p);
+            if (r != ST_OK) return r; /* EOF here, between records, is the stream's end */
+            self->in_tagn += got;
+            if (self->in_hdr[0] != SEALED_TYPE && self->open_epoch == 1 && self->open_seq == 0 &&
+                self->in_hdr[0] >= 20 && self->in_hdr[0] <= 24)
+                return hand_to_openssl(self, deadline, p);
+            if (self->in_tagn < SEALED_HEADER) continue;
+            self->in_tagn = 0;
+            const unsigned char *h = self->in_hdr;
+            size_t len = (size_t)h[4] << 24 | (size_t)h[5] << 16 | (size_t)h[6] << 8 | h[7];
+            if (h[0] != SEALED_TYPE || h[1] != SEALED_FORMAT || h[2] || h[3])
+                return sealed_fail(self, "a sealed record's header is not one (wrong type or format)");
+            if (len == 0 || len > SEALED_MAX_RECORD)
+                return sealed_fail(self, "a sealed record's length is 0 or over its limit (256 KiB)");
+            if (self->open_bytes >= sealed_rekey_bytes && sealed_keys(self, 0, self->open_epoch) < 0)
+                return sealed_fail(self, "the next sealed record keys could not be derived");
+            unsigned char nonce[12];
+            int outl = 0;
+            sealed_nonce(self->open_iv, self->open_seq, nonce);
+            if (EVP_DecryptInit_ex(self->open, NULL, NULL, NULL, nonce) != 1 ||
+                EVP_DecryptUpdate(self->open, NULL, &outl, h, SEALED_HEADER) != 1)
+                return sealed_fail(self, "AES-256-GCM could not start opening a sealed record");
+            self->in_len = len;
+            self->in_body = 0;
+            self->in_direct = op == OP_READ_ALL && len <= remaining;
+            if (!self->in_direct) {
+                free(self->pbuf);
+                self->pstart = self->pend = 0;
+                if ((self->pbuf = malloc(len)) == NULL) {
+                    p->saved_errno = ENOMEM;
+                    self->broken = 1;
+                    return ST_ERRNO;
+                }
+            }
+            self->in_state = IN_BODY;
+        }
+        char *dst = self->in_direct ? buf + p->done : self->pbuf;
+        if (self->in_state == IN_BODY) {
+            r = pull(self, dst + self->in_body, self->in_len - self->in_body, small && !self->in_direct, &got, deadline,
+                     p);
+            if (r != ST_OK) {
+                if (r != ST_EINTR && (self->in_direct || r != ST_TIMEOUT)) self->broken = 1;
+                return r;
+            }
+            int outl = 0;
+            if (EVP_DecryptUpdate(self->open, (unsigned char *)dst + self->in_body, &outl,
+                                  (unsigned char *)dst + self->in_body, (int)got) != 1)
+                return sealed_fail(self, "AES-256-GCM failed opening a sealed record");
+            self->in_body += got;
+            if (self->in_body == self->in_len) self->in_state = IN_TAG, self->in_tagn = 0;
+            continue;
+        }
+        /* IN_TAG */
+        r = pull(self, (char *)self->in_tag + self->in_tagn, SEALED_TAG - self->in_tagn, small, &got, deadline, p);
+        if (r != ST_OK) {
+            if (r != ST_EINTR && (self->in_direct || r != ST_TIMEOUT)) self->broken = 1;
+            return r;
+        }
+        self->in_tagn += got;
+        if (self->in_tagn < SEALED_TAG) continue;
+        self->in_tagn = 0;
+        unsigned char last[16];
+        int outl = 0;
+        if (EVP_CIPHER_CTX_ctrl(self->open, EVP_CTRL_GCM_SET_TAG, SEALED_TAG, self->in_tag) != 1 ||
+            EVP_DecryptFinal_ex(self->open, last, &outl) != 1) {
+            OPENSSL_cleanse(dst, self->in_len); /* nothing of a record that failed its tag is left to read */
+            if (!self->in_direct) free(self->pbuf), self->pbuf = NULL;
+            return sealed_fail(self, "a sealed record failed authentication (decryption failed or bad record mac)");
+        }
+        self->open_seq++;
+        self->open_bytes += self->in_len;
+        self->in_state = IN_HEADER;
+        if (self->in_direct) {
+            p->done += self->in_len;
+        } else {
+            self->pstart = 0;
+            self->pend = self->in_len;
+        }
+        p->last_progress = now_s();
+    }
+}
+
+/* Seal buf[p->done:n] into records and send them. */
+static int sealed_write(ConnObject *self, const char *buf, size_t n, double deadline, Progress *p) {
+    if (self->broken) return sealed_fail(self, "the sealed record stream broke off earlier; the connection is unusable");
+    for (;;) {
+        while (self->soff < self->slen) {
+            ssize_t sent = send(self->fd, self->sbuf + self->soff, self->slen - self->soff, MSG_NOSIGNAL);
+            if (sent > 0) {
+                self->soff += (size_t)sent;
+                p->last_progress = now_s();
+                continue;
+            }
+            int r;
+            if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                r = sealed_wait(self, 1, deadline, p);
+                if (r == ST_OK) continue;
+            } else {
+                p->saved_errno = errno;
+                r = errno == EINTR ? ST_EINTR : ST_ERRNO;
+            }
+            if (r != ST_EINTR) self->broken = 1; /* a record went out in part, or not at all while counted */
+            return r;
+        }
+        if (p->done >= n) return ST_OK;
+        size_t len = n - p->done < SEALED_MAX_RECORD ? n - p->done : SEALED_MAX_RECORD;
+        size_t need = SEALED_HEADER + len + SEALED_TAG;
+        if (self->scap < need) {
+            free(self->sbuf);
+            self->scap = 0;
+            if ((self->sbuf = malloc(need)) == NULL) {
+                p->saved_errno = ENOMEM;
+                return ST_ERRNO;
+            }
+            self->scap = need;
+        }
+        if (self->seal_bytes >= sealed_rekey_bytes && sealed_keys(self, 1, self->seal_epoch) < 0)
+            return sealed_fail(self, "the next sealed record keys could not be derived");
+        unsigned char *h = (unsigned char *)self->sbuf, nonce[12];
+        h[0] = SEALED_TYPE, h[1] = SEALED_FORMAT, h[2] = h[3] = 0;
+        h[4] = (unsigned char)(len >> 24), h[5] = (unsigned char)(len >> 16), h[6] = (unsigned char)(len >> 8);
+        h[7] = (unsigned char)len;
+        sealed_nonce(self->seal_iv, self->seal_seq, nonce);
+        int outl = 0, last = 0;
+        if (EVP_EncryptInit_ex(self->seal, NULL, NULL, NULL, nonce) != 1 ||
+            EVP_EncryptUpdate(self->seal, NULL, &outl, h, SEALED_HEADER) != 1 ||
+            EVP_EncryptUpdate(self->seal, h + SEALED_HEADER, &outl, (const unsigned char *)buf + p->done, (int)len) != 1 ||
+            EVP_EncryptFinal_ex(self->seal, h + SEALED_HEADER + outl, &last) != 1 ||
+            EVP_CIPHER_CTX_ctrl(self->seal, EVP_CTRL_GCM_GET_TAG, SEALED_TAG, h + SEALED_HEADER + len) != 1)
+            return sealed_fail(self, "AES-256-GCM failed sealing a record");
+        self->seal_seq++;
+        self->seal_bytes += len;
+        self->soff = 0;
+        self->slen = need;
+        p->done += len;
+    }
+}
+
+/* After a call: what the sealed layer holds while idle goes (an empty plaintext or send buffer). */
+static void trim_sealed(ConnObject *self) {
+    if (self->pbuf != NULL && self->pstart == self->pend && self->in_state != IN_BODY && self->in_state != IN_TAG) {
+        free(self->pbuf);
+        self->pbuf = NULL;
+        self->pstart = self->pend = 0;
+    }
+    if (self->sbuf != NULL && self->soff == self->slen) {
+        free(self->sbuf);
+        self->sbuf = NULL;
+        self->scap = self->soff = self->slen = 0;
+    }
+}
+
 /* Run one operation until it completes or fails; called without the GIL. */
 static void run_op(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p) {
+    if (self->sealed && op != OP_HANDSHAKE) {
+        p->result = op == OP_WRITE_ALL ? sealed_write(self, buf, n, deadline, p) : sealed_read(self, op, buf, n, deadline, p);
+        return;
+    }
     for (;;) {
         int want_write = 0, ret, r;
         size_t k = 0;
         errno = 0;
         if (op == OP_HANDSHAKE) {
             ret = SSL_do_handshake(self->ssl);
-            if (ret == 1) { p->result = flush(self, deadline, p); return; }
+            if (ret == 1) {
+                p->result = flush(self, deadline, p);
+                if (p->result == ST_OK && enter_sealed(self) < 0) p->result = sealed_fail(self, "sealed record keys could not be derived");
+                return;
+            }
         } else if (op == OP_WRITE_ALL) {
             if (p->done >= n) { p->result = flush(self, deadline, p); return; }
             ret = SSL_write_ex(self->ssl, buf + p->done, n - p->done, &k);
@@ -358,6 +781,14 @@ static void release(ConnObject *self) {
     free(self->rbuf);
     self->rbuf = NULL;
     self->rcap = self->rstart = self->rend = 0;
+    EVP_CIPHER_CTX_free(self->seal); /* clears the keys */
+    EVP_CIPHER_CTX_free(self->open);
+    self->seal = self->open = NULL;
+    if (self->pbuf != NULL) OPENSSL_cleanse(self->pbuf, self->pend);
+    free(self->pbuf);
+    free(self->sbuf);
+    self->pbuf = self->sbuf = NULL;
+    self->pstart = self->pend = self->scap = self->soff = self->slen = 0;
     self->ssl = NULL;
     self->fd = -1;
 }
@@ -442,6 +873,18 @@ static int raise_ssl_error(unsigned long err, SSL *ssl, const char *hostname) {
     return -1;
 }
 
+/* ssl.SSLError for a sealed record that failed (reason SEALED_RECORD_FAILED, library SSL). */
+static void raise_sealed_error(const char *why) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "[SSL: SEALED_RECORD_FAILED] %s", why ? why : "sealed record failed");
+    PyObject *exc = PyObject_CallFunction(SSLError, "is", 1, msg);
+    if (exc == NULL) return;
+    set_attr(exc, "library", PyUnicode_FromString("SSL"));
+    set_attr(exc, "reason", PyUnicode_FromString("SEALED_RECORD_FAILED"));
+    PyErr_SetObject(SSLError, exc);
+    Py_DECREF(exc);
+}
+
 /* Give the connection a write pair of ``size`` bytes, once the current one is drained (what is
  * still in it stays where it is: the swap waits for the next call). 0 on success, -1 when no
  * memory was left (the old pair is kept). */
@@ -470,7 +913,7 @@ static void keep_buffers_while_idle(ConnObject *self) {
 static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p, const char *what) {
     memset(p, 0, sizeof *p);
     p->last_progress = now_s();
-    int large = op != OP_HANDSHAKE && n > IDLE_WRITE_BUFFER_BYTES;
+    int large = op != OP_HANDSHAKE && n > IDLE_WRITE_BUFFER_BYTES && !self->sealed; /* sealed: OpenSSL's buffers idle */
     if (op == OP_WRITE_ALL && large) pair_for(self, WRITE_BUFFER_BYTES); /* else the small one */
     if (large) SSL_clear_mode(self->ssl, SSL_MODE_RELEASE_BUFFERS);
     self->rwant = large && op != OP_WRITE_ALL ? READ_BUFFER_BYTES : IDLE_READ_BUFFER_BYTES;
@@ -484,7 +927,7 @@ static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline
     }
     self->busy = 0;
     if (large) keep_buffers_while_idle(self);
-    if (!self->closed) trim_reader(self);
+    if (!self->closed) trim_reader(self), trim_sealed(self);
     if (self->net_size != IDLE_WRITE_BUFFER_BYTES && !self->closed) pair_for(self, IDLE_WRITE_BUFFER_BYTES);
     switch (p->result) {
     case ST_OK:
@@ -500,6 +943,10 @@ static int perform(ConnObject *self, Op op, char *buf, size_t n, double deadline
         ERR_clear_error();
         errno = p->saved_errno;
         PyErr_SetFromErrno(PyExc_OSError);
+        break;
+    case ST_SEALED:
+        ERR_clear_error();
+        raise_sealed_error(self->seal_error);
         break;
     default:
         raise_ssl_error(p->ssl_err, self->ssl, self->hostname);
@@ -538,6 +985,11 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
         return raise_ssl_error(ERR_get_error(), NULL, NULL);
     }
     SSL_set_bio(ssl, sock_bio, inner); /* reads through the connection's reader, writes into the pair */
+    if (ctx->sealed && !ctx->server_side && SSL_set_alpn_protos(ssl, SEALED_ALPN, SEALED_ALPN_LEN) != 0) {
+        SSL_free(ssl);
+        BIO_free(outer);
+        return raise_ssl_error(ERR_get_error(), NULL, NULL);
+    }
     if (ctx->server_side) {
         SSL_set_accept_state(ssl);
     } else {
@@ -572,6 +1024,8 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     self->ssl = ssl;
+    Py_INCREF(ctx);
+    self->context = (PyObject *)ctx; /* the key log callback finds its file through the SSL_CTX's app data */
     self->net = outer;
     self->net_size = IDLE_WRITE_BUFFER_BYTES;
     self->fd = fd; /* owned from here on */
@@ -582,6 +1036,7 @@ static int Conn_init(ConnObject *self, PyObject *args, PyObject *kwds) {
 
 static void Conn_dealloc(ConnObject *self) {
     release(self);
+    Py_CLEAR(self->context);
     free(self->hostname);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -736,7 +1191,14 @@ static PyObject *Conn_cipher(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("(ssi)", SSL_CIPHER_get_name(c), SSL_CIPHER_get_version(c), SSL_CIPHER_get_bits(c, NULL));
 }
 
+static PyObject *Conn_records(ConnObject *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("(sKK)", self->sealed ? "sealed" : "tls", (unsigned long long)self->seal_epoch,
+                         (unsigned long long)self->open_epoch);
+}
+
 static PyMethodDef Conn_methods[] = {
+    {"records", (PyCFunction)Conn_records, METH_NOARGS,
+     "(kind, keys used sending, keys used receiving): kind 'sealed' (sealed records, see _tls.c) or 'tls'."},
     {"do_handshake", (PyCFunction)Conn_do_handshake, METH_NOARGS, "Complete the TLS handshake (checks the peer)."},
     {"recv_into", (PyCFunction)(void (*)(void))Conn_recv_into, METH_VARARGS | METH_KEYWORDS,
      "recv_into(buffer, nbytes=0) -> int: at least one byte, as a socket's; 0 at end of stream."},
@@ -812,7 +1274,18 @@ static PyObject *mod_seal_open(PyObject *Py_UNUSED(module), PyObject *args) {
     return PyLong_FromSsize_t(total);
 }
 
+static PyObject *mod_set_rekey_bytes(PyObject *Py_UNUSED(module), PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (n == 0) return PyErr_Format(PyExc_ValueError, "rekey interval must be at least one byte");
+    unsigned long long old = sealed_rekey_bytes;
+    sealed_rekey_bytes = n;
+    return PyLong_FromUnsignedLongLong(old);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_rekey_bytes", mod_set_rekey_bytes, METH_O,
+     "_set_rekey_bytes(n) -> previous: sealed records change keys every n bytes each way (tests; both ends)."},
     {"seal_open", mod_seal_open, METH_VARARGS,
      "seal_open(total, record=16384) -> total: AES-256-GCM seals and opens total bytes in records of\n"
      "record bytes with this module's OpenSSL (the cipher's own cost, for benchmarks)."},
@@ -847,7 +1320,8 @@ PyMODINIT_FUNC PyInit__tls(void) {
     Py_INCREF(&ConnType);
     if (PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
         PyModule_AddObject(m, "Connection", (PyObject *)&ConnType) < 0 ||
-        PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0) {
+        PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0 ||
+        PyModule_AddIntConstant(m, "SEALED_MAX_RECORD", SEALED_MAX_RECORD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _tls = None
 
 ENV_SWITCH = "HFLEET_NATIVE_TLS"
+SEALED_SWITCH = "HFLEET_SEALED_RECORDS"
 _FILES_ATTR = "_hfleet_tls_files"
 _NATIVE_ATTR = "_hfleet_native_context"
 
@@ -61,6 +62,20 @@ _NATIVE_ATTR = "_hfleet_native_context"
 def native_available() -> bool:
     """True when the C extension is built and ``HFLEET_NATIVE_TLS`` does not switch it off."""
     return _tls is not None and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def sealed_records_wanted() -> bool:
+    """True unless ``HFLEET_SEALED_RECORDS`` switches sealed records off (see `wrap`)."""
+    return os.environ.get(SEALED_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def records(conn: Any) -> str:
+    """How ``conn``'s bytes travel after its handshake: ``"sealed"`` (the native path's sealed records),
+    ``"tls"`` (TLS records) or ``"plaintext"`` (no TLS)."""
+    if isinstance(conn, ssl.SSLSocket):
+        return "tls"
+    layer = getattr(conn, "records", None)
+    return layer()[0] if layer is not None else "plaintext"
 
 
 def native_openssl_version() -> str | None:
@@ -93,7 +108,8 @@ def _native_context(ctx: ssl.SSLContext, server_side: bool):
         return None
     ciphers = ":".join(c["name"] for c in ctx.get_ciphers() if c["protocol"] != "TLSv1.3")
     settings = (server_side, *files, int(ctx.verify_mode), ctx.check_hostname, ctx.hostname_checks_common_name,
-                int(ctx.options), int(ctx.minimum_version), int(ctx.maximum_version), int(ctx.verify_flags), ciphers)
+                int(ctx.options), int(ctx.minimum_version), int(ctx.maximum_version), int(ctx.verify_flags), ciphers,
+                sealed_records_wanted(), ctx.keylog_filename)
     cached = getattr(ctx, _NATIVE_ATTR, None)
     if cached is not None and cached[0] == settings:
         return cached[1]
