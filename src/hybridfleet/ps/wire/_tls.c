@@ -407,7 +407,7 @@ static int flush(ConnObject *self, double deadline, Progress *p) {
 #define SEALED_HEADER 8
 #define SEALED_TAG 16
 #ifndef SEALED_MAX_RECORD
-#define SEALED_MAX_RECORD (256 * 1024)
+#define SEALED_MAX_RECORD (1024 * 1024) /* 1 MiB: a record fills one send syscall (64-256 KiB cost 1.4-2.5x the cipher) */
 #endif
 #define SEALED_LABEL "EXPORTER-hybridfleet-sealed-records"
 /* A transfer whose remaining request is below this reads small records through the reader's buffer
@@ -587,7 +587,7 @@ static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double dead
             if (h[0] != SEALED_TYPE || h[1] != SEALED_FORMAT || h[2] || h[3])
                 return sealed_fail(self, "a sealed record's header is not one (wrong type or format)");
             if (len == 0 || len > SEALED_MAX_RECORD)
-                return sealed_fail(self, "a sealed record's length is 0 or over its limit (256 KiB)");
+                return sealed_fail(self, "a sealed record's length is 0 or over its limit (1 MiB)");
             if (self->open_bytes >= sealed_rekey_bytes && sealed_keys(self, 0, self->open_epoch) < 0)
                 return sealed_fail(self, "the next sealed record keys could not be derived");
             unsigned char nonce[12];
