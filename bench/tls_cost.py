@@ -35,7 +35,10 @@ the cipher it actually runs, the rest of the first ratio is the two libraries' s
 The last line is JSON: tls_cpu_s_per_round, cipher_cpu_s_per_round, tls_cpu_over_cipher,
 stack_cipher_cpu_s_per_round, tls_cpu_over_stack_cipher (None without the extension), the
 rounds' and the whole runs' CPU-seconds, aes_gcm_gb_s and stack_aes_gcm_gb_s (the two
-AES-GCM speeds in the same run) and both OpenSSL versions.
+AES-GCM speeds in the same run), both OpenSSL versions and ``records``: how the bulk
+plane's bytes travelled after the handshake, ``sealed`` (the native path's sealed records,
+the default) or ``tls`` (TLS records: ``HFLEET_SEALED_RECORDS=0``, ``HFLEET_NATIVE_TLS=0``
+or no extension), so the two record layers can be compared in alternating runs.
 """
 
 from __future__ import annotations
@@ -105,9 +108,12 @@ def openssl_versions() -> dict:
     """The OpenSSL of the native TLS extension (None: not built) and the one inside ``cryptography``."""
     from cryptography.hazmat.backends.openssl import backend
 
-    from hybridfleet.ps.wire.tls import native_openssl_version
+    from hybridfleet.ps.wire.tls import native_available, native_openssl_version, sealed_records_wanted
 
-    return {"stack_openssl": native_openssl_version(), "cipher_openssl": backend.openssl_version_text()}
+    # the bulk plane's connections make the same choice in the runs (same environment, same install)
+    records = ("sealed" if sealed_records_wanted() else "tls") if native_available() else "tls"
+    return {"stack_openssl": native_openssl_version(), "cipher_openssl": backend.openssl_version_text(),
+            "records": records}
 
 
 def main() -> None:

@@ -92,6 +92,7 @@ def run(mode: str, pki, size: int, frames: int) -> dict:
             sock = tls.wrap(client_ssl_context(str(pki.ca_cert)), sock, server_side=False,
                             server_hostname="127.0.0.1", native=MODES[mode])
             cipher = sock.cipher()[0]
+        records = tls.records(sock)
         frame = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8))
         sock.sendall(frame)
         u0, s0 = cpu_s()
@@ -111,7 +112,7 @@ def run(mode: str, pki, size: int, frames: int) -> dict:
     os.close(report_r)
     os.close(report_w)
     return {"send_user_s": u1 - u0, "send_sys_s": s1 - s0, "recv_user_s": recv_user, "recv_sys_s": recv_sys,
-            "wall_s": wall, "cipher": cipher}
+            "wall_s": wall, "cipher": cipher, "records": records}
 
 
 def main() -> None:
@@ -137,7 +138,7 @@ def main() -> None:
     cipher_per_gb = (time.process_time() - started) / gb  # sealing + opening: both sides together
     plain = runs["plaintext"]
     result = {"bench": "tls_stages", "mb": args.mb, "frames": args.frames,
-              "negotiated_cipher": runs["native"]["cipher"], "stack_openssl": tls.native_openssl_version(),
+              "negotiated_cipher": runs["native"]["cipher"], "records": runs["native"]["records"], "stack_openssl": tls.native_openssl_version(),
               "cipher_cpu_s_per_gb": round(cipher_per_gb, 4)}
     print(f"{args.frames} frames of {args.mb} MB over loopback; CPU-s per GB moved (user + system)")
     for mode, r in runs.items():
