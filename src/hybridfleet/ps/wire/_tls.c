@@ -7,8 +7,10 @@
  * records read through a reader BIO whose one recv syscall fetches many of them, and
  * records to send collected in a BIO pair so that one send syscall carries many. The cipher, the
  * handshake and the certificate checks are OpenSSL's, configured from the same
- * files and settings as the Python ssl.SSLContext (see `hybridfleet.ps.wire.tls`);
- * nothing here is a protocol of its own.
+ * files and settings as the Python ssl.SSLContext (see `hybridfleet.ps.wire.tls`).
+ * Between two of these connections the bytes after the handshake travel in sealed
+ * records (AES-256-GCM under keys from TLS 1.3's exporter, opened in the caller's
+ * buffer; see "Sealed records" below), chosen by ALPN; with any other peer, TLS records.
  *
  * Timeouts: ``settimeout(t)`` bounds each wait for progress (as a socket's timeout
  * bounds each recv); ``deadline`` (time.monotonic() seconds) bounds a whole call.

@@ -34,11 +34,25 @@ Options weighed (bench/ps_exchange.py measures the chosen one against both ancho
   which installs cannot count on; OpenSSL's headers are one Debian package.
 
 The native connection is configured from the Python ``ssl.SSLContext`` (options,
-protocol versions, verify mode and flags, host-name rules, TLS 1.2 ciphers) plus
-the files it was loaded from, which the context builders record with
-`remember_files`. A context without recorded files, a missing extension, or
-``HFLEET_NATIVE_TLS=0`` in the environment selects the ssl module; both ends
-speak plain TLS, so either side may use either path.
+protocol versions, verify mode and flags, host-name rules, TLS 1.2 ciphers, its
+``keylog_filename``) plus the files it was loaded from, which the context builders
+record with `remember_files`. A context without recorded files, a missing extension,
+or ``HFLEET_NATIVE_TLS=0`` in the environment selects the ssl module.
+
+**Sealed records.** OpenSSL copies every byte into its record buffer to seal it and
+opens records in that buffer before copying them out (no call seals from or opens into
+the caller's buffer); those copies cost as much again as the cipher. When both ends
+are native connections they agree, by ALPN (``hfleet-sealed/1``) in the TLS 1.3
+handshake, to carry the bytes after it in sealed records instead: AES-256-GCM under
+keys from TLS 1.3's exporter (RFC 8446 7.5; DTLS-SRTP keys media from DTLS the same
+way), a record's body received straight into the caller's frame and opened there,
+sealed from the caller's bytes into the buffer it is sent from (format, nonces, key
+changes and failure rules: "Sealed records" in ``_tls.c``; tests:
+tests/test_ps_tls_sealed.py, against the exporter and AES-GCM computed independently).
+The handshake, its certificate and host-name checks and the tokens are unchanged. A
+peer on Python's ssl module offers no ALPN, so the pair keeps TLS records and either
+side may still use either path; ``HFLEET_SEALED_RECORDS=0`` keeps TLS records between
+native ends too. `records` says which a connection uses.
 """
 
 from __future__ import annotations
