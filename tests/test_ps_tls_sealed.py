@@ -13,6 +13,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,9 @@ class Relay:
     passes the client's sealed records through ``change(records) -> records`` once ``hold`` of them
     are in (TLS records, the handshake, go through at once)."""
 
-    def __init__(self, target, change=None, hold: int = 0):
+    def __init__(self, target, change=None, hold: int = 0, pause_s: float = 0.0):
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.target, self.change, self.hold = target, change, hold
+        self.target, self.change, self.hold, self.pause_s = target, change, hold, pause_s
         self.up, self.down = bytearray(), bytearray()  # client -> server, server -> client
         self.threads = [threading.Thread(target=self._run, daemon=True)]
         self.threads[0].start()
@@ -99,6 +100,7 @@ class Relay:
                     if len(held) >= self.hold:
                         for out in self.change(held):
                             dst.sendall(out)
+                            time.sleep(self.pause_s)
                         held = []
         except OSError:
             pass
@@ -113,11 +115,11 @@ class Relay:
         self.listener.close()
 
 
-def _pair(pki, change=None, hold: int = 0, keylog: Path | None = None, timeout_s: float = 10):
+def _pair(pki, change=None, hold: int = 0, keylog: Path | None = None, timeout_s: float = 10, pause_s: float = 0.0):
     """(server, client, relay): native connections through a `Relay`."""
     server_ctx, client_ctx = _contexts(pki, keylog)
     listener = socket.create_server(("127.0.0.1", 0))
-    relay = Relay(listener.getsockname(), change, hold)
+    relay = Relay(listener.getsockname(), change, hold, pause_s)
     result = {}
 
     def accept():
@@ -346,6 +348,42 @@ def test_reads_smaller_than_a_record_take_it_in_pieces_after_it_is_authenticated
 
     # Assert
     assert b"".join(pieces) == payload.tobytes()
+    server.close()
+    client.close()
+    relay.close()
+
+
+def test_a_non_blocking_reader_takes_a_record_that_arrives_in_pieces_without_losing_a_byte(pki):
+    # Prepare: the relay passes a 100,000-byte record on in 7 pieces, 50 ms apart; the reader never
+    # waits (as the bulk plane's event loop reads a HELLO)
+    def in_pieces(records):
+        record = records[0]
+        cuts = [0, 3, 8, 9, 5000, 50_000, 99_990, len(record)]
+        return [record[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    server, client, relay = _pair(pki, change=in_pieces, hold=1, pause_s=0.05)
+    payload = np.random.default_rng(7).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    client.sendall(payload)
+    server.settimeout(0.0)
+
+    # Execute: recv(1) until the record is in, counting the reads that would have waited
+    would_wait, deadline = 0, time.monotonic() + 10
+    while True:
+        try:
+            first = server.recv(1)
+            break
+        except TimeoutError:
+            would_wait += 1
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    server.settimeout(10)
+    rest = bytearray(len(payload) - 1)
+    server.recv_exact_into(memoryview(rest))
+
+    # Assert: the reads that came too early changed nothing; the record opened whole
+    assert would_wait > 0
+    assert first + bytes(rest) == payload
+    assert server.records() == ("sealed", 1, 1)
     server.close()
     client.close()
     relay.close()
