@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
@@ -28,6 +30,7 @@ from hybridfleet.ps.wire.bulk import recv_exact_into
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
 from hybridfleet.security import make_dev_pki
 from tests.needs import skip_outside_ci
+from tests.test_ps_tls_native import _connect
 
 NOT_BUILT = ("the hybridfleet.ps.wire._tls extension is not built (gcc and OpenSSL headers were missing at install: "
              "run .ci/install-build-deps.sh, then pip install -e .)")
@@ -207,21 +210,7 @@ def test_two_native_ends_agree_on_sealed_records_and_any_other_pair_keeps_tls_re
         pki, monkeypatch, server_native, client_native, sealed_env, expected):
     # Prepare
     monkeypatch.setenv(tls.SEALED_SWITCH, sealed_env)
-    server_ctx, client_ctx = _contexts(pki)
-    listener = socket.create_server(("127.0.0.1", 0))
-    result = {}
-
-    def accept():
-        conn, _ = listener.accept()
-        conn.settimeout(10)
-        result["server"] = tls.wrap(server_ctx, conn, server_side=True, native=server_native)
-
-    thread = threading.Thread(target=accept)
-    thread.start()
-    sock = socket.create_connection(listener.getsockname(), timeout=10)
-    client = tls.wrap(client_ctx, sock, server_side=False, server_hostname="127.0.0.1", native=client_native)
-    thread.join(10)
-    server = result["server"]
+    server, client = _connect(*_contexts(pki), server_native, client_native)
     payload = np.random.default_rng(3).integers(0, 256, (2 << 20) + 5, dtype=np.uint8)
 
     # Execute
@@ -233,7 +222,6 @@ def test_two_native_ends_agree_on_sealed_records_and_any_other_pair_keeps_tls_re
     assert server.version() == client.version() == "TLSv1.3"
     server.close()
     client.close()
-    listener.close()
 
 
 def test_sealed_records_are_aes_gcm_under_keys_from_the_tls_exporter_and_change_keys_on_schedule(pki, tmp_path):
@@ -386,4 +374,25 @@ def test_a_non_blocking_reader_takes_a_record_that_arrives_in_pieces_without_los
     assert server.records() == ("sealed", 1, 1)
     server.close()
     client.close()
+    relay.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(garbage=st.one_of(
+    st.binary(min_size=1, max_size=300),
+    st.builds(lambda length, rest: b"\xb7\x01\x00\x00" + struct.pack(">I", length) + rest,
+              st.one_of(st.integers(0, 200), st.integers(0, (1 << 32) - 1)), st.binary(max_size=64)),
+))
+def test_whatever_bytes_follow_the_handshake_the_reader_fails_cleanly_and_never_waits_past_the_end(pki, garbage):
+    # Prepare: the relay replaces the client's first record with arbitrary bytes, then the client leaves
+    server, client, relay = _pair(pki, change=lambda records: [garbage], hold=1)
+    client.sendall(b"x")
+    client.close()
+    buf = bytearray(100)
+
+    # Execute / Assert: an error the bulk plane maps (ssl.SSLError, EOFError), never a crash or a hang
+    with pytest.raises((ssl.SSLError, EOFError)):
+        server.recv_exact_into(memoryview(buf))
+    assert bytes(buf) == bytes(100)  # nothing unauthenticated is left in the buffer
+    server.close()
     relay.close()

@@ -559,6 +559,17 @@ static int hand_to_openssl(ConnObject *self, double deadline, Progress *p) {
     }
 }
 
+/* A read that failed inside a record: what of the record was opened (not yet authenticated) is
+ * zeroed, and the stream is out of step for good. A read that only has to wait keeps a record
+ * that goes to the plaintext buffer (the next read goes on with it). */
+static int abandon_record(ConnObject *self, char *dst, int r) {
+    if (r == ST_EINTR || (!self->in_direct && r == ST_TIMEOUT)) return r;
+    OPENSSL_cleanse(dst, self->in_body);
+    if (!self->in_direct) free(self->pbuf), self->pbuf = NULL;
+    self->broken = 1;
+    return r;
+}
+
 /* Read sealed records into buf[p->done:n] (OP_READ_ALL: all of it; OP_READ_SOME: at least a byte). */
 static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double deadline, Progress *p) {
     if (self->broken) return sealed_fail(self, "the sealed record stream broke off earlier; the connection is unusable");
@@ -616,10 +627,7 @@ static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double dead
         if (self->in_state == IN_BODY) {
             r = pull(self, dst + self->in_body, self->in_len - self->in_body, small && !self->in_direct, &got, deadline,
                      p);
-            if (r != ST_OK) {
-                if (r != ST_EINTR && (self->in_direct || r != ST_TIMEOUT)) self->broken = 1;
-                return r;
-            }
+            if (r != ST_OK) return abandon_record(self, dst, r);
             int outl = 0;
             if (EVP_DecryptUpdate(self->open, (unsigned char *)dst + self->in_body, &outl,
                                   (unsigned char *)dst + self->in_body, (int)got) != 1)
@@ -630,10 +638,7 @@ static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double dead
         }
         /* IN_TAG */
         r = pull(self, (char *)self->in_tag + self->in_tagn, SEALED_TAG - self->in_tagn, small, &got, deadline, p);
-        if (r != ST_OK) {
-            if (r != ST_EINTR && (self->in_direct || r != ST_TIMEOUT)) self->broken = 1;
-            return r;
-        }
+        if (r != ST_OK) return abandon_record(self, dst, r);
         self->in_tagn += got;
         if (self->in_tagn < SEALED_TAG) continue;
         self->in_tagn = 0;
