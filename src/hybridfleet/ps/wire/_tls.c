@@ -399,7 +399,7 @@ static int flush(ConnObject *self, double deadline, Progress *p) {
  * under the current ones (TLS 1.3 bounds AES-GCM at ~2^24.5 full records, ~2^38.5 bytes, per key).
  * A record that fails its tag, a header that is not one, or one longer than SEALED_MAX_RECORD ends
  * the connection with ssl.SSLError; the bytes of the failed record in the caller's buffer are zeroed
- * first, and every later call fails too. Implicit sequence numbers make a replayed, dropped or
+ * first (as are those of a record the stream ends or fails inside), and every later call fails too. Implicit sequence numbers make a replayed, dropped or
  * reordered record fail its tag. The peer's certificate, the host-name checks and the bearer tokens
  * are the handshake's and the bulk protocol's, unchanged. A TLS alert in place of the first record (a
  * server that refused the client's certificate after the client's handshake completed) is read by
