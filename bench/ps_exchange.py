@@ -19,7 +19,8 @@ while ring all-reduce moves 2x per process, so ratio ~1.4 is the floor here.
 The last line is JSON: ps_s and gloo_s are median seconds per round,
 ratio = ps_s / gloo_s, wire_efficiency = (bytes through the shard / ps_s) /
 raw TCP bytes per second. ``native_tls`` says whether the bulk plane's TLS ran in the
-C extension (hybridfleet.ps.wire.tls) or in Python's ssl module.
+C extension (hybridfleet.ps.wire.tls) or in Python's ssl module, ``records`` whether its
+bytes travelled in sealed records or TLS records (``HFLEET_SEALED_RECORDS=0``).
 
 The parameter server's round includes the optimizer step (on the shards); all_reduce alone
 does not. ``gloo_step_s`` times what a DDP iteration does after its backward, in the same
@@ -55,7 +56,7 @@ import yaml
 
 from hybridfleet.launch.preflight import free_port
 from hybridfleet.ps.wire.sharding import ParamSpec, ShardingPlan
-from hybridfleet.ps.wire.tls import ENV_SWITCH, native_available
+from hybridfleet.ps.wire.tls import ENV_SWITCH, native_available, records_between_native_ends
 from _proc import status_field  # bench/ is sys.path[0] when a bench runs
 
 HERE = Path(__file__).resolve().parent
@@ -252,7 +253,8 @@ def main() -> None:
     print(f"{'raw TCP loopback (same bytes)':<44}{shard_bytes / tcp:>10.3f}{tcp / 1e9:>22.2f}")
     result = {"bench": "ps_exchange", "mb": mb, "ps_s": round(ps["median_s"], 4), "gloo_s": round(gloo["median_s"], 4),
               "ratio": round(ratio, 3), "wire_efficiency": round(eff, 3), "raw_tcp_gb_s": round(tcp / 1e9, 3),
-              "native_tls": native_available(), "tls_vs_plaintext": round(ps["median_s"] / ps_plain["median_s"], 3),
+              "native_tls": native_available(), "records": records_between_native_ends(),
+              "tls_vs_plaintext": round(ps["median_s"] / ps_plain["median_s"], 3),
               "ps_plaintext_s": round(ps_plain["median_s"], 4),
               "ratio_plaintext": round(ps_plain["median_s"] / gloo["median_s"], 3),
               "wire_efficiency_plaintext": round((shard_bytes / ps_plain["median_s"]) / tcp, 3),

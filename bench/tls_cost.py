@@ -108,12 +108,11 @@ def openssl_versions() -> dict:
     """The OpenSSL of the native TLS extension (None: not built) and the one inside ``cryptography``."""
     from cryptography.hazmat.backends.openssl import backend
 
-    from hybridfleet.ps.wire.tls import native_available, native_openssl_version, sealed_records_wanted
+    from hybridfleet.ps.wire.tls import native_openssl_version, records_between_native_ends
 
-    # the bulk plane's connections make the same choice in the runs (same environment, same install)
-    records = ("sealed" if sealed_records_wanted() else "tls") if native_available() else "tls"
+    # the runs' processes make the same choice (same environment, same install)
     return {"stack_openssl": native_openssl_version(), "cipher_openssl": backend.openssl_version_text(),
-            "records": records}
+            "records": records_between_native_ends()}
 
 
 def main() -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridfleet.ps.wire import tls
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -173,6 +175,7 @@ def test_ps_exchange_bench_reports_ratio_and_tls_against_plaintext_of_the_same_r
     assert result["worker_rss_mib"] > result["worker_framework_rss_mib"]
     assert result["tls_vs_plaintext"] == pytest.approx(result["ps_s"] / result["ps_plaintext_s"], rel=0.01)
     assert isinstance(result["native_tls"], bool)
+    assert result["records"] == tls.records_between_native_ends()  # the same environment as the runs
 
 
 @pytest.mark.slow

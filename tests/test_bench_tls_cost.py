@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridfleet.ps.wire import tls
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,3 +35,4 @@ def test_tls_cost_bench_reports_the_cpu_tls_adds_and_the_ciphers_own_cost():
     if result["stack_openssl"] is not None:  # the native TLS extension is built
         assert result["stack_cipher_cpu_s_per_round"] > 0 and result["stack_aes_gcm_gb_s"] > 0
         assert "tls_cpu_over_stack_cipher" in result
+    assert result["records"] == tls.records_between_native_ends()  # the same environment as the runs

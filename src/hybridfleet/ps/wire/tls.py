@@ -83,6 +83,12 @@ def sealed_records_wanted() -> bool:
     return os.environ.get(SEALED_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def records_between_native_ends() -> str:
+    """What this environment's bulk connections use between two of its own ends: ``"sealed"``, or
+    ``"tls"`` without the extension or with ``HFLEET_NATIVE_TLS=0`` / ``HFLEET_SEALED_RECORDS=0``."""
+    return "sealed" if native_available() and sealed_records_wanted() else "tls"
+
+
 def records(conn: Any) -> str:
     """How ``conn``'s bytes travel after its handshake: ``"sealed"`` (the native path's sealed records),
     ``"tls"`` (TLS records) or ``"plaintext"`` (no TLS)."""
