@@ -10,8 +10,10 @@ import pytest
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
+from hybridfleet.ps.server import optim
 from hybridfleet.ps.server.optim import SGD, Adam, AdamW, ServerOptimizer, make_optimizer
 from hybridfleet.spec.models import OptimizerSpec
+from tests.needs import skip_outside_ci
 
 # big.weight has more elements than one piece of a large tensor's step (optim._STEP_BLOCK), so the
 # comparisons with the frameworks cover the piecewise update too
@@ -479,3 +481,64 @@ def test_stepping_a_large_tensor_allocates_pieces_not_copies_of_it(name):
     # Assert: the step's temporaries are piece-sized (one pass held several 16 MiB arrays at once)
     assert peak < 4 << 20, f"a step of a 16 MiB tensor allocated {peak / 2**20:.1f} MiB at its peak"
     assert not np.array_equal(param, before)
+
+
+NATIVE_NOT_BUILT = ("the hybridfleet.ps.server._optim extension is not built (no C compiler at install: "
+                    "run .ci/install-build-deps.sh, then pip install -e .)")
+NATIVE_CONFIGS = {**{k: v for k, v in CONFIGS.items() if k.startswith("adam")},
+                  # 1 - beta1 >= 0.5: torch's lerp takes its other branch
+                  "adam-low-beta1": dict(name="adam", lr=0.02, betas=(0.3, 0.6), eps=1e-7, weight_decay=0.02),
+                  "adamw-low-beta1": dict(name="adamw", lr=0.02, betas=(0.4, 0.9), weight_decay=0.3)}
+
+
+def _wide_gradients(shape, steps: int, seed: int) -> list[np.ndarray]:
+    """Gradients over float32's range: ordinary, tiny (subnormal squares), huge, exact zeros."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        g = rng.standard_normal(shape).astype(np.float32)
+        scale = rng.choice(np.array([1.0, 1e-20, 1e-40, 1e15, 0.0], dtype=np.float64), size=shape, p=[.6, .1, .1, .1, .1])
+        out.append(np.array(g * scale, dtype=np.float32))
+    return out
+
+
+@skip_outside_ci(None if optim._optim is not None else NATIVE_NOT_BUILT)
+@pytest.mark.parametrize("flavour", ["torch", "paddle"])
+@pytest.mark.parametrize("config", sorted(NATIVE_CONFIGS))
+def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, monkeypatch):
+    # Prepare: the same optimizer twice, the same tensors (one element, odd sizes, one above a
+    # piece of the numpy path's blockwise step), 12 steps with an lr change after 6
+    spec = OptimizerSpec(**NATIVE_CONFIGS[config])
+    shapes = {"scalar": (), "odd": (7,), "mid": (3, 333), "big": (65536 + 777,)}
+    rng = np.random.default_rng(5)
+    params0 = {k: np.array(rng.standard_normal(s), dtype=np.float32) for k, s in shapes.items()}
+    grads = {k: _wide_gradients(s, 12, i) for i, (k, s) in enumerate(shapes.items())}
+    calls = []
+    real = optim._optim.adam
+    monkeypatch.setattr(optim._optim, "adam", lambda *a: calls.append(1) or real(*a))
+
+    def run(native: bool):
+        monkeypatch.setenv(optim.NATIVE_SWITCH, "1" if native else "0")
+        opt = make_optimizer(spec, flavour)
+        params = {k: p.copy() for k, p in params0.items()}
+        for step in range(12):
+            if step == 6:
+                opt.lr = spec.lr / 3
+            for k in shapes:
+                opt.step(k, params[k], grads[k][step])
+        return params, opt.state_dict()
+
+    # Execute
+    numpy_params, numpy_state = run(native=False)
+    assert not calls
+    c_params, c_state = run(native=True)
+
+    # Assert: every parameter and every slot identical to the bit (NaN-free: the inputs are finite)
+    assert len(calls) == 12 * len(shapes)
+    for k in shapes:
+        assert np.array_equal(c_params[k].view(np.uint32), numpy_params[k].view(np.uint32)), k
+    assert c_state.keys() == numpy_state.keys()
+    for name, value in numpy_state.items():
+        assert value.dtype == c_state[name].dtype and np.array_equal(c_state[name], value), name
+        if value.dtype == np.float32:
+            assert np.array_equal(c_state[name].view(np.uint32), value.view(np.uint32)), name

@@ -29,12 +29,19 @@ State is per key and element-wise, so a parameter split into blocks (``"fc.weigh
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
+try:  # Adam's step in one pass in C (_optim.c), when a compiler was there at install time
+    from hybridfleet.ps.server import _optim
+except ImportError:  # pragma: no cover - depends on the install
+    _optim = None
+
+NATIVE_SWITCH = "HFLEET_NATIVE_OPTIM"  # "0": step with numpy even where the C step is built
 FLAVOURS = ("torch", "paddle")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 STEP_SLOT = "step"
@@ -161,6 +168,8 @@ class ServerOptimizer(ABC):
                         f"optimizer state {slot!r} has shape {state[slot].shape}"
                     )
         step = int(state[STEP_SLOT]) + 1
+        if native_step_available() and self._step_native(key, param, grad32, state, step):
+            return
         if param.size > _STEP_BLOCK and all(a.flags.c_contiguous for a in (param, grad32, *self._tensors(state))):
             self._step_in_blocks(key, param, grad32, state, step)
             return
@@ -169,6 +178,18 @@ class ServerOptimizer(ABC):
         # Commit only once everything is computed, so a failure leaves nothing half-done.
         param[...] = new_param
         self._state[key] = new_state
+
+    def _step_native(self, key: str, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                     step: int) -> bool:
+        """`step` in C, in place, for an optimizer that has a one-pass kernel (`Adam`): True when it
+        ran. The input was checked whole before; the kernel does not fail on any float32 input, so
+        nothing is left half-stepped."""
+        return False
+
+    def _commit(self, key: str, state: dict[str, np.ndarray], step: int, scalars: dict[str, np.ndarray]) -> None:
+        committed = {**state, **scalars}
+        committed[STEP_SLOT] = np.array(step, dtype=np.int64)
+        self._state[key] = committed
 
     def _tensors(self, state: dict[str, np.ndarray]) -> list[np.ndarray]:
         return [state[slot] for slot in self._tensor_slots()]
@@ -194,9 +215,7 @@ class ServerOptimizer(ABC):
             flat_param[i:j] = new_param
             for slot in slots:
                 flat_slots[slot][i:j] = new_state[slot]
-        committed = {**state, **{slot: value for slot, value in new_state.items() if slot not in slots}}
-        committed[STEP_SLOT] = np.array(step, dtype=np.int64)
-        self._state[key] = committed
+        self._commit(key, state, step, {slot: value for slot, value in new_state.items() if slot not in slots})
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A flat copy of the state: ``"<key>/<slot>"`` -> numpy array (safetensors-ready)."""
@@ -371,6 +390,31 @@ class Adam(ServerOptimizer):
             return self._update_torch(param, grad, state, step)
         return self._update_paddle(param, grad, state)
 
+    def _step_native(self, key, param, grad, state, step):
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if not all(a.dtype == _F32 and a.flags.c_contiguous for a in (param, grad, exp_avg, exp_avg_sq)):
+            return False
+        wd = self.weight_decay
+        decay = (2 if self.decoupled_weight_decay else 1) if wd else 0
+        scalars: dict[str, np.ndarray] = {}
+        if self.flavour == "torch":  # the scalars of `_update_torch`, computed the same way
+            step_size = self.lr / (1 - self.beta1 ** step)
+            values = (_F32(wd), _F32(1 - self.lr * wd), _F32(1 - self.beta1), _F32(1 - self.beta2), _F32(self.beta2),
+                      _F32(-step_size), _F32((1 - self.beta2 ** step) ** 0.5), _F32(self.eps))
+        else:  # those of `_update_paddle`
+            beta1, beta2 = _F32(self.beta1), _F32(self.beta2)
+            beta1_pow, beta2_pow = _F32(state["beta1_pow"]), _F32(state["beta2_pow"])
+            lr = _F32(self.lr)
+            coeff = lr * _ONE * _F32(wd)
+            lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
+            eps_t = _F32(self.eps) * np.sqrt(_ONE - beta2_pow)
+            values = (_F32(wd), -coeff, beta1, _ONE - beta1, beta2, _ONE - beta2, -lr_t, eps_t)
+            scalars = {"beta1_pow": np.array(beta1_pow * beta1, dtype=_F32),
+                       "beta2_pow": np.array(beta2_pow * beta2, dtype=_F32)}
+        _optim.adam(param, grad, exp_avg, exp_avg_sq, self.flavour, decay, tuple(float(v) for v in values))
+        self._commit(key, state, step, scalars)
+        return True
+
     def _update_torch(self, param, grad, state, step):
         lr, wd = self.lr, self.weight_decay
         if wd and self.decoupled_weight_decay:
@@ -419,6 +463,11 @@ class AdamW(Adam):
 
     name = "adamw"
     decoupled_weight_decay = True
+
+
+def native_step_available() -> bool:
+    """True when the C step (`_optim`) is built and ``HFLEET_NATIVE_OPTIM`` does not switch it off."""
+    return _optim is not None and os.environ.get(NATIVE_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def make_optimizer(spec: Any, flavour: str = "torch") -> ServerOptimizer:

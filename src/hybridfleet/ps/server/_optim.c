@@ -1,0 +1,121 @@
+/* One pass of Adam / AdamW over float32 arrays, in place: the shard's optimizer step in C.
+ *
+ * `hybridfleet.ps.server.optim` computes each step with numpy, reproducing torch.optim's and
+ * Paddle's float32 arithmetic (see its docstring): about eight passes over the tensor and its two
+ * slots, each a numpy temporary. Here the same operations, in the same order and precision, run
+ * element by element in one pass: every float32 operation is a float32 operation, and each of the
+ * numpy path's fused multiply-adds (`_fma`: the product exact in double, the sum rounded to double
+ * and then to float32) is the same two roundings here. The scalars (bias corrections, step size,
+ * Paddle's lr_t and eps_t) come computed by the Python code as before. Compiled with
+ * -ffp-contract=off, so the compiler fuses nothing itself; tests/test_ps_optim.py checks the result
+ * against the numpy path to the bit, and both against torch.optim and Paddle.
+ * Built optionally (see pyproject.toml); without it the numpy path runs. The GIL is released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
+
+/* a * b + c as the numpy path's _fma: double product (exact), double sum, then float32 */
+static inline float fma2(float a, float b, float c) { return (float)((double)a * (double)b + (double)c); }
+
+static void adam_torch(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+                       int decay, float wd, float keep, float weight, float c2, float b2, float neg_step, float bc2,
+                       float eps) {
+    int low = weight < 0.5f;
+    float weight_m1 = weight - 1.0f;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        if (decay == DECAY_DECOUPLED) pi = pi * keep;
+        else if (decay == DECAY_L2) gi = fma2(wd, pi, gi);
+        float d = gi - mi;
+        mi = low ? fma2(weight, d, mi) : fma2(weight_m1, d, gi); /* exp_avg.lerp_(grad, 1 - beta1) */
+        vi = fma2(c2 * gi, gi, vi * b2);
+        float denom = sqrtf(vi) / bc2 + eps;
+        p[i] = pi + (neg_step * mi) / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+static void adam_paddle(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+                        int decay, float wd, float neg_coeff, float beta1, float one_minus_b1, float beta2,
+                        float one_minus_b2, float neg_lr_t, float eps_t) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float pi = p[i], gi = g[i];
+        if (decay == DECAY_DECOUPLED) pi = fma2(neg_coeff, pi, pi);
+        else if (decay == DECAY_L2) gi = gi + pi * wd;
+        float mi = fma2(beta1, m[i], one_minus_b1 * gi);
+        float vi = fma2(beta2, v[i], one_minus_b2 * (gi * gi));
+        p[i] = fma2(neg_lr_t, mi / (sqrtf(vi) + eps_t), pi);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+/* The four buffers: float32, C-contiguous, the same length; param and slots writable. */
+static int take(PyObject *const objs[4], Py_buffer views[4]) {
+    int got = 0;
+    for (; got < 4; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == 1 ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(objs[got], &views[got], flags) < 0) goto fail;
+        if (views[got].itemsize != 4 || views[got].format == NULL || strcmp(views[got].format, "f") != 0) {
+            got++;
+            PyErr_SetString(PyExc_ValueError, "adam: param, grad and both slots must be float32");
+            goto fail;
+        }
+        if (views[got].len != views[0].len) {
+            got++;
+            PyErr_SetString(PyExc_ValueError, "adam: param, grad and both slots must have the same size");
+            goto fail;
+        }
+    }
+    return 0;
+fail:
+    while (got-- > 0) PyBuffer_Release(&views[got]);
+    return -1;
+}
+
+static PyObject *py_adam(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[4];
+    const char *flavour;
+    int decay;
+    double s[8];
+    if (!PyArg_ParseTuple(args, "OOOOsi(dddddddd):adam", &objs[0], &objs[1], &objs[2], &objs[3], &flavour, &decay, &s[0],
+                          &s[1], &s[2], &s[3], &s[4], &s[5], &s[6], &s[7]))
+        return NULL;
+    int paddle = strcmp(flavour, "paddle") == 0;
+    if (!paddle && strcmp(flavour, "torch") != 0)
+        return PyErr_Format(PyExc_ValueError, "adam: flavour must be torch or paddle (got %s)", flavour);
+    if (decay < DECAY_NONE || decay > DECAY_DECOUPLED)
+        return PyErr_Format(PyExc_ValueError, "adam: decay must be 0, 1 or 2 (got %d)", decay);
+    Py_buffer b[4];
+    if (take(objs, b) < 0) return NULL;
+    Py_ssize_t n = b[0].len / 4;
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = (float)s[i]; /* each was a float32 value in Python: exact */
+    Py_BEGIN_ALLOW_THREADS
+    if (paddle)
+        adam_paddle(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]);
+    else
+        adam_torch(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"adam", py_adam, METH_VARARGS,
+     "adam(param, grad, exp_avg, exp_avg_sq, flavour, decay, scalars): one Adam/AdamW step in place.\n"
+     "decay: 0 none, 1 L2 on the gradient, 2 decoupled. scalars (float32 values, 8 of them):\n"
+     "torch: (wd, 1 - lr*wd, 1 - beta1, 1 - beta2, beta2, -step_size, sqrt(bias_correction2), eps);\n"
+     "paddle: (wd, -lr*wd, beta1, 1 - beta1, beta2, 1 - beta2, -lr_t, eps_t)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_optim", "The shard optimizer's Adam step in one pass.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__optim(void) { return PyModule_Create(&module); }
