@@ -20,15 +20,25 @@ enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
 /* a * b + c as the numpy path's _fma: double product (exact), double sum, then float32 */
 static inline float fma2(float a, float b, float c) { return (float)((double)a * (double)b + (double)c); }
 
-static void adam_torch(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
-                       int decay, float wd, float keep, float weight, float c2, float b2, float neg_step, float bc2,
-                       float eps) {
-    int low = weight < 0.5f;
+/* One build runs everywhere: gcc compiles each loop for AVX-512, AVX2 and the x86-64 baseline and
+ * picks one at load time (the same arithmetic in each: IEEE float32/float64, nothing fused). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* The loops take their choices (decay, lerp branch) as constants, so each instance has no branch
+ * inside and vectorizes. */
+INLINE void torch_loop(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+                       const int decay, const int low, float wd, float keep, float weight, float c2, float b2,
+                       float neg_step, float bc2, float eps) {
     float weight_m1 = weight - 1.0f;
     for (Py_ssize_t i = 0; i < n; i++) {
         float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
         if (decay == DECAY_DECOUPLED) pi = pi * keep;
-        else if (decay == DECAY_L2) gi = fma2(wd, pi, gi);
+        if (decay == DECAY_L2) gi = fma2(wd, pi, gi);
         float d = gi - mi;
         mi = low ? fma2(weight, d, mi) : fma2(weight_m1, d, gi); /* exp_avg.lerp_(grad, 1 - beta1) */
         vi = fma2(c2 * gi, gi, vi * b2);
@@ -39,19 +49,41 @@ static void adam_torch(float *restrict p, const float *restrict g, float *restri
     }
 }
 
-static void adam_paddle(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
-                        int decay, float wd, float neg_coeff, float beta1, float one_minus_b1, float beta2,
+VECTOR_CLONES static void adam_torch(float *restrict p, const float *restrict g, float *restrict m,
+                                     float *restrict v, Py_ssize_t n, int decay, float wd, float keep, float weight,
+                                     float c2, float b2, float neg_step, float bc2, float eps) {
+#define TORCH(D, L) torch_loop(p, g, m, v, n, D, L, wd, keep, weight, c2, b2, neg_step, bc2, eps)
+    int low = weight < 0.5f;
+    if (decay == DECAY_NONE) low ? TORCH(DECAY_NONE, 1) : TORCH(DECAY_NONE, 0);
+    else if (decay == DECAY_L2) low ? TORCH(DECAY_L2, 1) : TORCH(DECAY_L2, 0);
+    else low ? TORCH(DECAY_DECOUPLED, 1) : TORCH(DECAY_DECOUPLED, 0);
+#undef TORCH
+}
+
+INLINE void paddle_loop(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+                        const int decay, float wd, float neg_coeff, float beta1, float one_minus_b1, float beta2,
                         float one_minus_b2, float neg_lr_t, float eps_t) {
     for (Py_ssize_t i = 0; i < n; i++) {
         float pi = p[i], gi = g[i];
         if (decay == DECAY_DECOUPLED) pi = fma2(neg_coeff, pi, pi);
-        else if (decay == DECAY_L2) gi = gi + pi * wd;
+        if (decay == DECAY_L2) gi = gi + pi * wd;
         float mi = fma2(beta1, m[i], one_minus_b1 * gi);
         float vi = fma2(beta2, v[i], one_minus_b2 * (gi * gi));
         p[i] = fma2(neg_lr_t, mi / (sqrtf(vi) + eps_t), pi);
         m[i] = mi;
         v[i] = vi;
     }
+}
+
+VECTOR_CLONES static void adam_paddle(float *restrict p, const float *restrict g, float *restrict m,
+                                      float *restrict v, Py_ssize_t n, int decay, float wd, float neg_coeff,
+                                      float beta1, float one_minus_b1, float beta2, float one_minus_b2,
+                                      float neg_lr_t, float eps_t) {
+#define PADDLE(D) paddle_loop(p, g, m, v, n, D, wd, neg_coeff, beta1, one_minus_b1, beta2, one_minus_b2, neg_lr_t, eps_t)
+    if (decay == DECAY_NONE) PADDLE(DECAY_NONE);
+    else if (decay == DECAY_L2) PADDLE(DECAY_L2);
+    else PADDLE(DECAY_DECOUPLED);
+#undef PADDLE
 }
 
 /* The four buffers: float32, C-contiguous, the same length; param and slots writable. */
