@@ -513,6 +513,9 @@ def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, monkeypatc
     rng = np.random.default_rng(5)
     params0 = {k: np.array(rng.standard_normal(s), dtype=np.float32) for k, s in shapes.items()}
     grads = {k: _wide_gradients(s, 12, i) for i, (k, s) in enumerate(shapes.items())}
+    # a gradient read from the wire may start at any byte (numpy: not aligned, buffer format "=f")
+    grads["big"] = [np.frombuffer(bytearray(b"\0" + g.tobytes()), dtype=np.float32, offset=1) for g in grads["big"]]
+    assert not grads["big"][0].flags.aligned
     calls = []
     real = optim._optim.adam
     monkeypatch.setattr(optim._optim, "adam", lambda *a: calls.append(1) or real(*a))
@@ -521,6 +524,8 @@ def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, monkeypatc
         monkeypatch.setenv(optim.NATIVE_SWITCH, "1" if native else "0")
         opt = make_optimizer(spec, flavour)
         params = {k: p.copy() for k, p in params0.items()}
+        params["mid"] = np.frombuffer(bytearray(b"\0\0" + params0["mid"].tobytes()), dtype=np.float32,
+                                      offset=2).reshape(params0["mid"].shape)  # updated in place, unaligned
         for step in range(12):
             if step == 6:
                 opt.lr = spec.lr / 3

@@ -14,8 +14,19 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
+
+/* Loads and stores through memcpy: a buffer may start anywhere (a gradient read from the wire at
+ * any offset; numpy marks such arrays unaligned), and the compiler turns these into unaligned
+ * vector moves. */
+static inline float ld(const char *base, Py_ssize_t i) {
+    float x;
+    memcpy(&x, base + 4 * i, 4);
+    return x;
+}
+static inline void st(char *base, Py_ssize_t i, float x) { memcpy(base + 4 * i, &x, 4); }
 
 /* a * b + c as the numpy path's _fma: double product (exact), double sum, then float32 */
 static inline float fma2(float a, float b, float c) { return (float)((double)a * (double)b + (double)c); }
@@ -31,26 +42,26 @@ static inline float fma2(float a, float b, float c) { return (float)((double)a *
 
 /* The loops take their choices (decay, lerp branch) as constants, so each instance has no branch
  * inside and vectorizes. */
-INLINE void torch_loop(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+INLINE void torch_loop(char *restrict p, const char *restrict g, char *restrict m, char *restrict v, Py_ssize_t n,
                        const int decay, const int low, float wd, float keep, float weight, float c2, float b2,
                        float neg_step, float bc2, float eps) {
     float weight_m1 = weight - 1.0f;
     for (Py_ssize_t i = 0; i < n; i++) {
-        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        float pi = ld(p, i), gi = ld(g, i), mi = ld(m, i), vi = ld(v, i);
         if (decay == DECAY_DECOUPLED) pi = pi * keep;
         if (decay == DECAY_L2) gi = fma2(wd, pi, gi);
         float d = gi - mi;
         mi = low ? fma2(weight, d, mi) : fma2(weight_m1, d, gi); /* exp_avg.lerp_(grad, 1 - beta1) */
         vi = fma2(c2 * gi, gi, vi * b2);
         float denom = sqrtf(vi) / bc2 + eps;
-        p[i] = pi + (neg_step * mi) / denom;
-        m[i] = mi;
-        v[i] = vi;
+        st(p, i, pi + (neg_step * mi) / denom);
+        st(m, i, mi);
+        st(v, i, vi);
     }
 }
 
-VECTOR_CLONES static void adam_torch(float *restrict p, const float *restrict g, float *restrict m,
-                                     float *restrict v, Py_ssize_t n, int decay, float wd, float keep, float weight,
+VECTOR_CLONES static void adam_torch(char *restrict p, const char *restrict g, char *restrict m,
+                                     char *restrict v, Py_ssize_t n, int decay, float wd, float keep, float weight,
                                      float c2, float b2, float neg_step, float bc2, float eps) {
 #define TORCH(D, L) torch_loop(p, g, m, v, n, D, L, wd, keep, weight, c2, b2, neg_step, bc2, eps)
     int low = weight < 0.5f;
@@ -60,23 +71,23 @@ VECTOR_CLONES static void adam_torch(float *restrict p, const float *restrict g,
 #undef TORCH
 }
 
-INLINE void paddle_loop(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, Py_ssize_t n,
+INLINE void paddle_loop(char *restrict p, const char *restrict g, char *restrict m, char *restrict v, Py_ssize_t n,
                         const int decay, float wd, float neg_coeff, float beta1, float one_minus_b1, float beta2,
                         float one_minus_b2, float neg_lr_t, float eps_t) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        float pi = p[i], gi = g[i];
+        float pi = ld(p, i), gi = ld(g, i);
         if (decay == DECAY_DECOUPLED) pi = fma2(neg_coeff, pi, pi);
         if (decay == DECAY_L2) gi = gi + pi * wd;
-        float mi = fma2(beta1, m[i], one_minus_b1 * gi);
-        float vi = fma2(beta2, v[i], one_minus_b2 * (gi * gi));
-        p[i] = fma2(neg_lr_t, mi / (sqrtf(vi) + eps_t), pi);
-        m[i] = mi;
-        v[i] = vi;
+        float mi = fma2(beta1, ld(m, i), one_minus_b1 * gi);
+        float vi = fma2(beta2, ld(v, i), one_minus_b2 * (gi * gi));
+        st(p, i, fma2(neg_lr_t, mi / (sqrtf(vi) + eps_t), pi));
+        st(m, i, mi);
+        st(v, i, vi);
     }
 }
 
-VECTOR_CLONES static void adam_paddle(float *restrict p, const float *restrict g, float *restrict m,
-                                      float *restrict v, Py_ssize_t n, int decay, float wd, float neg_coeff,
+VECTOR_CLONES static void adam_paddle(char *restrict p, const char *restrict g, char *restrict m,
+                                      char *restrict v, Py_ssize_t n, int decay, float wd, float neg_coeff,
                                       float beta1, float one_minus_b1, float beta2, float one_minus_b2,
                                       float neg_lr_t, float eps_t) {
 #define PADDLE(D) paddle_loop(p, g, m, v, n, D, wd, neg_coeff, beta1, one_minus_b1, beta2, one_minus_b2, neg_lr_t, eps_t)
@@ -86,13 +97,23 @@ VECTOR_CLONES static void adam_paddle(float *restrict p, const float *restrict g
 #undef PADDLE
 }
 
+/* "f", or "<f" / "=f" / "@f" (a numpy float32 array may say its byte order): float32 in this
+ * machine's byte order. */
+static int native_float32(const char *format) {
+    if (format == NULL) return 0;
+    if (format[0] == '@' || format[0] == '=' || (format[0] == '<' && PY_LITTLE_ENDIAN) ||
+        (format[0] == '>' && !PY_LITTLE_ENDIAN) || (format[0] == '!' && !PY_LITTLE_ENDIAN))
+        format++;
+    return strcmp(format, "f") == 0;
+}
+
 /* The four buffers: float32, C-contiguous, the same length; param and slots writable. */
 static int take(PyObject *const objs[4], Py_buffer views[4]) {
     int got = 0;
     for (; got < 4; got++) {
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == 1 ? 0 : PyBUF_WRITABLE);
         if (PyObject_GetBuffer(objs[got], &views[got], flags) < 0) goto fail;
-        if (views[got].itemsize != 4 || views[got].format == NULL || strcmp(views[got].format, "f") != 0) {
+        if (views[got].itemsize != 4 || !native_float32(views[got].format)) {
             got++;
             PyErr_SetString(PyExc_ValueError, "adam: param, grad and both slots must be float32");
             goto fail;
