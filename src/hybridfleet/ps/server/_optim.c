@@ -1,4 +1,4 @@
-/* One pass of Adam / AdamW over float32 arrays, in place: the shard's optimizer step in C.
+/* One pass of SGD / Adam / AdamW over float32 arrays, in place: the shard's optimizer step in C.
  *
  * `hybridfleet.ps.server.optim` computes each step with numpy, reproducing torch.optim's and
  * Paddle's float32 arithmetic (see its docstring): about eight passes over the tensor and its two
@@ -97,6 +97,53 @@ VECTOR_CLONES static void adam_paddle(char *restrict p, const char *restrict g, 
 #undef PADDLE
 }
 
+/* SGD: flags say what the step does; the momentum buffer is NULL without momentum. */
+enum { SGD_WD = 1, SGD_MOMENTUM = 2, SGD_NESTEROV = 4, SGD_FIRST = 8 };
+
+INLINE void sgd_torch_loop(char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n, const int flags,
+                           float neg_lr, float mu, float wd) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float pi = ld(p, i), gi = ld(g, i);
+        if (flags & SGD_WD) gi = fma2(wd, pi, gi);
+        if (flags & SGD_MOMENTUM) {
+            float bi = (flags & SGD_FIRST) ? gi : ld(b, i) * mu + gi; /* torch's first buffer: the gradient */
+            st(b, i, bi);
+            gi = (flags & SGD_NESTEROV) ? fma2(mu, bi, gi) : bi;
+        }
+        st(p, i, fma2(neg_lr, gi, pi));
+    }
+}
+
+INLINE void sgd_paddle_loop(char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n, const int flags,
+                            float lr, float mu, float wd) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float pi = ld(p, i), gi = ld(g, i);
+        if (flags & SGD_WD) gi = pi * wd + gi;
+        if (!(flags & SGD_MOMENTUM)) {
+            st(p, i, pi - lr * gi);
+            continue;
+        }
+        float vi = ld(b, i) * mu + gi;
+        st(b, i, vi);
+        st(p, i, (flags & SGD_NESTEROV) ? pi - (gi + vi * mu) * lr : pi - lr * vi);
+    }
+}
+
+VECTOR_CLONES static void sgd(int paddle, char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n,
+                              int flags, float lr, float mu, float wd) {
+    /* every combination as its own loop, without a branch inside (see torch_loop) */
+#define CASE(F)                                                                                                        \
+    case F:                                                                                                            \
+        if (paddle) sgd_paddle_loop(p, g, b, n, F, lr, mu, wd);                                                        \
+        else sgd_torch_loop(p, g, b, n, F, -lr, mu, wd);                                                               \
+        break;
+    switch (flags) {
+        CASE(0) CASE(1) CASE(2) CASE(3) CASE(6) CASE(7) CASE(10) CASE(11) CASE(14) CASE(15)
+    default: break; /* refused before (py_sgd) */
+    }
+#undef CASE
+}
+
 /* "f", or "<f" / "=f" / "@f" (a numpy float32 array may say its byte order): float32 in this
  * machine's byte order. */
 static int native_float32(const char *format) {
@@ -107,20 +154,20 @@ static int native_float32(const char *format) {
     return strcmp(format, "f") == 0;
 }
 
-/* The four buffers: float32, C-contiguous, the same length; param and slots writable. */
-static int take(PyObject *const objs[4], Py_buffer views[4]) {
+/* The k buffers (param, grad, slots): float32, C-contiguous, the same length; all but grad writable. */
+static int take(PyObject *const objs[], Py_buffer views[], int k) {
     int got = 0;
-    for (; got < 4; got++) {
+    for (; got < k; got++) {
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == 1 ? 0 : PyBUF_WRITABLE);
         if (PyObject_GetBuffer(objs[got], &views[got], flags) < 0) goto fail;
         if (views[got].itemsize != 4 || !native_float32(views[got].format)) {
             got++;
-            PyErr_SetString(PyExc_ValueError, "adam: param, grad and both slots must be float32");
+            PyErr_SetString(PyExc_ValueError, "param, grad and their slots must be float32");
             goto fail;
         }
         if (views[got].len != views[0].len) {
             got++;
-            PyErr_SetString(PyExc_ValueError, "adam: param, grad and both slots must have the same size");
+            PyErr_SetString(PyExc_ValueError, "param, grad and their slots must have the same size");
             goto fail;
         }
     }
@@ -145,7 +192,7 @@ static PyObject *py_adam(PyObject *module, PyObject *args) {
     if (decay < DECAY_NONE || decay > DECAY_DECOUPLED)
         return PyErr_Format(PyExc_ValueError, "adam: decay must be 0, 1 or 2 (got %d)", decay);
     Py_buffer b[4];
-    if (take(objs, b) < 0) return NULL;
+    if (take(objs, b, 4) < 0) return NULL;
     Py_ssize_t n = b[0].len / 4;
     float f[8];
     for (int i = 0; i < 8; i++) f[i] = (float)s[i]; /* each was a float32 value in Python: exact */
@@ -159,7 +206,36 @@ static PyObject *py_adam(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_sgd(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[3];
+    const char *flavour;
+    int flags;
+    double lr, mu, wd;
+    if (!PyArg_ParseTuple(args, "OOOsiddd:sgd", &objs[0], &objs[1], &objs[2], &flavour, &flags, &lr, &mu, &wd))
+        return NULL;
+    int paddle = strcmp(flavour, "paddle") == 0;
+    if (!paddle && strcmp(flavour, "torch") != 0)
+        return PyErr_Format(PyExc_ValueError, "sgd: flavour must be torch or paddle (got %s)", flavour);
+    int momentum = (flags & SGD_MOMENTUM) != 0;
+    if (flags < 0 || flags > 15 || (!momentum && (flags & (SGD_NESTEROV | SGD_FIRST))) ||
+        (paddle && (flags & SGD_FIRST)) || momentum != (objs[2] != Py_None))
+        return PyErr_Format(PyExc_ValueError, "sgd: flags %d do not fit the %s step and its buffer", flags, flavour);
+    Py_buffer b[3];
+    if (take(objs, b, momentum ? 3 : 2) < 0) return NULL;
+    Py_ssize_t n = b[0].len / 4;
+    Py_BEGIN_ALLOW_THREADS
+    sgd(paddle, b[0].buf, b[1].buf, momentum ? b[2].buf : NULL, n, flags, (float)lr, (float)mu, (float)wd);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < (momentum ? 3 : 2); i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"sgd", py_sgd, METH_VARARGS,
+     "sgd(param, grad, momentum_buffer|None, flavour, flags, lr, momentum, weight_decay): one SGD step in\n"
+     "place. flags: 1 weight decay, 2 momentum, 4 Nesterov, 8 first step (torch: the buffer starts as the\n"
+     "gradient). lr, momentum, weight_decay: float32 values."},
     {"adam", py_adam, METH_VARARGS,
      "adam(param, grad, exp_avg, exp_avg_sq, flavour, decay, scalars): one Adam/AdamW step in place.\n"
      "decay: 0 none, 1 L2 on the gradient, 2 decoupled. scalars (float32 values, 8 of them):\n"
@@ -168,7 +244,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_optim", "The shard optimizer's Adam step in one pass.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_optim", "The shard optimizer's step in one pass.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__optim(void) { return PyModule_Create(&module); }

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-try:  # Adam's step in one pass in C (_optim.c), when a compiler was there at install time
+try:  # SGD's and Adam's step in one pass in C (_optim.c), when a compiler was there at install time
     from hybridfleet.ps.server import _optim
 except ImportError:  # pragma: no cover - depends on the install
     _optim = None
@@ -181,7 +181,7 @@ class ServerOptimizer(ABC):
 
     def _step_native(self, key: str, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
                      step: int) -> bool:
-        """`step` in C, in place, for an optimizer that has a one-pass kernel (`Adam`): True when it
+        """`step` in C, in place, for an optimizer that has a one-pass kernel (`SGD`, `Adam`): True when it
         ran. The input was checked whole before; the kernel does not fail on any float32 input, so
         nothing is left half-stepped."""
         return False
@@ -326,6 +326,18 @@ class SGD(ServerOptimizer):
         if self.flavour == "torch":
             return self._update_torch(param, grad, state, step)
         return self._update_paddle(param, grad, state)
+
+    def _step_native(self, key, param, grad, state, step):
+        buf = state.get("momentum_buffer")
+        if not all(a.dtype == _F32 and a.flags.c_contiguous for a in (param, grad, *([buf] if buf is not None else []))):
+            return False
+        flags = ((1 if self.weight_decay else 0) | (2 if self.momentum > 0 else 0) | (4 if self.nesterov else 0)
+                 | (8 if self.momentum > 0 and step == 1 and self.flavour == "torch" else 0))
+        # the float32 scalars `_update_torch` / `_update_paddle` use
+        _optim.sgd(param, grad, buf, self.flavour, flags, float(_F32(self.lr)), float(_F32(self.momentum)),
+                   float(_F32(self.weight_decay)))
+        self._commit(key, state, step, {})
+        return True
 
     def _update_torch(self, param, grad, state, step):
         mu = _F32(self.momentum)
