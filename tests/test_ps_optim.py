@@ -503,10 +503,14 @@ def _wide_gradients(shape, steps: int, seed: int) -> list[np.ndarray]:
     return out
 
 
+ISAS = optim._optim._isas() if optim._optim is not None else []
+
+
 @skip_outside_ci(None if optim._optim is not None else NATIVE_NOT_BUILT)
+@pytest.mark.parametrize("isa", ISAS or ["none"])
 @pytest.mark.parametrize("flavour", ["torch", "paddle"])
 @pytest.mark.parametrize("config", sorted(NATIVE_CONFIGS))
-def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, monkeypatch):
+def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, isa, monkeypatch):
     # Prepare: the same optimizer twice, the same tensors (one element, odd sizes, one above a
     # piece of the numpy path's blockwise step), 12 steps with an lr change after 6
     spec = OptimizerSpec(**NATIVE_CONFIGS[config])
@@ -534,10 +538,14 @@ def test_the_c_step_equals_the_numpy_step_to_the_bit(config, flavour, monkeypatc
                 opt.step(k, params[k], grads[k][step])
         return params, opt.state_dict()
 
-    # Execute
+    # Execute: with each instruction set's copy of the C step this CPU runs
     numpy_params, numpy_state = run(native=False)
     assert not calls
-    c_params, c_state = run(native=True)
+    before = optim._optim._set_isa(isa)
+    try:
+        c_params, c_state = run(native=True)
+    finally:
+        optim._optim._set_isa(before)
 
     # Assert: every parameter and every slot identical to the bit (NaN-free: the inputs are finite)
     assert len(calls) == 12 * len(shapes)

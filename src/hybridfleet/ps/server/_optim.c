@@ -31,13 +31,6 @@ static inline void st(char *base, Py_ssize_t i, float x) { memcpy(base + 4 * i, 
 /* a * b + c as the numpy path's _fma: double product (exact), double sum, then float32 */
 static inline float fma2(float a, float b, float c) { return (float)((double)a * (double)b + (double)c); }
 
-/* One build runs everywhere: gcc compiles each loop for AVX-512, AVX2 and the x86-64 baseline and
- * picks one at load time (the same arithmetic in each: IEEE float32/float64, nothing fused). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VECTOR_CLONES
-#endif
 #define INLINE static inline __attribute__((always_inline))
 
 /* The loops take their choices (decay, lerp branch) as constants, so each instance has no branch
@@ -60,7 +53,7 @@ INLINE void torch_loop(char *restrict p, const char *restrict g, char *restrict 
     }
 }
 
-VECTOR_CLONES static void adam_torch(char *restrict p, const char *restrict g, char *restrict m,
+INLINE void adam_torch_body(char *restrict p, const char *restrict g, char *restrict m,
                                      char *restrict v, Py_ssize_t n, int decay, float wd, float keep, float weight,
                                      float c2, float b2, float neg_step, float bc2, float eps) {
 #define TORCH(D, L) torch_loop(p, g, m, v, n, D, L, wd, keep, weight, c2, b2, neg_step, bc2, eps)
@@ -86,7 +79,7 @@ INLINE void paddle_loop(char *restrict p, const char *restrict g, char *restrict
     }
 }
 
-VECTOR_CLONES static void adam_paddle(char *restrict p, const char *restrict g, char *restrict m,
+INLINE void adam_paddle_body(char *restrict p, const char *restrict g, char *restrict m,
                                       char *restrict v, Py_ssize_t n, int decay, float wd, float neg_coeff,
                                       float beta1, float one_minus_b1, float beta2, float one_minus_b2,
                                       float neg_lr_t, float eps_t) {
@@ -129,7 +122,7 @@ INLINE void sgd_paddle_loop(char *restrict p, const char *restrict g, char *rest
     }
 }
 
-VECTOR_CLONES static void sgd(int paddle, char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n,
+INLINE void sgd_body(int paddle, char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n,
                               int flags, float lr, float mu, float wd) {
     /* every combination as its own loop, without a branch inside (see torch_loop) */
 #define CASE(F)                                                                                                        \
@@ -143,6 +136,48 @@ VECTOR_CLONES static void sgd(int paddle, char *restrict p, const char *restrict
     }
 #undef CASE
 }
+
+/* One build runs everywhere: each step is compiled for AVX-512, AVX2 and the x86-64 baseline (the
+ * same arithmetic in each: IEEE float32/float64, nothing fused), and the best the CPU has runs;
+ * `_set_isa` picks a lower one, so that tests check every copy against the numpy path. */
+#define ADAM_TORCH_PARAMS                                                                                              \
+    (char *restrict p, const char *restrict g, char *restrict m, char *restrict v, Py_ssize_t n, int decay, float wd,  \
+     float keep, float weight, float c2, float b2, float neg_step, float bc2, float eps)
+#define ADAM_TORCH_ARGS (p, g, m, v, n, decay, wd, keep, weight, c2, b2, neg_step, bc2, eps)
+#define ADAM_PADDLE_PARAMS                                                                                             \
+    (char *restrict p, const char *restrict g, char *restrict m, char *restrict v, Py_ssize_t n, int decay, float wd,  \
+     float neg_coeff, float beta1, float one_minus_b1, float beta2, float one_minus_b2, float neg_lr_t, float eps_t)
+#define ADAM_PADDLE_ARGS (p, g, m, v, n, decay, wd, neg_coeff, beta1, one_minus_b1, beta2, one_minus_b2, neg_lr_t, eps_t)
+#define SGD_PARAMS                                                                                                     \
+    (int paddle, char *restrict p, const char *restrict g, char *restrict b, Py_ssize_t n, int flags, float lr, float mu, \
+     float wd)
+#define SGD_ARGS (paddle, p, g, b, n, flags, lr, mu, wd)
+
+enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static const char *const ISA_NAMES[] = {"baseline", "avx2", "avx512f"};
+static int isa_best = ISA_BASELINE, isa_used = ISA_BASELINE;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VARIANTS(NAME, PARAMS, ARGS)                                                                                   \
+    __attribute__((target("avx512f"))) static void NAME##_avx512 PARAMS { NAME##_body ARGS; }                          \
+    __attribute__((target("avx2"))) static void NAME##_avx2 PARAMS { NAME##_body ARGS; }                               \
+    static void NAME##_baseline PARAMS { NAME##_body ARGS; }
+#define RUN(NAME, ARGS)                                                                                                \
+    (isa_used == ISA_AVX512 ? NAME##_avx512 ARGS : isa_used == ISA_AVX2 ? NAME##_avx2 ARGS : NAME##_baseline ARGS)
+static void detect_isa(void) {
+    __builtin_cpu_init();
+    isa_best = __builtin_cpu_supports("avx512f") ? ISA_AVX512 : __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_BASELINE;
+    isa_used = isa_best;
+}
+#else
+#define VARIANTS(NAME, PARAMS, ARGS) static void NAME##_baseline PARAMS { NAME##_body ARGS; }
+#define RUN(NAME, ARGS) NAME##_baseline ARGS
+static void detect_isa(void) {}
+#endif
+
+VARIANTS(adam_torch, ADAM_TORCH_PARAMS, ADAM_TORCH_ARGS)
+VARIANTS(adam_paddle, ADAM_PADDLE_PARAMS, ADAM_PADDLE_ARGS)
+VARIANTS(sgd, SGD_PARAMS, SGD_ARGS)
 
 /* "f", or "<f" / "=f" / "@f" (a numpy float32 array may say its byte order): float32 in this
  * machine's byte order. */
@@ -198,9 +233,9 @@ static PyObject *py_adam(PyObject *module, PyObject *args) {
     for (int i = 0; i < 8; i++) f[i] = (float)s[i]; /* each was a float32 value in Python: exact */
     Py_BEGIN_ALLOW_THREADS
     if (paddle)
-        adam_paddle(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]);
+        RUN(adam_paddle, (b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]));
     else
-        adam_torch(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]);
+        RUN(adam_torch, (b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, decay, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]));
     Py_END_ALLOW_THREADS
     for (int i = 0; i < 4; i++) PyBuffer_Release(&b[i]);
     Py_RETURN_NONE;
@@ -225,13 +260,41 @@ static PyObject *py_sgd(PyObject *module, PyObject *args) {
     if (take(objs, b, momentum ? 3 : 2) < 0) return NULL;
     Py_ssize_t n = b[0].len / 4;
     Py_BEGIN_ALLOW_THREADS
-    sgd(paddle, b[0].buf, b[1].buf, momentum ? b[2].buf : NULL, n, flags, (float)lr, (float)mu, (float)wd);
+    RUN(sgd, (paddle, b[0].buf, b[1].buf, momentum ? b[2].buf : NULL, n, flags, (float)lr, (float)mu, (float)wd));
     Py_END_ALLOW_THREADS
     for (int i = 0; i < (momentum ? 3 : 2); i++) PyBuffer_Release(&b[i]);
     Py_RETURN_NONE;
 }
 
+/* _isas() -> the instruction sets this CPU runs, best last; _set_isa(name) -> the one used before. */
+static PyObject *py_isas(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i <= isa_best; i++) {
+        PyObject *name = PyUnicode_FromString(ISA_NAMES[i]);
+        if (name == NULL || PyList_Append(out, name) < 0) Py_CLEAR(out);
+        Py_XDECREF(name);
+    }
+    return out;
+}
+
+static PyObject *py_set_isa(PyObject *module, PyObject *arg) {
+    (void)module;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    for (int i = 0; i <= isa_best; i++) {
+        if (strcmp(name, ISA_NAMES[i]) == 0) {
+            const char *before = ISA_NAMES[isa_used];
+            isa_used = i;
+            return PyUnicode_FromString(before);
+        }
+    }
+    return PyErr_Format(PyExc_ValueError, "_set_isa: this CPU runs %s at most (got %s)", ISA_NAMES[isa_best], name);
+}
+
 static PyMethodDef methods[] = {
+    {"_isas", py_isas, METH_NOARGS, "_isas() -> the instruction sets this CPU runs the steps with, best last."},
+    {"_set_isa", py_set_isa, METH_O, "_set_isa(name) -> previous: run the steps' copy for that set (tests)."},
     {"sgd", py_sgd, METH_VARARGS,
      "sgd(param, grad, momentum_buffer|None, flavour, flags, lr, momentum, weight_decay): one SGD step in\n"
      "place. flags: 1 weight decay, 2 momentum, 4 Nesterov, 8 first step (torch: the buffer starts as the\n"
@@ -247,4 +310,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_optim", "The shard optimizer's step in one pass.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__optim(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__optim(void) {
+    detect_isa();
+    return PyModule_Create(&module);
+}

@@ -29,7 +29,7 @@ Where the C extension ``_optim`` is built, SGD, Adam and AdamW step a float32 C-
 tensor in place in one vectorized pass (`ServerOptimizer._step_native`) instead of the
 numpy passes below: the same float32 operations in the same order, each `_fma` the same
 two roundings, compiled without contraction, so the two paths agree to the bit
-(tests/test_ps_optim.py); per 64 MiB tensor here 3-5x less CPU. ``HFLEET_NATIVE_OPTIM=0``
+(tests/test_ps_optim.py, each instruction set's copy); per 64 MiB tensor here 3-5x less CPU. ``HFLEET_NATIVE_OPTIM=0``
 selects the numpy path.
 """
 
