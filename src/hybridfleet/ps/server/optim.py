@@ -36,12 +36,13 @@ selects the numpy path.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
+
+from hybridfleet.switches import switched_on
 
 try:  # SGD's and Adam's step in one pass in C (_optim.c), when a compiler was there at install time
     from hybridfleet.ps.server import _optim
@@ -413,68 +414,63 @@ class Adam(ServerOptimizer):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if not all(a.dtype == _F32 and a.flags.c_contiguous for a in (param, grad, exp_avg, exp_avg_sq)):
             return False
-        wd = self.weight_decay
-        decay = (2 if self.decoupled_weight_decay else 1) if wd else 0
-        scalars: dict[str, np.ndarray] = {}
-        if self.flavour == "torch":  # the scalars of `_update_torch`, computed the same way
-            step_size = self.lr / (1 - self.beta1 ** step)
-            values = (_F32(wd), _F32(1 - self.lr * wd), _F32(1 - self.beta1), _F32(1 - self.beta2), _F32(self.beta2),
-                      _F32(-step_size), _F32((1 - self.beta2 ** step) ** 0.5), _F32(self.eps))
-        else:  # those of `_update_paddle`
-            beta1, beta2 = _F32(self.beta1), _F32(self.beta2)
-            beta1_pow, beta2_pow = _F32(state["beta1_pow"]), _F32(state["beta2_pow"])
-            lr = _F32(self.lr)
-            coeff = lr * _ONE * _F32(wd)
-            lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
-            eps_t = _F32(self.eps) * np.sqrt(_ONE - beta2_pow)
-            values = (_F32(wd), -coeff, beta1, _ONE - beta1, beta2, _ONE - beta2, -lr_t, eps_t)
-            scalars = {"beta1_pow": np.array(beta1_pow * beta1, dtype=_F32),
-                       "beta2_pow": np.array(beta2_pow * beta2, dtype=_F32)}
+        decay = (2 if self.decoupled_weight_decay else 1) if self.weight_decay else 0
+        if self.flavour == "torch":
+            values, scalars = self._torch_scalars(step), {}
+        else:
+            values, scalars = self._paddle_scalars(state)
         _optim.adam(param, grad, exp_avg, exp_avg_sq, self.flavour, decay, tuple(float(v) for v in values))
         self._commit(key, state, step, scalars)
         return True
 
-    def _update_torch(self, param, grad, state, step):
+    def _torch_scalars(self, step: int) -> tuple[np.float32, ...]:
+        """The float32 scalars of torch's step number ``step``, for both paths: weight decay, the decoupled
+        decay's factor, 1 - beta1 (lerp's weight), 1 - beta2, beta2, -step size, sqrt(bias correction 2), eps."""
         lr, wd = self.lr, self.weight_decay
-        if wd and self.decoupled_weight_decay:
-            param = param * _F32(1 - lr * wd)
-        elif wd:
-            grad = _fma(_F32(wd), param, grad)
+        step_size = lr / (1 - self.beta1 ** step)
+        return (_F32(wd), _F32(1 - lr * wd), _F32(1 - self.beta1), _F32(1 - self.beta2), _F32(self.beta2),
+                _F32(-step_size), _F32((1 - self.beta2 ** step) ** 0.5), _F32(self.eps))
+
+    def _paddle_scalars(self, state) -> tuple[tuple[np.float32, ...], dict[str, np.ndarray]]:
+        """Paddle's float32 scalars for the next step, for both paths (weight decay, -lr * coeff, beta1,
+        1 - beta1, beta2, 1 - beta2, -lr_t, eps_t), and the new ``beta1_pow`` / ``beta2_pow`` slots."""
+        beta1, beta2 = _F32(self.beta1), _F32(self.beta2)
+        beta1_pow, beta2_pow = _F32(state["beta1_pow"]), _F32(state["beta2_pow"])
+        lr = _F32(self.lr)
+        coeff = lr * _ONE * _F32(self.weight_decay)  # old_lr * lr_ratio * coeff
+        lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
+        eps_t = _F32(self.eps) * np.sqrt(_ONE - beta2_pow)
+        values = (_F32(self.weight_decay), -coeff, beta1, _ONE - beta1, beta2, _ONE - beta2, -lr_t, eps_t)
+        return values, {"beta1_pow": np.array(beta1_pow * beta1, dtype=_F32),
+                        "beta2_pow": np.array(beta2_pow * beta2, dtype=_F32)}
+
+    def _update_torch(self, param, grad, state, step):
+        wd, keep, weight, c2, b2, neg_step, bc2, eps = self._torch_scalars(step)
+        if self.weight_decay and self.decoupled_weight_decay:
+            param = param * keep
+        elif self.weight_decay:
+            grad = _fma(wd, param, grad)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         # exp_avg.lerp_(grad, 1 - beta1), as torch's vectorised lerp computes it.
-        weight = _F32(1 - self.beta1)
         if weight < 0.5:
             exp_avg = _fma(weight, grad - exp_avg, exp_avg)
         else:
             exp_avg = _fma(weight - _ONE, grad - exp_avg, grad)
-        exp_avg_sq = _fma(_F32(1 - self.beta2) * grad, grad, exp_avg_sq * _F32(self.beta2))
-        bias_correction1 = 1 - self.beta1 ** step
-        bias_correction2_sqrt = (1 - self.beta2 ** step) ** 0.5
-        step_size = lr / bias_correction1
-        denom = np.sqrt(exp_avg_sq) / _F32(bias_correction2_sqrt) + _F32(self.eps)
-        new_param = param + (_F32(-step_size) * exp_avg) / denom
+        exp_avg_sq = _fma(c2 * grad, grad, exp_avg_sq * b2)
+        denom = np.sqrt(exp_avg_sq) / bc2 + eps
+        new_param = param + (neg_step * exp_avg) / denom
         return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def _update_paddle(self, param, grad, state):
-        beta1, beta2 = _F32(self.beta1), _F32(self.beta2)
-        beta1_pow, beta2_pow = _F32(state["beta1_pow"]), _F32(state["beta2_pow"])
-        lr = _F32(self.lr)
+        (wd, neg_coeff, beta1, one_minus_b1, beta2, one_minus_b2, neg_lr_t, eps_t), pows = self._paddle_scalars(state)
         if self.weight_decay and self.decoupled_weight_decay:
-            coeff = lr * _ONE * _F32(self.weight_decay)  # old_lr * lr_ratio * coeff
-            param = _fma(-coeff, param, param)
+            param = _fma(neg_coeff, param, param)
         elif self.weight_decay:
-            grad = grad + param * _F32(self.weight_decay)
-        lr_t = lr * (np.sqrt(_ONE - beta2_pow) / (_ONE - beta1_pow))
-        eps_t = _F32(self.eps) * np.sqrt(_ONE - beta2_pow)
-        exp_avg = _fma(beta1, state["exp_avg"], (_ONE - beta1) * grad)
-        exp_avg_sq = _fma(beta2, state["exp_avg_sq"], (_ONE - beta2) * (grad * grad))
-        new_param = _fma(-lr_t, exp_avg / (np.sqrt(exp_avg_sq) + eps_t), param)
-        return new_param, {
-            "exp_avg": exp_avg,
-            "exp_avg_sq": exp_avg_sq,
-            "beta1_pow": np.array(beta1_pow * beta1, dtype=_F32),
-            "beta2_pow": np.array(beta2_pow * beta2, dtype=_F32),
-        }
+            grad = grad + param * wd
+        exp_avg = _fma(beta1, state["exp_avg"], one_minus_b1 * grad)
+        exp_avg_sq = _fma(beta2, state["exp_avg_sq"], one_minus_b2 * (grad * grad))
+        new_param = _fma(neg_lr_t, exp_avg / (np.sqrt(exp_avg_sq) + eps_t), param)
+        return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, **pows}
 
 
 class AdamW(Adam):
@@ -486,7 +482,7 @@ class AdamW(Adam):
 
 def native_step_available() -> bool:
     """True when the C step (`_optim`) is built and ``HFLEET_NATIVE_OPTIM`` does not switch it off."""
-    return _optim is not None and os.environ.get(NATIVE_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    return _optim is not None and switched_on(NATIVE_SWITCH)
 
 
 def make_optimizer(spec: Any, flavour: str = "torch") -> ServerOptimizer:

@@ -207,7 +207,7 @@ typedef struct {
     uint64_t seal_epoch, open_epoch;                     /* keys used so far, each way: epoch + 1 */
     /* the record being received: its header, how much of its body and tag have arrived */
     unsigned char in_hdr[8], in_tag[16];
-    size_t in_len, in_body, in_tagn;
+    size_t in_len, in_body, in_hdrn, in_tagn; /* bytes: its length, of its body, header and tag so far */
     int in_state, in_direct;
     /* plaintext of a record larger than the read that opened it, waiting for the next reads */
     char *pbuf;
@@ -527,20 +527,20 @@ static int pull(ConnObject *self, char *dst, size_t want, int refill, size_t *go
 /* A TLS record where the first sealed one was due: give its bytes back to OpenSSL, which reads the
  * alert (or whatever it is) through the reader and fails as it fails on TLS records. */
 static int hand_to_openssl(ConnObject *self, double deadline, Progress *p) {
-    size_t left = self->rend - self->rstart, n = self->in_tagn + left; /* in_tagn: header bytes held */
+    size_t left = self->rend - self->rstart, n = self->in_hdrn + left;
     char *back = malloc(n > self->rwant ? n : self->rwant);
     if (back == NULL) {
         p->saved_errno = ENOMEM;
         return ST_ERRNO;
     }
-    memcpy(back, self->in_hdr, self->in_tagn);
-    if (left) memcpy(back + self->in_tagn, self->rbuf + self->rstart, left);
+    memcpy(back, self->in_hdr, self->in_hdrn);
+    if (left) memcpy(back + self->in_hdrn, self->rbuf + self->rstart, left);
     free(self->rbuf);
     self->rbuf = back;
     self->rcap = n > self->rwant ? n : self->rwant;
     self->rstart = 0;
     self->rend = n;
-    self->in_tagn = 0;
+    self->in_hdrn = 0;
     for (;;) {
         char scratch[256];
         size_t k = 0;
@@ -585,16 +585,15 @@ static int sealed_read(ConnObject *self, Op op, char *buf, size_t n, double dead
         size_t remaining = n - p->done, got = 0;
         int small = op == OP_READ_SOME || remaining < SEALED_SMALL_READ, r;
         if (self->in_state == IN_HEADER) {
-            /* in_tagn counts the header's bytes while the header is read */
-            r = pull(self, (char *)self->in_hdr + self->in_tagn, SEALED_HEADER - self->in_tagn, small, &got, deadline,
+            r = pull(self, (char *)self->in_hdr + self->in_hdrn, SEALED_HEADER - self->in_hdrn, small, &got, deadline,
                      p);
             if (r != ST_OK) return r; /* EOF here, between records, is the stream's end */
-            self->in_tagn += got;
+            self->in_hdrn += got;
             if (self->in_hdr[0] != SEALED_TYPE && self->open_epoch == 1 && self->open_seq == 0 &&
                 self->in_hdr[0] >= 20 && self->in_hdr[0] <= 24)
                 return hand_to_openssl(self, deadline, p);
-            if (self->in_tagn < SEALED_HEADER) continue;
-            self->in_tagn = 0;
+            if (self->in_hdrn < SEALED_HEADER) continue;
+            self->in_hdrn = 0;
             const unsigned char *h = self->in_hdr;
             size_t len = (size_t)h[4] << 24 | (size_t)h[5] << 16 | (size_t)h[6] << 8 | h[7];
             if (h[0] != SEALED_TYPE || h[1] != SEALED_FORMAT || h[2] || h[3])

@@ -62,6 +62,8 @@ import socket
 import ssl
 from typing import Any
 
+from hybridfleet.switches import switched_on
+
 try:  # the C extension built from _tls.c, when OpenSSL's headers were there at install time
     from hybridfleet.ps.wire import _tls
 except ImportError:  # pragma: no cover - depends on the install
@@ -75,12 +77,12 @@ _NATIVE_ATTR = "_hfleet_native_context"
 
 def native_available() -> bool:
     """True when the C extension is built and ``HFLEET_NATIVE_TLS`` does not switch it off."""
-    return _tls is not None and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    return _tls is not None and switched_on(ENV_SWITCH)
 
 
 def sealed_records_wanted() -> bool:
     """True unless ``HFLEET_SEALED_RECORDS`` switches sealed records off (see `wrap`)."""
-    return os.environ.get(SEALED_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on(SEALED_SWITCH)
 
 
 def records_between_native_ends() -> str:
