@@ -77,7 +77,7 @@ class Relay:
         self._pipe(client, server, self.up, self)
 
     def _pipe(self, src, dst, copy: bytearray, parser):
-        pending, held, at = bytearray(), [], 0
+        pending, held = bytearray(), []
         try:
             while chunk := src.recv(1 << 20):
                 copy += chunk
@@ -99,7 +99,6 @@ class Relay:
                         dst.sendall(record)
                         continue
                     held.append(record)
-                    at += 1
                     if len(held) >= self.hold:
                         for out in self.change(held):
                             dst.sendall(out)

@@ -467,11 +467,6 @@ static int enter_sealed(ConnObject *self) {
     return 0;
 }
 
-/* Wait for the socket after EAGAIN; ST_OK to try again. */
-static int sealed_wait(ConnObject *self, int for_write, double deadline, Progress *p) {
-    return wait_fd(self->fd, for_write, self->timeout, deadline, p);
-}
-
 /* Up to ``want`` received bytes into ``dst`` (*got > 0), from what the reader's buffer holds first.
  * With ``refill`` an empty reader's buffer is filled by one recv first; else the socket is read
  * into ``dst`` directly. ST_OK, ST_EOF or a failure. */
@@ -515,7 +510,7 @@ static int pull(ConnObject *self, char *dst, size_t want, int refill, size_t *go
         }
         if (r == 0) return ST_EOF;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int w = sealed_wait(self, 0, deadline, p);
+            int w = wait_fd(self->fd, 0, self->timeout, deadline, p);
             if (w != ST_OK) return w;
             continue;
         }
@@ -554,7 +549,7 @@ static int hand_to_openssl(ConnObject *self, double deadline, Progress *p) {
             return r;
         }
         r = flush(self, deadline, p);
-        if (r == ST_OK) r = sealed_wait(self, want_write, deadline, p);
+        if (r == ST_OK) r = wait_fd(self->fd, want_write, self->timeout, deadline, p);
         if (r != ST_OK) return r;
     }
 }
@@ -675,7 +670,7 @@ static int sealed_write(ConnObject *self, const char *buf, size_t n, double dead
             }
             int r;
             if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                r = sealed_wait(self, 1, deadline, p);
+                r = wait_fd(self->fd, 1, self->timeout, deadline, p);
                 if (r == ST_OK) continue;
             } else {
                 p->saved_errno = errno;
