@@ -147,21 +147,23 @@ def _two_joined_workers(tmp_path):
         cluster.stop()
 
 
-def test_bsp_shard_lets_go_of_its_wire_copy_once_every_worker_pulled_the_round(tmp_path):
+def test_bsp_shard_lets_go_of_its_wire_pieces_once_every_worker_pulled_the_round(tmp_path):
     # Prepare: two workers, one BSP shard, one round pushed by both
     with _two_joined_workers(tmp_path) as (cluster, state, a, b):
         for client, g in ((a, 1.0), (b, 3.0)):
             _push_constant(client, g)
         assert state.version == 1
 
-        # Execute / Assert: the copy made for a's pull stays until b has pulled the same version too
+        # Execute / Assert: the pieces cut for a's pull (views of the parameters: no copy in bsp)
+        # stay until b has pulled the same version too
         pulled_a = a.pull(wait_for_versions=[1])
-        assert state._wire_cache, "the first puller's copy is kept for the others"
+        assert state._wire_cache, "the first puller's pieces are kept for the others"
+        assert all(values is state.params[key] for key, (_, values, _) in state._wire_cache.items())
         pulled_b = b.pull(wait_for_versions=[1])
         assert state._wire_cache == {}
 
         # Assert: both got the round's values (SGD lr 0.5 on the mean gradient 2.0), and a repeated
-        # full pull is still answered, from a new copy
+        # full pull is still answered
         expected = initial_values()["fc.bias"] - 1.0
         for pulled in (pulled_a, pulled_b, a.pull(full=True)):
             got = next(p for p in pulled if p.key.startswith("fc.bias"))

@@ -1,14 +1,20 @@
-"""One copy of each thing: a snapshot shares the per-version copy pullers are sent, and keeps its version.
+"""One copy of each thing: an asp shard's snapshot shares the per-version copy pullers are sent, a bsp
+shard sends pulls from its parameters themselves, and a pull whose values change while sent is cut.
 
 A real `ShardState` (no network: the copies are made behind the shard's lock).
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import numpy as np
 import pytest
 
 from hybridfleet.codec import get_codec
+from hybridfleet.ps.server.bulk_loop import FAILED
+from hybridfleet.ps.server.downlink import ValuesChanged, send_values
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.ps.server.snapshot import capture
 from tests.ps_helpers import PARAMS, initial_values, job_spec, raw
@@ -38,3 +44,88 @@ def test_a_snapshot_shares_the_pullers_copy_and_later_pushes_do_not_change_it(co
         np.testing.assert_array_equal(arr, at_capture[name])
     assert not np.array_equal(tensors["param/fc.bias"], state.params["fc.bias"])
     assert any(name.startswith("opt/") for name in tensors)
+    # and the asp shard's copy is not the parameters themselves (a push may step them while a pull is sent)
+    assert not any(np.shares_memory(state.params[key], np.frombuffer(pieces[0], np.uint8)) for key, pieces, _, _ in pulled)
+
+
+def _bsp_shard_at_round_1() -> ShardState:
+    """A bsp shard (SGD lr 0.5) with workers a-0 and b-0 whose first round closed."""
+    spec = job_spec(sync="bsp", optimizer={"name": "sgd", "lr": 0.5}).ps
+    state = ShardState(0, spec, sites={"a": 1, "b": 1})
+    state.join("a-0", "a", PARAMS, 1, spec.block_size_bytes, "none")
+    state.join("b-0", "b", PARAMS, 1, spec.block_size_bytes, "none")
+    state.push("a-0", "a", "INIT", 0, 0, "none", raw(initial_values()))
+    _round(state, 1, 1.0)
+    return state
+
+
+def _round(state: ShardState, step: int, g: float) -> None:
+    grad = {k: get_codec("none").encode(np.full(state.params[k].size, g, np.float32)) for k in state.keys}
+    for worker, site in (("a-0", "a"), ("b-0", "b")):
+        state.push(worker, site, "GRADIENT", step, step - 1, "none", grad)
+
+
+def test_a_bsp_shard_sends_pulls_from_its_parameters_and_a_snapshot_takes_its_own_copy():
+    # Prepare: a bsp shard after one round
+    state = _bsp_shard_at_round_1()
+    assert state.version == 1 and state.sends_live_values
+    # Execute: a pull and a snapshot at version 1, then the next round
+    _, pulled = state.pull("a-0", -1, -1, 1, 5.0)
+    version, tensors, _ = capture(state)
+    at_capture = {k: np.array(v) for k, v in tensors.items()}
+    _round(state, 2, 1.0)
+    # Assert: the pull's pieces are views of the parameters (no copy per version); the snapshot
+    # is a copy of its own and still holds version 1 after the round changed the parameters
+    assert pulled and all(np.shares_memory(state.params[key], np.frombuffer(pieces[0], np.uint8))
+                          for key, pieces, _, _ in pulled)
+    assert version == 1 and state.version == 2
+    for name, arr in tensors.items():
+        assert not any(np.shares_memory(arr, p) for p in state.params.values())
+        np.testing.assert_array_equal(arr, at_capture[name])
+    assert not np.array_equal(tensors["param/fc.bias"], state.params["fc.bias"])
+
+
+def _received(sock) -> bytes:
+    out = bytearray()
+    while chunk := sock.recv(1 << 20):
+        out += chunk
+    return bytes(out)
+
+
+def test_a_pull_sent_from_parameters_that_stay_put_arrives_whole():
+    # Prepare: a bsp shard at version 1, a pull's items and a socket pair
+    state = _bsp_shard_at_round_1()
+    _, items = state.pull("a-0", -1, -1, 1, 5.0)
+    expected = b"".join(state.params[key].tobytes() for key, _, _, _ in items)
+    a, b = socket.socketpair()
+    # Execute: send the values while nothing changes them
+    with a, b:
+        sender = threading.Thread(target=lambda: (send_values(a.sendall, items), a.shutdown(socket.SHUT_WR)))
+        sender.start()
+        got = _received(b)
+        sender.join()
+    # Assert: every byte, equal to the parameters of the version the pull names
+    assert got == expected
+
+
+def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short():
+    # Prepare: a bsp shard at version 1 and a pull's items (views of the parameters)
+    state = _bsp_shard_at_round_1()
+    _, items = state.pull("a-0", -1, -1, 1, 5.0)
+    total = sum(state.params[key].nbytes for key, _, _, _ in items)
+    before = {k: v.copy() for k, v in state.params.items()}
+    # Execute: the next round closes (as when it closes without a worker whose pull is still being
+    # sent), then the sender sends the items it was given before
+    _round(state, 2, 1.0)
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValuesChanged, match="changed while a pull was sent"):
+            send_values(a.sendall, items)
+        a.shutdown(socket.SHUT_WR)
+        got = _received(b)
+    # Assert: the frame is one byte short, so the worker cannot take values of two versions for
+    # one; the shard's round was applied as usual, and the error closes a bulk connection
+    assert len(got) == total - 1
+    assert state.version == 2
+    assert all(not np.array_equal(state.params[k], before[k]) for k in state.params)
+    assert issubclass(ValuesChanged, FAILED)

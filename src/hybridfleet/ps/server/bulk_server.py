@@ -47,6 +47,7 @@ from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.server.bulk_loop import FAILED, WOULD_BLOCK, Conn, EventLoop
 from hybridfleet.ps.server.deadlines import Deadlines
+from hybridfleet.ps.server.downlink import send_values
 from hybridfleet.ps.server.identity import tls_peer_site
 from hybridfleet.ps.wire.admission import HandshakeSlots, peer_open
 from hybridfleet.ps.wire.reject import Reject
@@ -610,9 +611,7 @@ class BulkServer:
     def _send_pull(conn, version: int, items: list) -> None:
         body = json.dumps({"version": version, "items": [[k, dv, total] for k, _, total, dv in items]}).encode()
         conn.sendall(_response("OK", body))
-        for _, pieces, _, _ in items:
-            for piece in pieces:
-                conn.sendall(piece)
+        send_values(conn.sendall, items)  # ValuesChanged (an OSError): the connection closes
 
 
 def server_ssl_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:

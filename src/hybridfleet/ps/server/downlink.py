@@ -8,7 +8,7 @@ downlink (codec != none) workers hold ``broadcast``; each applied version encode
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -222,22 +222,45 @@ class Downlink:
                 if k not in dense]
         return out
 
+    @property
+    def sends_live_values(self) -> bool:
+        """Whether pulls are sent from the parameters themselves, with no copy per version: in the
+        round modes with a dense downlink, where a version's values stay put while its pullers are
+        answered (the next round closes only once every live worker pushed it, so after its pull).
+        A round that closes while a send is still reading (its worker left or was declared dead)
+        is caught by the sender (`LivePieces.intact`), which drops the connection instead of
+        finishing the frame; the worker pulls again."""
+        return self.in_rounds and not self.compress_down
+
     def _wire_chunks(self, key: str) -> list[memoryview]:
-        """The key's current values as wire-sized pieces of one copy, made once per version and
-        shared by every puller (and by a snapshot, see `wire_values`)."""
+        """The key's current values as wire-sized pieces, made once per version and shared by every
+        puller: views of the parameters (`sends_live_values`), else of one copy."""
         return self._wire_copy(key)[1]
 
     def wire_values(self, key: str) -> np.ndarray:
         """The key's current values (``broadcast`` with a compressed downlink, else ``params``) as a
-        read-only array over the per-version wire copy: pullers and snapshots share one copy."""
-        return np.frombuffer(self._wire_copy(key)[0], dtype=DTYPE)
+        read-only array that stays as it is (a snapshot written after the lock is let go): the
+        per-version wire copy, shared with pullers; a copy of its own where pulls send the
+        parameters themselves."""
+        if self.sends_live_values:
+            out = self.params[key].copy()
+            out.flags.writeable = False
+            return out
+        return self._wire_copy(key)[0]
 
-    def _wire_copy(self, key: str) -> tuple[bytes, list[memoryview]]:
+    def _wire_copy(self, key: str) -> tuple[np.ndarray, list[memoryview]]:
         cached = self._wire_cache.get(key)
         if cached is not None and cached[0] == self.key_version[key]:
             return cached[1], cached[2]
-        whole = (self.broadcast if self.compress_down else self.params)[key].tobytes()
-        pieces = _pieces(whole)
+        if self.sends_live_values:
+            whole = self.params[key]
+            pieces = LivePieces(_pieces(whole), self)
+        else:
+            # numpy's allocation (transparent huge pages where the kernel offers them), not bytes:
+            # a fresh copy's page faults cost several times the copy itself
+            whole = (self.broadcast if self.compress_down else self.params)[key].copy()
+            whole.flags.writeable = False
+            pieces = _pieces(whole)
         self._wire_cache[key] = (self.key_version[key], whole, pieces)
         return whole, pieces
 
@@ -251,7 +274,47 @@ class Downlink:
         return f"worker {worker_id} at clock {worker_clock} is more than {self.spec.staleness_bound} steps ahead"
 
 
-def _pieces(data: bytes) -> list[memoryview]:
-    """``data`` cut into wire-sized pieces without copying (views that keep ``data`` alive)."""
-    view = memoryview(data)
-    return [view[i:i + CHUNK_BYTES] for i in range(0, max(len(data), 1), CHUNK_BYTES)]
+def _pieces(data: np.ndarray | bytes) -> list[memoryview]:
+    """``data``'s bytes cut into wire-sized pieces without copying (views that keep ``data`` alive)."""
+    view = memoryview(data).cast("B")
+    return [view[i:i + CHUNK_BYTES] for i in range(0, max(len(view), 1), CHUNK_BYTES)]
+
+
+class LivePieces(list):
+    """Wire pieces that are views of a shard's parameters (`Downlink.sends_live_values`), stamped
+    with the shard's count of parameter changes when they were cut: `intact` says whether nothing
+    has changed the parameters since, so that every byte read from them before the call belongs
+    to the version the pull names."""
+
+    def __init__(self, pieces: list[memoryview], state):
+        super().__init__(pieces)
+        self._state, self._stamp = state, state.value_changes
+
+    def intact(self) -> bool:
+        return self._state.value_changes == self._stamp
+
+
+class ValuesChanged(ConnectionAbortedError):
+    """The parameters a pull was being sent from changed before its last byte went out."""
+
+
+def send_values(sendall: Callable[[Any], Any], items: list) -> None:
+    """Send the pieces of a pull's ``items`` with ``sendall``. Where any are `LivePieces`, the
+    frame's last byte is read first and held back until every other byte has been sent and
+    the values are found unchanged; else `ValuesChanged` is raised with the frame one byte short,
+    so the connection must be closed and the worker, which cannot use a cut frame, pulls again."""
+    pieces = [piece for _, chunk, _, _ in items for piece in chunk if len(piece)]
+    live = [chunk for _, chunk, _, _ in items if isinstance(chunk, LivePieces)]
+    if not live or not pieces:
+        for piece in pieces:
+            sendall(piece)
+        return
+    tail = bytes(pieces[-1][-1:])  # read before the check, like every other byte
+    pieces[-1] = pieces[-1][:-1]
+    for piece in pieces:
+        if len(piece):
+            sendall(piece)
+    if not all(chunk.intact() for chunk in live):
+        raise ValuesChanged("the parameters changed while a pull was sent from them (a round closed "
+                            "without its worker); the connection is closed, the worker pulls again")
+    sendall(tail)

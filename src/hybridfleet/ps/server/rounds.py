@@ -187,6 +187,7 @@ class Rounds:
         fresh = 0
         for key, arr in values.items():
             if key not in self.initialized:
+                self.value_changes += 1
                 self.params[key][:] = arr
                 self.initialized.add(key)
                 self._wire_cache.pop(key, None)
@@ -333,6 +334,7 @@ class Rounds:
         ``consume`` (the caller owns ``grads``): with the job's optimizer each key's update is
         removed from ``grads`` once stepped, so a round's sums are freed key by key while the next
         keys' temporaries exist."""
+        self.value_changes += 1  # before the first write: a pull still sending these values sees it
         self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
         keys = list(grads)
         for key in keys:

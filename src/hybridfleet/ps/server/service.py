@@ -165,7 +165,11 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             yield fastwire.encode_pull_chunk(version)
             return
         for key, pieces, total, delta_version in items:
-            yield from self._encoded(version, key, pieces, total, delta_version)
+            msgs = self._encoded(version, key, pieces, total, delta_version)
+            if isinstance(pieces, downlink.LivePieces) and not pieces.intact():  # read from values that changed since
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the parameters changed while this pull was read "
+                                                           "from them (a round closed without its worker); pull again")
+            yield from msgs
 
     def _encoded(self, version: int, key: str, pieces: list[bytes], total: int, delta_version: int) -> list[bytes]:
         """PullChunk messages for one key, encoded once per version and shared by every puller of it."""

@@ -61,7 +61,8 @@ class ShardState(Membership, Rounds, Downlink):
         self.plan: ShardingPlan | None = None
         self.params: dict[str, np.ndarray] = {}
         self.key_version: dict[str, int] = {}
-        self._wire_cache: dict[str, tuple[int, bytes, list[memoryview]]] = {}  # key -> (key version, values, pieces)
+        self._wire_cache: dict[str, tuple[int, np.ndarray, list[memoryview]]] = {}  # key -> (key version, values, pieces)
+        self.value_changes = 0  # counts the writes into `params` (a pull sent from them checks it, see LivePieces)
         self.initialized: set[str] = set()
         self.version = 0
         self.init_digest = ""   # sha256 of the initial values (see values_digest)
