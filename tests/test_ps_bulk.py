@@ -20,8 +20,16 @@ from hybridfleet.ps.wire._proto import ps_pb2
 from hybridfleet.ps.wire.bulk import BulkError
 from hybridfleet.ps.worker.bulk_channel import BulkChannel, client_ssl_context
 from hybridfleet.security import load_pki
+from hybridfleet.ps.server import recv_buffers
 from tests.ps_helpers import PARAMS, join_and_init, start_cluster
 from tests.test_ps_server import encoded, grads
+
+
+@pytest.fixture(autouse=True)
+def _every_payload_in_kept_buffers(monkeypatch):
+    """The shards of this module keep receive buffers of any size (not only from 4 MiB), so every
+    test here also runs with payloads landing in reused buffers."""
+    monkeypatch.setattr(recv_buffers, "MIN_POOLED_BYTES", 1)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 from hybridfleet.codec import get_codec
 from hybridfleet.errors import AuthError, UnreachableError
 from hybridfleet.ps.wire._proto import ps_pb2
+from hybridfleet.ps.server import recv_buffers
 from tests.ps_helpers import PARAMS, initial_values, join_and_init, start_cluster
 
 NONE = get_codec("none")
@@ -36,6 +37,13 @@ def encoded(client, g: dict[str, np.ndarray], codec=NONE) -> dict[str, bytes]:
         for key, part in client.plan.split(name, arr.reshape(-1)).items():
             out[key] = codec.encode(part)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _every_payload_in_kept_buffers(monkeypatch):
+    """The shards of this module keep receive buffers of any size (not only from 4 MiB), so the
+    bulk plane's pushes here land in reused buffers round after round."""
+    monkeypatch.setattr(recv_buffers, "MIN_POOLED_BYTES", 1)
 
 
 @pytest.fixture(params=["auto", "grpc"], ids=["bulk", "grpc"])

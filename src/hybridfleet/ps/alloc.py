@@ -18,6 +18,8 @@ def tune_allocator(trim_bytes: int = 1 << 30, arenas: int | None = None) -> bool
     pages fault in again, which costs about as much as copying the bytes. Raising the mmap
     threshold to its maximum (32 MiB, above the default 4 MiB block size) and the trim
     threshold (up to ``trim_bytes`` of free heap is kept) lets rounds reuse warm memory.
+    Larger blocks stay mmaps; the bulk plane keeps their receive buffers itself
+    (`hybridfleet.ps.server.recv_buffers`).
     Workers call it too, with a smaller ``trim_bytes``. ``arenas``: at most this many glibc
     arenas for the process's threads (shards pass `SHARD_MALLOC_ARENAS`; call it before the
     threads start). Returns False where glibc is not in use.

@@ -41,13 +41,14 @@ from hybridfleet.obs.log import get_logger
 from hybridfleet.ps.wire._proto import ps_pb2
 from hybridfleet.ps.wire.bulk import (
     _OPS, _U32, FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAGIC, MAX_HEADER_BYTES, OP_HEARTBEAT, OP_HELLO, OP_LEAVE,
-    OP_PULL, OP_PUSH, _discard, _reject, _response, recv_exact,
+    OP_PULL, OP_PUSH, _discard, _reject, _response, recv_exact, recv_exact_into,
 )
 from hybridfleet.ps.wire.protocol import METHOD_ROLES, SERVICE, WIRE_VERSION
 from hybridfleet.obs.metrics import count_rejected_push
 from hybridfleet.ps.server.bulk_loop import FAILED, WOULD_BLOCK, Conn, EventLoop
 from hybridfleet.ps.server.deadlines import Deadlines
 from hybridfleet.ps.server.downlink import send_values
+from hybridfleet.ps.server.recv_buffers import ReceiveBuffers
 from hybridfleet.ps.server.identity import tls_peer_site
 from hybridfleet.ps.wire.admission import HandshakeSlots, peer_open
 from hybridfleet.ps.wire.reject import Reject
@@ -122,6 +123,7 @@ class BulkServer:
             (OP_HEARTBEAT, heartbeat, ps_pb2.HeartbeatRequest.FromString),
             (OP_LEAVE, leave, ps_pb2.LeaveRequest.FromString)) if fn is not None}
         self._pushing: dict[str, int] = {}  # workers whose push is arriving now (admitted), how many
+        self.receive_buffers = ReceiveBuffers()  # the pushes' payloads land in buffers kept across rounds
         self._admit = admit or (lambda header, claims, peer_site: nullcontext())
         self.max_connections = max_connections
         try:
@@ -566,7 +568,8 @@ class BulkServer:
         try:
             payloads: dict[str, np.ndarray] = {}
             for k in header.keys:  # read every declared byte before judging the push: the stream stays in step
-                payloads[k.key] = recv_exact(conn, k.nbytes)
+                payloads[k.key] = buf = self.receive_buffers.take(k.nbytes)
+                recv_exact_into(conn, memoryview(buf))
             self.deadlines.disarm(fd)
             reply = self._push(header, payloads, claims)
         finally:
