@@ -9,9 +9,12 @@ counts that as the worker being alive, as long as the connection stays open.
 
 from __future__ import annotations
 
+import json
+import ssl
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from hybridfleet.ps.worker import client as client_module
@@ -236,3 +239,72 @@ def test_a_worker_dropped_from_the_quorum_is_told_on_the_bulk_plane_and_joins_ag
     assert "a-0" in state.live_members()
     a.close()
     b.close()
+
+
+def test_a_pull_still_being_sent_when_a_round_closes_without_its_worker_is_cut_short(tmp_path):
+    # Prepare: a bsp shard of a 64 MiB model (more than loopback buffers hold), a on the bulk plane,
+    # b on gRPC; the first round closes with both
+    from hybridfleet.codec import get_codec
+    from hybridfleet.ps.wire.sharding import ParamSpec
+
+    cluster = start_cluster(tmp_path, expected_workers=2)
+    numel = 16 << 20
+    specs = [ParamSpec("w", (numel,), "float32")]
+    a, b = cluster.client("a"), cluster.client("b", transport="grpc")
+    sock = None
+    try:
+        block = cluster.spec.ps.block_size_bytes
+        a.join(specs, block, "none", "torch")
+        a.push({k: v.tobytes() for k, v in a.plan.split("w", np.ones(numel, np.float32)).items()},
+               codec="none", kind="INIT")
+        b.join(specs, block, "none", "torch")
+
+        def push(client, g: float, base: int) -> None:
+            parts = client.plan.split("w", np.full(numel, g, np.float32))
+            client.push({k: get_codec("none").encode(v) for k, v in parts.items()}, codec="none",
+                        base_versions=[base])
+
+        push(a, 1.0, 0)
+        push(b, 3.0, 0)
+        state = cluster.servers[0].state
+        assert wait_until(lambda: state.version == 1)
+        # b asks for the round's values on a raw bulk connection and reads nothing yet, so the
+        # shard's send stops once the socket buffers are full
+        sock, status, _ = _raw(cluster, token=cluster.token("b"))
+        assert status == "OK"
+        pull = ps_pb2.PullRequest(worker_id="b-0", since_version=0, wait_for_version=1, timeout_s=60)
+        sock.sendall(bulk._frame(bytes([bulk.OP_PULL]), pull.SerializeToString()))
+        time.sleep(0.5)
+
+        # Execute: b leaves (by gRPC) and a's push closes the next round without it, stepping the
+        # parameters the pull is being sent from; then b reads what comes
+        b.close()
+        push(a, 5.0, 1)
+        assert wait_until(lambda: state.version == 2)
+        status, body = bulk._read_response(sock)
+        meta = json.loads(body)
+        expected = sum(n for _, _, n in meta["items"])
+        got = 0
+        sock.settimeout(10)
+        while True:
+            try:
+                chunk = sock.recv(1 << 20)
+            except (ConnectionError, ssl.SSLError):
+                break
+            if not chunk:
+                break
+            got += len(chunk)
+
+        # Assert: the frame named version 1 and ended one byte short (the worker cannot take values
+        # of two versions for one), and the shard stepped as usual (SGD lr 0.5, gradients 2 then 5)
+        assert status == "OK" and meta["version"] == 1
+        assert got == expected - 1
+        values = cluster.params()
+        assert sum(v.size for v in values.values()) == numel
+        for v in values.values():
+            np.testing.assert_array_equal(v, np.float32(1.0 - 0.5 * 2.0 - 0.5 * 5.0))
+    finally:
+        if sock is not None:
+            sock.close()
+        a.close()
+        cluster.stop()
