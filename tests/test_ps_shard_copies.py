@@ -14,6 +14,7 @@ import pytest
 
 from hybridfleet.codec import get_codec
 from hybridfleet.ps.server.bulk_loop import FAILED
+from hybridfleet.ps.server import downlink
 from hybridfleet.ps.server.downlink import ValuesChanged, send_values
 from hybridfleet.ps.server.shard import ShardState
 from hybridfleet.ps.server.snapshot import capture
@@ -71,13 +72,15 @@ def test_a_bsp_shard_sends_pulls_from_its_parameters_and_a_snapshot_takes_its_ow
     assert state.version == 1 and state.sends_live_values
     # Execute: a pull and a snapshot at version 1, then the next round
     _, pulled = state.pull("a-0", -1, -1, 1, 5.0)
+    views = pulled and all(np.shares_memory(state.params[key], np.frombuffer(pieces[0], np.uint8))
+                           for key, pieces, _, _ in pulled)
+    del pulled
     version, tensors, _ = capture(state)
     at_capture = {k: np.array(v) for k, v in tensors.items()}
     _round(state, 2, 1.0)
-    # Assert: the pull's pieces are views of the parameters (no copy per version); the snapshot
+    # Assert: the pull's pieces were views of the parameters (no copy per version); the snapshot
     # is a copy of its own and still holds version 1 after the round changed the parameters
-    assert pulled and all(np.shares_memory(state.params[key], np.frombuffer(pieces[0], np.uint8))
-                          for key, pieces, _, _ in pulled)
+    assert views
     assert version == 1 and state.version == 2
     for name, arr in tensors.items():
         assert not any(np.shares_memory(arr, p) for p in state.params.values())
@@ -108,14 +111,45 @@ def test_a_pull_sent_from_parameters_that_stay_put_arrives_whole():
     assert got == expected
 
 
-def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short():
-    # Prepare: a bsp shard at version 1 and a pull's items (views of the parameters)
+def test_a_round_that_closes_while_a_pull_is_sent_steps_a_copy_and_the_pull_sends_its_version():
+    # Prepare: a bsp shard at version 1 and a pull's items (views of the parameters), not sent yet
+    state = _bsp_shard_at_round_1()
+    _, items = state.pull("a-0", -1, -1, 1, 5.0)
+    at_version_1 = {key: state.params[key].copy() for key, _, _, _ in items}
+    # Execute: the next round closes (as when it closes without a worker whose pull is still being
+    # sent), then the sender sends the items it was given before
+    _round(state, 2, 1.0)
+    a, b = socket.socketpair()
+    with a, b:
+        send_values(a.sendall, items)
+        a.shutdown(socket.SHUT_WR)
+        got = _received(b)
+    # Assert: the round stepped copies (one per key the pull held), the pull sent version 1 whole,
+    # and the shard holds version 2
+    assert state.detached_values == len(items)
+    assert got == b"".join(at_version_1[key].tobytes() for key, _, _, _ in items)
+    assert state.version == 2
+    for key, old in at_version_1.items():
+        assert not np.array_equal(state.params[key], old)
+
+
+def test_a_round_with_no_pull_in_flight_steps_the_parameters_in_place():
+    state = _bsp_shard_at_round_1()
+    state.pull("a-0", -1, -1, 1, 5.0)  # answered and let go
+    arrays = {k: v for k, v in state.params.items()}
+    _round(state, 2, 1.0)
+    assert state.detached_values == 0
+    assert all(state.params[k] is arrays[k] for k in arrays)
+
+
+def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short(monkeypatch):
+    # Prepare: a bsp shard at version 1 and a pull's items (views of the parameters); the shard
+    # is made to miss that the pull still holds them, so the round writes the values in place
     state = _bsp_shard_at_round_1()
     _, items = state.pull("a-0", -1, -1, 1, 5.0)
     total = sum(state.params[key].nbytes for key, _, _, _ in items)
-    before = {k: v.copy() for k, v in state.params.items()}
-    # Execute: the next round closes (as when it closes without a worker whose pull is still being
-    # sent), then the sender sends the items it was given before
+    monkeypatch.setattr(downlink, "_referenced_elsewhere", lambda held, key: False)
+    # Execute: the next round closes, then the sender sends the items it was given before
     _round(state, 2, 1.0)
     a, b = socket.socketpair()
     with a, b:
@@ -124,8 +158,7 @@ def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short()
         a.shutdown(socket.SHUT_WR)
         got = _received(b)
     # Assert: the frame is one byte short, so the worker cannot take values of two versions for
-    # one; the shard's round was applied as usual, and the error closes a bulk connection
+    # one; the round was applied as usual, and the error closes a bulk connection
     assert len(got) == total - 1
-    assert state.version == 2
-    assert all(not np.array_equal(state.params[k], before[k]) for k in state.params)
+    assert state.version == 2 and state.detached_values == 0
     assert issubclass(ValuesChanged, FAILED)

@@ -7,6 +7,7 @@ downlink (codec != none) workers hold ``broadcast``; each applied version encode
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
@@ -228,9 +229,27 @@ class Downlink:
         round modes with a dense downlink, where a version's values stay put while its pullers are
         answered (the next round closes only once every live worker pushed it, so after its pull).
         A round that closes while a send is still reading (its worker left or was declared dead)
-        is caught by the sender (`LivePieces.intact`), which drops the connection instead of
-        finishing the frame; the worker pulls again."""
+        steps a copy instead (`_before_values_change`), and the send goes on from the old values;
+        should a send ever find its values changed all the same (`LivePieces.intact`), it drops
+        the connection instead of finishing the frame, and the worker pulls again."""
         return self.in_rounds and not self.compress_down
+
+    def _before_values_change(self, keys: list[str]) -> None:
+        """Called under the lock before ``params`` of ``keys`` are written in place. The wire
+        pieces cut for them are forgotten; where a pull's answer still holds a key's pieces (its
+        send has not ended: the pieces are referenced beyond this call), the key gets a copy of
+        its values to be written, and the old array, which that send reads, is never written
+        again. Otherwise nothing is copied."""
+        held = {k: self._wire_cache[k][2] for k in keys
+                if k in self._wire_cache and isinstance(self._wire_cache[k][2], LivePieces)}
+        self._drop_wire_copies(keys)
+        for key in keys:
+            self.value_changes[key] = self.value_changes.get(key, 0) + 1
+        for key in list(held):
+            if _referenced_elsewhere(held, key):
+                self.params[key] = self.params[key].copy()
+                self.detached_values += 1
+            del held[key]
 
     def _wire_chunks(self, key: str) -> list[memoryview]:
         """The key's current values as wire-sized pieces, made once per version and shared by every
@@ -254,7 +273,7 @@ class Downlink:
             return cached[1], cached[2]
         if self.sends_live_values:
             whole = self.params[key]
-            pieces = LivePieces(_pieces(whole), self)
+            pieces = LivePieces(_pieces(whole), self, key)
         else:
             # numpy's allocation (transparent huge pages where the kernel offers them), not bytes:
             # a fresh copy's page faults cost several times the copy itself
@@ -281,17 +300,31 @@ def _pieces(data: np.ndarray | bytes) -> list[memoryview]:
 
 
 class LivePieces(list):
-    """Wire pieces that are views of a shard's parameters (`Downlink.sends_live_values`), stamped
-    with the shard's count of parameter changes when they were cut: `intact` says whether nothing
-    has changed the parameters since, so that every byte read from them before the call belongs
-    to the version the pull names."""
+    """Wire pieces that are views of one key's parameters (`Downlink.sends_live_values`), stamped
+    with the count of writes into them when they were cut: `intact` says whether nothing has
+    written the values since (the key's array was replaced by a copy, or its count has not moved),
+    so that every byte read from them before the call belongs to the version the pull names."""
 
-    def __init__(self, pieces: list[memoryview], state):
+    def __init__(self, pieces: list[memoryview], state, key: str):
         super().__init__(pieces)
-        self._state, self._stamp = state, state.value_changes
+        self._state, self._key, self._values = state, key, state.params[key]
+        self._stamp = state.value_changes.get(key, 0)
 
     def intact(self) -> bool:
-        return self._state.value_changes == self._stamp
+        return (self._state.params.get(self._key) is not self._values
+                or self._state.value_changes.get(self._key, 0) == self._stamp)
+
+
+def _referenced_elsewhere(held: dict[str, LivePieces], key: str) -> bool:
+    return sys.getrefcount(held[key]) > _HELD_HERE
+
+
+def _held_here() -> int:
+    probe = {"key": LivePieces.__new__(LivePieces)}
+    return sys.getrefcount(probe["key"])
+
+
+_HELD_HERE = _held_here()  # the count of pieces only the caller's dict holds, read the same way
 
 
 class ValuesChanged(ConnectionAbortedError):

@@ -187,10 +187,9 @@ class Rounds:
         fresh = 0
         for key, arr in values.items():
             if key not in self.initialized:
-                self.value_changes += 1
+                self._before_values_change([key])
                 self.params[key][:] = arr
                 self.initialized.add(key)
-                self._wire_cache.pop(key, None)
                 if self.compress_down:
                     self.broadcast[key] = self.params[key].copy()
                 fresh += 1
@@ -334,8 +333,7 @@ class Rounds:
         ``consume`` (the caller owns ``grads``): with the job's optimizer each key's update is
         removed from ``grads`` once stepped, so a round's sums are freed key by key while the next
         keys' temporaries exist."""
-        self.value_changes += 1  # before the first write: a pull still sending these values sees it
-        self._drop_wire_copies(grads)  # stale once stepped: freed before the step's own temporaries
+        self._before_values_change(list(grads))  # a pull still sending them keeps the old values
         keys = list(grads)
         for key in keys:
             if buffers.is_buffer(key):  # the round's sample-weighted statistics (see ps.wire.buffers)

@@ -62,7 +62,8 @@ class ShardState(Membership, Rounds, Downlink):
         self.params: dict[str, np.ndarray] = {}
         self.key_version: dict[str, int] = {}
         self._wire_cache: dict[str, tuple[int, np.ndarray, list[memoryview]]] = {}  # key -> (key version, values, pieces)
-        self.value_changes = 0  # counts the writes into `params` (a pull sent from them checks it, see LivePieces)
+        self.value_changes: dict[str, int] = {}  # key -> writes into its `params` array (see LivePieces)
+        self.detached_values = 0  # parameter arrays replaced by a copy because a pull still sent from them
         self.initialized: set[str] = set()
         self.version = 0
         self.init_digest = ""   # sha256 of the initial values (see values_digest)
@@ -151,7 +152,7 @@ class ShardState(Membership, Rounds, Downlink):
                 "downlink_encoded_bytes": self.downlink_encoded_bytes,
                 "delta_log_versions": len(self.delta_log), "delta_log_bytes": self.delta_log_bytes,
                 "delta_log_bound_bytes": self.delta_log_bound_bytes,
-                "pull_wakeups": self.pull_wakeups,
+                "pull_wakeups": self.pull_wakeups, "detached_values": self.detached_values,
                 "pull_waiters": sum(len(w) for w in self._pull_waiters.values()),
                 **({"secure_aggregation": self.secagg.status()} if self.secagg is not None else {}),
             }
