@@ -148,7 +148,7 @@ def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short(m
     state = _bsp_shard_at_round_1()
     _, items = state.pull("a-0", -1, -1, 1, 5.0)
     total = sum(state.params[key].nbytes for key, _, _, _ in items)
-    monkeypatch.setattr(downlink, "_referenced_elsewhere", lambda held, key: False)
+    monkeypatch.setattr(downlink, "held_elsewhere", lambda held, key: False)
     # Execute: the next round closes, then the sender sends the items it was given before
     _round(state, 2, 1.0)
     a, b = socket.socketpair()

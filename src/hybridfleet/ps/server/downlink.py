@@ -7,13 +7,13 @@ downlink (codec != none) workers hold ``broadcast``; each applied version encode
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from hybridfleet.ps.server.limits import PULL_WAIT_CEILING_S, delta_log_bound
+from hybridfleet.ps.server.refs import held_elsewhere
 from hybridfleet.ps.wire import buffers
 from hybridfleet.ps.wire.buffers import DTYPE
 from hybridfleet.ps.wire.protocol import CHUNK_BYTES
@@ -246,7 +246,7 @@ class Downlink:
         for key in keys:
             self.value_changes[key] = self.value_changes.get(key, 0) + 1
         for key in list(held):
-            if _referenced_elsewhere(held, key):
+            if held_elsewhere(held, key):
                 self.params[key] = self.params[key].copy()
                 self.detached_values += 1
             del held[key]
@@ -314,17 +314,6 @@ class LivePieces(list):
         return (self._state.params.get(self._key) is not self._values
                 or self._state.value_changes.get(self._key, 0) == self._stamp)
 
-
-def _referenced_elsewhere(held: dict[str, LivePieces], key: str) -> bool:
-    return sys.getrefcount(held[key]) > _HELD_HERE
-
-
-def _held_here() -> int:
-    probe = {"key": LivePieces.__new__(LivePieces)}
-    return sys.getrefcount(probe["key"])
-
-
-_HELD_HERE = _held_here()  # the count of pieces only the caller's dict holds, read the same way
 
 
 class ValuesChanged(ConnectionAbortedError):

@@ -15,25 +15,15 @@ pool's own references. A buffer is never written while it can be reached.
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
 
+from hybridfleet.ps.server.refs import held_elsewhere
+
 # below this a fresh allocation is cheap (and not worth keeping): the push header, small keys
 MIN_POOLED_BYTES = 4 << 20
 
-
-def _holders(buffers: list[np.ndarray], i: int) -> int:
-    return sys.getrefcount(buffers[i])
-
-
-def _baseline() -> int:
-    probe = [np.empty(1, np.uint8)]
-    return _holders(probe, 0)
-
-
-_IDLE = _baseline()  # the count of a buffer only the pool's list holds, read the same way
 
 
 class ReceiveBuffers:
@@ -54,7 +44,7 @@ class ReceiveBuffers:
         if n < self.min_bytes:
             return np.empty(n, np.uint8)
         with self._lock:
-            idle = [i for i in range(len(self._buffers)) if _holders(self._buffers, i) <= _IDLE]
+            idle = [i for i in range(len(self._buffers)) if not held_elsewhere(self._buffers, i)]
             fits = [i for i in idle if n <= self._buffers[i].size <= 2 * n]
             if fits:
                 i = min(fits, key=lambda j: self._buffers[j].size)
@@ -89,4 +79,4 @@ class ReceiveBuffers:
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(self._buffers[i].nbytes for i in range(len(self._buffers))
-                       if _holders(self._buffers, i) <= _IDLE)
+                       if not held_elsewhere(self._buffers, i))
