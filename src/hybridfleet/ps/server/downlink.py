@@ -315,7 +315,6 @@ class LivePieces(list):
                 or self._state.value_changes.get(self._key, 0) == self._stamp)
 
 
-
 class ValuesChanged(ConnectionAbortedError):
     """The parameters a pull was being sent from changed before its last byte went out."""
 

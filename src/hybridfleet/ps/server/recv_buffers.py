@@ -25,7 +25,6 @@ from hybridfleet.ps.server.refs import held_elsewhere
 MIN_POOLED_BYTES = 4 << 20
 
 
-
 class ReceiveBuffers:
     """Byte buffers for pushes' payloads (`take`), reused once nothing holds them."""
 
@@ -75,8 +74,3 @@ class ReceiveBuffers:
     def kept_bytes(self) -> int:
         with self._lock:
             return sum(b.nbytes for b in self._buffers)
-
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(self._buffers[i].nbytes for i in range(len(self._buffers))
-                       if not held_elsewhere(self._buffers, i))
