@@ -7,6 +7,10 @@ the other worker, and the steps its loop still counts past ``train.steps`` chang
 no optimizer step, no round past the job's last one. Scripts that then train on past ``train.steps``
 on purpose do so together (b leaves out only as many steps as rounds it missed). Real TLS shards,
 real torch / paddle models.
+
+The same holds when the connection drops while b's catch-up pull is sent (the shard closes it with
+the frame cut short, as it does when the values it sends from change): b joins the shard again
+and still takes up the open round.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 import numpy as np
 import pytest
 
+from hybridfleet.ps.server import bulk_server, downlink
 from tests.script_optim_helpers import job, start_shards
 
 STEPS = 6
@@ -143,6 +148,90 @@ def test_a_caught_up_worker_takes_no_step_past_the_jobs_last_round(tmp_path, fra
         for values in (_values(a), _values(b)):
             for k in again:
                 np.testing.assert_array_equal(values[k], again[k].reshape(-1), err_msg=k)
+        a.close()
+        b.close()
+    finally:
+        shards.stop()
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+def test_a_worker_whose_catch_up_pull_is_cut_rejoins_and_takes_up_the_open_round(tmp_path, monkeypatch, framework):
+    # Prepare: b falls out of the quorum as above; the shard cuts the first pull it sends once armed
+    # (half of the first piece, then the connection closes: what a lost connection leaves the worker)
+    connect, build, backward = _framework(framework)
+    spec = job(framework, workers=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    spec.train.steps = STEPS
+    shards = start_shards(tmp_path, spec)
+    cut = {"armed": False, "done": 0}
+    real_send = downlink.send_values
+
+    def cutting(sendall, items):
+        pieces = [p for _, chunk, _, _ in items for p in chunk if len(p)]
+        if cut["armed"] and pieces and not cut["done"]:
+            cut["done"] += 1
+            sendall(pieces[0][:max(len(pieces[0]) // 2, 1)])
+            raise downlink.ValuesChanged("cut by the test")
+        return real_send(sendall, items)
+
+    monkeypatch.setattr(bulk_server, "send_values", cutting)
+    handles: dict[int, object] = {}
+    try:
+        def join(rank):
+            model, opt = build()
+            handles[rank] = (connect(model, opt, shards.config(rank)), model)
+
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        (a, a_model), (b, b_model) = handles[0], handles[1]
+        client = b.session.client
+        client._hb_stop.set()
+        deadline = time.monotonic() + 20
+        while _live(shards) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _live(shards) == 1
+        for _ in range(3):
+            a.zero_grad()
+            backward(a_model)
+            a.step()
+        client._hb_stop.clear()
+        client._hb_thread = threading.Thread(target=client._heartbeat_loop, args=(0.2,), daemon=True)
+        client._hb_thread.start()
+
+        # Execute: b's stale push is refused, the pull after it is cut, b joins the shard again
+        cut["armed"] = True
+        b.zero_grad()
+        backward(b_model)
+        b.step()
+
+        # Assert: the pull was cut, and b still took up round 3 (its missed rounds counted)
+        assert cut["done"] == 1
+        assert b.session.caught_up == 2 and b.step_count == 3 and shards.status()[0]["version"] == 3
+
+        # Execute: both loops run to the job's end
+        def loop(handle, model, start):
+            for _ in range(start, STEPS):
+                handle.zero_grad()
+                backward(model)
+                handle.step()
+
+        threads = [threading.Thread(target=loop, args=(a, a_model, a.step_count), daemon=True),
+                   threading.Thread(target=loop, args=(b, b_model, 1), daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+        # Assert: neither waits for a round the other will not push; six rounds, one model
+        assert not any(t.is_alive() for t in threads)
+        assert a.step_count == b.step_count == STEPS and shards.status()[0]["version"] == STEPS
+        final = shards.params()
+        for values in (_values(a), _values(b)):
+            for k in final:
+                np.testing.assert_array_equal(values[k], final[k].reshape(-1), err_msg=k)
         a.close()
         b.close()
     finally:

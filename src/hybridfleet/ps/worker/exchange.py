@@ -123,7 +123,9 @@ class ShardExchange(NewPlan):
         The restored shard's version says what it holds of this step's push: at the push's base
         version the push is not in it and goes to that shard again, same step, same bytes (the
         round is then the one the other shards closed: BSP stays exact); above it the push was
-        applied before the snapshot. Either way the step waits for its round as usual. Below it
+        applied before the snapshot. Either way the step waits for its round as usual, and where rounds
+        closed without this worker meanwhile (a shard that never restarted answers the Join too, when
+        only the connection was lost during a catch-up) it takes up the round now open. Below it
         (an older snapshot) the shard lost applied rounds: this step's gradient is dropped and
         training goes on from the restored values (not the values an uninterrupted run would hold).
         A shard that came back without any snapshot holds no parameters: the worker that initialises
@@ -152,6 +154,9 @@ class ShardExchange(NewPlan):
             # in full: a pull the restart cut short may have advanced another shard's version
             # without its values reaching the parameters
             self._wait_and_pull(base, wait_round, full=True)
+            # rounds may have closed without this worker meanwhile (its push was stale, or it was
+            # dropped while the connection was down): count its steps from the round now open
+            self._take_up_open_round()
             return
         # this step's gradient is dropped; train on from the restored shard's values. A residual
         # committed with a push the restored shard no longer holds is not rolled back (the shard
