@@ -162,3 +162,37 @@ def test_a_pull_whose_parameters_change_while_it_is_sent_is_cut_one_byte_short(m
     assert len(got) == total - 1
     assert state.version == 2 and state.detached_values == 0
     assert issubclass(ValuesChanged, FAILED)
+
+
+def test_pulls_over_grpc_leave_the_parameters_to_be_stepped_in_place(tmp_path):
+    # Prepare: a bsp shard with two workers on gRPC (real TLS, tokens); b pushes every round
+    # without pulling, so the shard's pieces of each version stay cut when the next round closes
+    from tests.ps_helpers import join_and_init, start_cluster
+    from tests.test_ps_server import encoded, grads
+
+    cluster = start_cluster(tmp_path, transport="grpc")
+    try:
+        a, b = cluster.client("a"), cluster.client("b")
+        join_and_init(cluster, a)
+        join_and_init(cluster, b, init=False)
+        state = cluster.servers[0].state
+        assert state.sends_live_values and a.transport == b.transport == ["grpc"]
+        arrays = dict(state.params)
+        # Execute: three rounds; a pulls each one after it closes
+        for step in range(3):
+            a.push(encoded(a, grads(1.0)), codec="none", base_versions=list(a.versions))
+            b.push(encoded(b, grads(3.0)), codec="none", base_versions=[step])
+            entries = a.pull(wait_for_versions=[step + 1])
+            # Assert: a got this version's values, equal to the shard's parameters
+            got = {e.key: np.frombuffer(b"".join(bytes(d) for _, d in e.pieces), "<f4") for e in entries}
+            assert set(got) == set(state.params)
+            for key, values in got.items():
+                np.testing.assert_array_equal(values, state.params[key], err_msg=key)
+        # Assert: no send was reading the parameters when a round closed, so none stepped a copy
+        # (what the gRPC path keeps of a pull is its encoded messages, not views of the parameters)
+        assert state.version == 3 and state.detached_values == 0
+        assert all(state.params[k] is arrays[k] for k in arrays)
+        a.close()
+        b.close()
+    finally:
+        cluster.stop()

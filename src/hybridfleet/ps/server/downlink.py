@@ -310,6 +310,11 @@ class LivePieces(list):
         self._state, self._key, self._values = state, key, state.params[key]
         self._stamp = state.value_changes.get(key, 0)
 
+    def origin(self) -> tuple:
+        """(the array viewed, its count of writes when these pieces were cut): equal for pieces that
+        hold the same bytes while both are `intact`."""
+        return self._values, self._stamp
+
     def intact(self) -> bool:
         return (self._state.params.get(self._key) is not self._values
                 or self._state.value_changes.get(self._key, 0) == self._stamp)

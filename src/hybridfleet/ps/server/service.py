@@ -55,7 +55,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self.gate = CallGate()
         # what the compressed downlink's delta log holds counts against the budget
         self.budget = ByteBudget(state.spec.memory_budget_bytes, reserved=lambda: state.delta_log_bytes)
-        self._cache: dict[tuple, tuple[list[bytes], list[bytes]]] = {}
+        self._cache: dict[tuple, tuple[object, list[bytes]]] = {}
         self._cache_version = -1
         self._cache_lock = threading.Lock()
         self.bulk_port = 0  # set when the shard serves the bulk data plane
@@ -172,21 +172,30 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             yield from msgs
 
     def _encoded(self, version: int, key: str, pieces: list[bytes], total: int, delta_version: int) -> list[bytes]:
-        """PullChunk messages for one key, encoded once per version and shared by every puller of it."""
-        cache_key = (key, delta_version, id(pieces))
+        """PullChunk messages for one key, encoded once per version and shared by every puller of it.
+
+        The messages are copies. Pieces that are views of the parameters (`downlink.LivePieces`)
+        are not kept with them: holding them would tell the shard a send still reads its
+        parameters and make every round step a copy. Their cache entry is named by the array
+        they view and its count of writes, and made only from values no write changed meanwhile."""
+        live = isinstance(pieces, downlink.LivePieces)
+        # what the entry keeps (the viewed array, or the pieces) cannot have its id() reused while cached
+        kept, stamp = pieces.origin() if live else (pieces, None)
+        cache_key = (key, delta_version, id(kept), stamp)
         with self._cache_lock:
             if self._cache_version != version:
                 self._cache.clear()
                 self._cache_version = version
-            msgs = self._cache.get(cache_key)
-            if msgs is None:
-                msgs, offset = [], 0
-                for piece in pieces:
-                    msgs.append(fastwire.encode_pull_chunk(version, key, offset, total, piece, delta_version))
-                    offset += len(piece)
-                # keep `pieces` alive with its messages so its id() cannot be reused while cached
-                self._cache[cache_key] = msgs = (pieces, msgs)
-            return msgs[1]
+            cached = self._cache.get(cache_key)
+            if cached is not None:
+                return cached[1]
+            msgs, offset = [], 0
+            for piece in pieces:
+                msgs.append(fastwire.encode_pull_chunk(version, key, offset, total, piece, delta_version))
+                offset += len(piece)
+            if not live or pieces.intact():
+                self._cache[cache_key] = (kept, msgs)
+            return msgs
 
     @contextmanager
     def admit_push(self, header: ps_pb2.PushHeader, claims=None, peer_site: str | None = None):
