@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -50,6 +51,11 @@ class ShardRestarted(Exception):
         super().__init__(message)
         self.shard, self.version = shard, version
         self.initialized = initialized  # False: it came back without any snapshot (no parameters)
+        self.also: list[ShardRestarted] = []  # other shards that came back during the same call
+
+    def every(self) -> list[ShardRestarted]:
+        """This shard and every other one that came back during the same call."""
+        return [self, *self.also]
 
 
 class PlanChanged(Exception):
@@ -300,8 +306,26 @@ class PSClient:
             raise PlanChanged(generation, shards)
 
     def _each_shard(self, fn):
+        """``fn(i)`` for every shard at once. Where several fail, an error that retrying cannot mend
+        is raised first, then `ShardRestarted` carrying every shard that came back (`also`): each
+        of them may have lost this call's push, so none may go unseen; then the first other
+        gRPC error."""
         futs = [self._pool.submit(fn, i) for i in range(len(self.servers))]
-        return [f.result() for f in futs]
+        pending = set(futs)
+        while pending:  # an error retrying cannot mend is raised at once, without waiting for the rest
+            done, pending = futures.wait(pending, return_when=futures.FIRST_EXCEPTION)
+            for f in done:
+                err = f.exception()
+                if err is not None and not isinstance(err, (ShardRestarted, grpc.RpcError)):
+                    raise err
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if not errors:
+            return [f.result() for f in futs]
+        restarted = [e for e in errors if isinstance(e, ShardRestarted)]
+        if restarted:
+            restarted[0].also = restarted[1:]
+            raise restarted[0]
+        raise errors[0]
 
     # ------------------------------------------------------------------ join
     def join(self, params: list[ParamSpec], block_size_bytes: int, codec: str, framework: str) -> dict:

@@ -22,6 +22,30 @@ from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endi
 
 log = get_logger("ps.worker")
 _ROWS = RowsCodec()  # stateless: one instance serves every key
+MAX_RECOVERIES = 8  # shards coming back (or connections lost) in a row within one step before it fails
+
+
+class _Recovery:
+    """What a step's recovery knows and has done so far: each shard that came back with the
+    version it answered (the latest), the shards this step's push went to again (or that said
+    they hold it), whether every shard that came back is one of the plan's, and whether the
+    push's error feedback is settled."""
+
+    def __init__(self, settled: bool):
+        self.settled = settled
+        self.versions: dict[int, int] = {}
+        self.pushed_again: set[int] = set()
+        self.known = True
+
+    def came_back(self, restarted: ShardRestarted, shards: int) -> list[ShardRestarted]:
+        """Take in the shards of ``restarted``; returns those of the plan."""
+        events = restarted.every()
+        inside = [e for e in events if 0 <= e.shard < shards]
+        self.known = self.known and len(inside) == len(events)
+        for e in inside:
+            self.versions[e.shard] = e.version
+            self.pushed_again.discard(e.shard)  # back again: what it holds is in its new answer
+        return inside
 
 
 
@@ -118,38 +142,67 @@ class ShardExchange(NewPlan):
 
     def _recover(self, restarted: ShardRestarted, payloads: dict, base: list[int], wait_round: bool,
                  settled: bool, contributors: int, optimizer_json: str, skip_nonfinite: bool) -> None:
-        """Carry on after a shard came back from a snapshot (restarted, or replaced at a new address).
+        """Carry on after a shard came back from a snapshot (restarted, or replaced at a new address),
+        or answered a Join after the connection to it was lost; again as often as that happens
+        while recovering (up to `MAX_RECOVERIES` times in one step), each time from what the shard
+        that came back last holds (`_recover_once`)."""
+        step = _Recovery(settled)
+        for _ in range(MAX_RECOVERIES):
+            try:
+                self._recover_once(restarted, step, payloads, base, wait_round, contributors, optimizer_json,
+                                   skip_nonfinite)
+                return
+            except ShardRestarted as again:
+                log.warning("shard_came_back_while_recovering", worker=self.config.worker_id, shard=again.shard,
+                            version=again.version)
+                restarted = again
+        raise ProtocolError(f"the shards came back {MAX_RECOVERIES} times during one step (last: {restarted}); "
+                            "the connection to them keeps failing")
 
-        The restored shard's version says what it holds of this step's push: at the push's base
+    def _recover_once(self, restarted: ShardRestarted, step: _Recovery, payloads: dict, base: list[int],
+                      wait_round: bool, contributors: int, optimizer_json: str, skip_nonfinite: bool) -> None:
+        """The restored shard's version says what it holds of this step's push: at the push's base
         version the push is not in it and goes to that shard again, same step, same bytes (the
-        round is then the one the other shards closed: BSP stays exact); above it the push was
-        applied before the snapshot. Either way the step waits for its round as usual, and where rounds
-        closed without this worker meanwhile (a shard that never restarted answers the Join too, when
-        only the connection was lost during a catch-up) it takes up the round now open. Below it
-        (an older snapshot) the shard lost applied rounds: this step's gradient is dropped and
-        training goes on from the restored values (not the values an uninterrupted run would hold).
-        A shard that came back without any snapshot holds no parameters: the worker that initialises
-        the job gives it its values of the shard's blocks and their version (its last pull, the push's
-        base), and every worker goes on as from a snapshot of that version; the shard's optimizer
-        state starts again."""
-        shard, version = restarted.shard, restarted.version
-        if not restarted.initialized and 0 <= shard < len(base):
+        round is then the one the other shards closed: BSP stays exact), unless the shard answers
+        that it holds it already (it never restarted: only the answer to the push was lost); above
+        it the push was applied before the snapshot. Either way the step waits for its round as
+        usual, and where rounds closed without this worker meanwhile (a shard that never restarted
+        answers the Join too, when only the connection was lost during a catch-up) it takes up the
+        round now open. Below it (an older snapshot) the shard lost applied rounds: this step's
+        gradient is dropped and training goes on from the restored values (not the values an
+        uninterrupted run would hold). A shard that came back without any snapshot holds no
+        parameters: the worker that initialises the job gives it its values of the shard's blocks
+        and their version (its last pull, the push's base), and every worker goes on as from a
+        snapshot of that version; the shard's optimizer state starts again. Raises ShardRestarted
+        when a shard comes back again meanwhile."""
+        events = step.came_back(restarted, len(base))
+        empty = [e.shard for e in events if not e.initialized]
+        for shard in empty:
             self._initialise_again(shard, base[shard])
+        if empty:
             self._apply_pulled(self.client.pull(full=True))  # waits for the initialising worker's values
-            version = self.client.versions[shard]
-        known = 0 <= shard < len(base) and self.secure is None
-        if known and version == base[shard]:
+            step.versions.update({shard: self.client.versions[shard] for shard in empty})
+        known = step.known and bool(step.versions) and self.secure is None
+        versions = step.versions
+        for shard, version in sorted(versions.items()):
+            if not known or version != base[shard] or shard in step.pushed_again:
+                continue
             try:
                 self.client.push(payloads, codec=self.codec_name, base_versions=base, contributors=contributors,
                                  optimizer_json=optimizer_json, skip_nonfinite=skip_nonfinite, only_shard=shard)
-            except (grpc.RpcError, ShardRestarted) as err:
-                log.warning("repush_failed", worker=self.config.worker_id, shard=shard, detail=str(err))
-                known = False
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    log.warning("repush_failed", worker=self.config.worker_id, shard=shard, detail=str(err))
+                    known = False
+                    continue
+                log.info("push_already_in_round", worker=self.config.worker_id, shard=shard, version=version)
             else:
                 log.info("pushed_again", worker=self.config.worker_id, shard=shard, version=version)
-        if known and version >= base[shard]:
-            if not settled:
+            step.pushed_again.add(shard)
+        if known and all(version >= base[shard] for shard, version in versions.items()):
+            if not step.settled:
                 self._settle_feedback(applied=True)
+                step.settled = True
             self.step_count = self.client.clock
             # in full: a pull the restart cut short may have advanced another shard's version
             # without its values reaching the parameters
@@ -161,11 +214,37 @@ class ShardExchange(NewPlan):
         # this step's gradient is dropped; train on from the restored shard's values. A residual
         # committed with a push the restored shard no longer holds is not rolled back (the shard
         # lost the values it was applied to as well); one still staged is discarded.
-        if not settled:
+        if not step.settled:
             self._settle_feedback(applied=False)
+            step.settled = True
         log.warning("shard_restarted", worker=self.config.worker_id, detail=str(restarted))
         self.step_count = self.client.clock
         self._apply_pulled(self.client.pull(full=True))
+        self._take_up_open_round()  # a re-push refused as stale: the round moved on without this worker
+
+    def _first_values(self, init: dict | None) -> None:
+        """The start: push the job's initial values ``init`` (the worker that initialises the job,
+        when the shards hold none yet), then pull every value (only what differs from ours where
+        ours are the job's initial values). A shard that comes back meanwhile (a lost connection
+        answers a Join as well) is pulled from again; one back without parameters gets them again
+        from the initialising worker (`_initialise_again`)."""
+        for _ in range(MAX_RECOVERIES):
+            try:
+                if init is not None:
+                    self.client.push(init, codec="none", kind="INIT")
+                    init = None
+                self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests(),
+                                                    into=self._pull_target))
+                return
+            except ShardRestarted as restarted:
+                log.warning("shard_came_back_while_starting", worker=self.config.worker_id,
+                            shards=[e.shard for e in restarted.every()])
+                init = None  # what each shard holds now is in its answer: one without values gets ours again
+                for e in restarted.every():
+                    if not e.initialized and 0 <= e.shard < self.plan.num_shards:
+                        self._initialise_again(e.shard, max(e.version, 0))
+        raise ProtocolError(f"the shards came back {MAX_RECOVERIES} times while this worker started; "
+                            "the connection to them keeps failing")
 
     def _initialise_again(self, shard: int, version: int) -> None:
         """Give shard ``shard``, back without a snapshot, this worker's values of its blocks, those of

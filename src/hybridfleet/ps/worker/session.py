@@ -134,16 +134,16 @@ class PSSession(ShardExchange, SitePath, SessionReporting):
             # a (re)joining worker takes up the open round, not the steps it missed while away
             self.client.clock = max(self.client.clock, max(info["versions"]))
         self.step_count = self.client.clock
+        init = None
         if not info["initialized"] and cfg.initialises:
             init = {}  # each block sent from the values' own memory: no copy of the model is made to send it
             for name, arr in params.items():
                 init.update({k: memoryview(np.ascontiguousarray(v, dtype=DTYPE)).cast("B")
                              for k, v in self.plan.split(name, np.asarray(arr, dtype=DTYPE).reshape(-1)).items()})
-            self.client.push(init, codec="none", kind="INIT")
         # start from our own values: when they are the job's initial values (workers seeded alike),
         # the first pull brings only what changed since, not every parameter again
         self._flat = {k: np.ascontiguousarray(params[k], dtype=DTYPE).reshape(-1).copy() for k in self.shapes}
-        self._apply_pulled(self.client.pull(full=True, init_digests=self._shard_digests(), into=self._pull_target))
+        self._first_values(init)
         if cfg.aggregates:
             self._start_hub()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, shards=len(cfg.servers),

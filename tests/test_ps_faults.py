@@ -1,0 +1,239 @@
+"""Lost connections during bsp training change nothing: the job ends with the parameters of an
+uninterrupted run, to the bit, on every worker.
+
+Two workers (threads, each with its own client) train a small model with the script's Adam
+through two real TLS shards on the bulk data plane. The shards' side of chosen connections fails
+the way a lost connection does, at each point of an exchange: a pull's frame cut short while it
+is sent, a pull dropped while it waits for its round, a push's payload cut after 100 bytes, and a
+push applied whose answer never reaches the worker. The failures are made inside the shard's own
+serving code (its send and serve functions wrapped to close the connection at that point); the
+connections, TLS, the worker's retries and re-joins are the real ones. Some runs fail one
+connection, others several at once or one while the worker recovers from another (the pushes of
+one step to both shards cut together, a re-push cut again).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from hybridfleet.ps.server import bulk_server, downlink
+from tests.script_optim_helpers import job, start_shards
+
+STEPS = 8
+_BUILD = threading.Lock()  # the frameworks' global random state: one model built at a time
+
+
+def _torch_worker():
+    import torch
+
+    import hybridfleet.torch as hf
+
+    def build():
+        with _BUILD:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def backward(model, x, y):
+        torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+
+    def values(model):
+        return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+    return hf.connect, build, backward, values
+
+
+def _paddle_worker():
+    import paddle
+
+    import hybridfleet.paddle as hf
+
+    def build():
+        with _BUILD:
+            paddle.seed(0)
+            model = paddle.nn.Sequential(paddle.nn.Linear(6, 16), paddle.nn.ReLU(), paddle.nn.Linear(16, 3))
+        return model, paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+
+    def backward(model, x, y):
+        paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).backward()
+
+    def values(model):
+        return {k: np.array(v.numpy()) for k, v in model.state_dict().items()}
+
+    return hf.connect, build, backward, values
+
+
+def _batches(rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(100 + rank)
+    return [(rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int64))
+            for _ in range(STEPS)]
+
+
+def _train(tmp_path, framework: str) -> tuple[list[dict], list[int], list[int]]:
+    """Train the job; returns each worker's final values and step count, and the shards' versions."""
+    connect, build, backward, values = (_torch_worker if framework == "torch" else _paddle_worker)()
+    spec = job(framework, workers=2, shards=2)
+    spec.train.steps = STEPS
+    shards = start_shards(tmp_path, spec)
+    out: dict[int, tuple[dict, int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(rank):
+        try:
+            model, opt = build()
+            ps = connect(model, opt, shards.config(rank))
+            for x, y in _batches(rank)[ps.step_count:]:
+                ps.zero_grad()
+                backward(model, x, y)
+                ps.step()
+            out[rank] = (values(model), ps.step_count)
+            ps.close()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(err)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise errors[0]
+        assert not any(t.is_alive() for t in threads), "a worker still waits: a round it needs never closed"
+        return [out[r][0] for r in range(2)], [out[r][1] for r in range(2)], [s["version"] for s in shards.status()]
+    finally:
+        shards.stop()
+
+
+class _FailingConn:
+    """A shard's connection that fails as a lost one does: ``on_send`` may raise before bytes go
+    out; with ``recv_limit`` reading stops with a reset after that many bytes."""
+
+    def __init__(self, conn, on_send=None, recv_limit: int | None = None):
+        self._conn, self._on_send, self._left = conn, on_send, recv_limit
+
+    def __getattr__(self, name):
+        if name == "recv_exact_into" and self._left is not None:
+            raise AttributeError(name)  # read piece by piece through recv_into below
+        return getattr(self._conn, name)
+
+    def sendall(self, data):
+        if self._on_send is not None:
+            self._on_send(data)
+        return self._conn.sendall(data)
+
+    def recv_into(self, view, n: int = 0):
+        n = min(n or len(view), self._left)
+        if n <= 0:
+            raise ConnectionResetError("connection reset (test)")
+        whole = getattr(self._conn, "recv_exact_into", None)
+        if whole is not None:
+            whole(view[:n])
+            got = n
+        else:
+            got = self._conn.recv_into(view, n)
+        self._left -= got
+        return got
+
+
+def _fail_connections(monkeypatch, cut_pulls=(), waiting_pulls=(), cut_pushes=(), lost_answers=()) -> list:
+    """Make the shards fail the n-th pull sent / pull served / push served (1-based, counted over
+    both shards) as listed; returns the list of failures made."""
+    made: list[tuple[str, int]] = []
+    count = {"sent": 0, "served": 0, "push": 0}
+    send_values, serve_pull, serve_push = downlink.send_values, bulk_server.BulkServer._serve_pull, \
+        bulk_server.BulkServer._serve_push
+
+    def sending(sendall, items):
+        pieces = [p for _, chunk, _, _ in items for p in chunk if len(p)]
+        if pieces:
+            count["sent"] += 1
+            if count["sent"] in cut_pulls:
+                made.append(("pull cut", count["sent"]))
+                sendall(pieces[0][:max(len(pieces[0]) // 2, 1)])
+                raise downlink.ValuesChanged("pull cut (test)")
+        return send_values(sendall, items)
+
+    def serving_pull(self, conn, header_bytes, token, park):
+        count["served"] += 1
+        if count["served"] in waiting_pulls:
+            made.append(("waiting pull dropped", count["served"]))
+            raise ConnectionResetError("connection reset (test)")
+        return serve_pull(self, conn, header_bytes, token, park)
+
+    def serving_push(self, conn, fd, header_bytes, token):
+        count["push"] += 1
+        n = count["push"]
+        if n in lost_answers:
+            def lose(_data):
+                made.append(("push answer lost", n))
+                raise ConnectionResetError("connection reset (test)")
+
+            return serve_push(self, _FailingConn(conn, on_send=lose), fd, header_bytes, token)
+        if n in cut_pushes:
+            made.append(("push cut", n))
+            return serve_push(self, _FailingConn(conn, recv_limit=100), fd, header_bytes, token)
+        return serve_push(self, conn, fd, header_bytes, token)
+
+    monkeypatch.setattr(bulk_server, "send_values", sending)
+    monkeypatch.setattr(bulk_server.BulkServer, "_serve_pull", serving_pull)
+    monkeypatch.setattr(bulk_server.BulkServer, "_serve_push", serving_push)
+    return made
+
+
+def _mixed(seed: int) -> dict:
+    """Several failures of every kind at random points of the run."""
+    rng = np.random.default_rng(seed)
+
+    def pick(lo, k):
+        return set(rng.choice(np.arange(lo, 36), k, replace=False).tolist())
+
+    answers = pick(3, 4)
+    return {"cut_pulls": pick(1, 6), "waiting_pulls": pick(1, 4), "lost_answers": answers,
+            "cut_pushes": pick(3, 4) - answers}
+
+
+# pushes 1-2 are the initial values (one per shard); 3-6 are round 1's (both workers to both shards)
+CASES = {
+    "pull cut while sent": {"cut_pulls": {3}},
+    "pull dropped while it waits for its round": {"waiting_pulls": {6}},
+    "push payload cut": {"cut_pushes": {4}},
+    "push answer lost": {"lost_answers": {3}},
+    "the start's pull dropped": {"waiting_pulls": {1}},
+    "one step's pushes to both shards cut": {"cut_pushes": {5, 6}},
+    "a push cut and its re-push cut again": {"cut_pushes": {7, 9, 10, 11}},
+    **{f"mixed {seed}": _mixed(seed) for seed in (0, 1, 6, 9, 57)},
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """framework -> the uninterrupted run's (values, steps, versions), made by the first test that needs it."""
+    return {}
+
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
+                                       pytest.param("paddle", marks=pytest.mark.paddle)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_lost_connections_leave_the_job_as_an_uninterrupted_run_would(tmp_path, monkeypatch, uninterrupted,
+                                                                     framework, case):
+    # Prepare: the uninterrupted run's result (once per framework), then failing connections
+    if framework not in uninterrupted:
+        uninterrupted[framework] = _train(tmp_path / "uninterrupted", framework)
+    clean, steps, versions = uninterrupted[framework]
+    assert steps == [STEPS, STEPS] and versions == [STEPS, STEPS]
+    expected = clean[0]
+    made = _fail_connections(monkeypatch, **CASES[case])
+    # Execute
+    values, steps, versions = _train(tmp_path / "failing", framework)
+    # Assert: the failures happened; every worker took every step once, the shards closed every
+    # round once, and both workers hold the uninterrupted run's parameters exactly
+    assert made
+    assert steps == [STEPS, STEPS] and versions == [STEPS, STEPS]
+    for got in values:
+        assert set(got) == set(expected)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{case}: {name}")
