@@ -1,8 +1,9 @@
-"""Lost connections during bsp training change nothing: the job ends with the parameters of an
-uninterrupted run, to the bit, on every worker.
+"""Lost connections during bsp or local-SGD training change nothing: the job ends with the
+parameters of an uninterrupted run, to the bit, on every worker.
 
 Two workers (threads, each with its own client) train a small model with the script's Adam
-through two real TLS shards on the bulk data plane. The shards' side of chosen connections fails
+through two real TLS shards on the bulk data plane (bsp: the shards step the script's Adam;
+local: the workers step it, two steps per outer round, and the shards average). The shards' side of chosen connections fails
 the way a lost connection does, at each point of an exchange: a pull's frame cut short while it
 is sent, a pull dropped while it waits for its round, a push's payload cut after 100 bytes, and a
 push applied whose answer never reaches the worker. The failures are made inside the shard's own
@@ -23,6 +24,7 @@ from hybridfleet.ps.server import bulk_server, downlink
 from tests.script_optim_helpers import job, start_shards
 
 STEPS = 8
+LOCAL_STEPS = 2  # sync local: the workers' steps per outer round
 _BUILD = threading.Lock()  # the frameworks' global random state: one model built at a time
 
 
@@ -72,10 +74,11 @@ def _batches(rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
             for _ in range(STEPS)]
 
 
-def _train(tmp_path, framework: str) -> tuple[list[dict], list[int], list[int]]:
+def _train(tmp_path, framework: str, sync: str) -> tuple[list[dict], list[int], list[int]]:
     """Train the job; returns each worker's final values and step count, and the shards' versions."""
     connect, build, backward, values = (_torch_worker if framework == "torch" else _paddle_worker)()
-    spec = job(framework, workers=2, shards=2)
+    local = {"local_steps": LOCAL_STEPS, "optimizer": {"name": "sgd", "lr": 1.0}} if sync == "local" else {}
+    spec = job(framework, workers=2, shards=2, sync=sync, **local)
     spec.train.steps = STEPS
     shards = start_shards(tmp_path, spec)
     out: dict[int, tuple[dict, int]] = {}
@@ -207,33 +210,37 @@ CASES = {
     "a push cut and its re-push cut again": {"cut_pushes": {7, 9, 10, 11}},
     **{f"mixed {seed}": _mixed(seed) for seed in (0, 1, 6, 9, 57)},
 }
+RUNS = [("bsp", case) for case in CASES] + \
+       [("local", case) for case in ("push answer lost", "one step's pushes to both shards cut", "mixed 0", "mixed 6")]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    """framework -> the uninterrupted run's (values, steps, versions), made by the first test that needs it."""
+    """(framework, sync) -> the uninterrupted run's (values, steps, versions), made by the first test
+    that needs it."""
     return {}
 
 
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("sync,case", RUNS)
 def test_lost_connections_leave_the_job_as_an_uninterrupted_run_would(tmp_path, monkeypatch, uninterrupted,
-                                                                     framework, case):
-    # Prepare: the uninterrupted run's result (once per framework), then failing connections
-    if framework not in uninterrupted:
-        uninterrupted[framework] = _train(tmp_path / "uninterrupted", framework)
-    clean, steps, versions = uninterrupted[framework]
-    assert steps == [STEPS, STEPS] and versions == [STEPS, STEPS]
+                                                                     framework, sync, case):
+    # Prepare: the uninterrupted run's result (once per framework and mode), then failing connections
+    rounds = STEPS // LOCAL_STEPS if sync == "local" else STEPS
+    if (framework, sync) not in uninterrupted:
+        uninterrupted[framework, sync] = _train(tmp_path / "uninterrupted", framework, sync)
+    clean, steps, versions = uninterrupted[framework, sync]
+    assert steps == [STEPS, STEPS] and versions == [rounds, rounds]
     expected = clean[0]
     made = _fail_connections(monkeypatch, **CASES[case])
     # Execute
-    values, steps, versions = _train(tmp_path / "failing", framework)
+    values, steps, versions = _train(tmp_path / "failing", framework, sync)
     # Assert: the failures happened; every worker took every step once, the shards closed every
     # round once, and both workers hold the uninterrupted run's parameters exactly
     assert made
-    assert steps == [STEPS, STEPS] and versions == [STEPS, STEPS]
-    for got in values:
+    assert steps == [STEPS, STEPS] and versions == [rounds, rounds]
+    for got in [*clean, *values]:
         assert set(got) == set(expected)
         for name in expected:
             np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{case}: {name}")
