@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +78,9 @@ def start_shards(tmp_path: Path, spec) -> Shards:
     return Shards(spec, servers, certs, TokenIssuer.from_dir(certs))
 
 
-def run_workers(fn, n: int) -> list:
-    """Run ``fn(rank)`` in ``n`` threads; returns the results, re-raising a worker's error."""
+def run_workers(fn, n: int, timeout_s: float = 300) -> list:
+    """Run ``fn(rank)`` in ``n`` threads; returns the results, re-raising a worker's error. A worker
+    still running after ``timeout_s`` (waiting for a round that never closes) fails the test."""
     results, errors = [None] * n, []
 
     def one(rank):
@@ -87,13 +89,15 @@ def run_workers(fn, n: int) -> list:
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(err)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(300)
+        t.join(max(0.0, deadline - time.monotonic()))
     if errors:
         raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a worker still runs after {timeout_s} s"
     return results
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from hybridfleet.ps.server import bulk_server, downlink
-from tests.script_optim_helpers import job, start_shards
+from tests.script_optim_helpers import job, run_workers, start_shards
 
 STEPS = 6
 
@@ -68,6 +68,43 @@ def _live(shards) -> int:
     return len(shards.status()[0]["live_workers"])
 
 
+def _b_falls_behind(shards, connect, build, backward):
+    """Two workers join; b goes silent until the shard drops it, a closes three rounds alone, then
+    b's heartbeats resume. Returns ((a, its model), (b, its model))."""
+    def join(rank):
+        model, opt = build()
+        return connect(model, opt, shards.config(rank)), model
+
+    (a, a_model), (b, b_model) = run_workers(join, 2, timeout_s=60)
+    client = b.session.client
+    client._hb_stop.set()
+    deadline = time.monotonic() + 20
+    while _live(shards) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(shards) == 1
+    for _ in range(3):
+        a.zero_grad()
+        backward(a_model)
+        a.step()
+    client._hb_stop.clear()  # b's heartbeats resume
+    client._hb_thread = threading.Thread(target=client._heartbeat_loop, args=(0.2,), daemon=True)
+    client._hb_thread.start()
+    return (a, a_model), (b, b_model)
+
+
+def _run_loops(backward, *runs) -> None:
+    """Run each ``(handle, model, first step)`` as a script's ``for step in range(first, STEPS)``, each in
+    its own thread; a loop still waiting after 120 s (for a round nobody pushes) fails the test."""
+    def loop(i):
+        handle, model, start = runs[i]
+        for _ in range(start, STEPS):
+            handle.zero_grad()
+            backward(model)
+            handle.step()
+
+    run_workers(loop, len(runs), timeout_s=120)
+
+
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=pytest.mark.torch),
                                        pytest.param("paddle", marks=pytest.mark.paddle)])
 def test_a_caught_up_worker_takes_no_step_past_the_jobs_last_round(tmp_path, framework):
@@ -76,52 +113,16 @@ def test_a_caught_up_worker_takes_no_step_past_the_jobs_last_round(tmp_path, fra
     spec = job(framework, workers=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
     spec.train.steps = STEPS
     shards = start_shards(tmp_path, spec)
-    handles: dict[int, object] = {}
     try:
-        def join(rank):
-            model, opt = build()
-            handles[rank] = (connect(model, opt, shards.config(rank)), model)
-
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        (a, a_model), (b, b_model) = handles[0], handles[1]
+        (a, a_model), (b, b_model) = _b_falls_behind(shards, connect, build, backward)
         b_start = b.step_count
-        # worker b goes silent until the shard drops it; a closes three rounds alone
-        client = b.session.client
-        client._hb_stop.set()
-        deadline = time.monotonic() + 20
-        while _live(shards) != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _live(shards) == 1
-        for _ in range(3):
-            a.zero_grad()
-            backward(a_model)
-            a.step()
-        client._hb_stop.clear()  # b's heartbeats resume
-        client._hb_thread = threading.Thread(target=client._heartbeat_loop, args=(0.2,), daemon=True)
-        client._hb_thread.start()
         b.zero_grad()  # b's next step: refused as stale (its rounds closed without it), so b takes up round 3
         backward(b_model)
         b.step()
         assert b.session.caught_up == 2 and b.step_count == 3 and shards.status()[0]["version"] == 3
 
         # Execute: both scripts run their loops to the job's end, as `for step in range(ps.step_count, steps)`
-        def loop(handle, model, start):
-            for _ in range(start, STEPS):
-                handle.zero_grad()
-                backward(model)
-                handle.step()
-
-        threads = [threading.Thread(target=loop, args=(a, a_model, a.step_count)),
-                   threading.Thread(target=loop, args=(b, b_model, b_start + 1))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        _run_loops(backward, (a, a_model, a.step_count), (b, b_model, b_start + 1))
         final = shards.params()
 
         # Assert: the job ran its six rounds and no more (b's loop counted as many steps past them as rounds
@@ -136,12 +137,7 @@ def test_a_caught_up_worker_takes_no_step_past_the_jobs_last_round(tmp_path, fra
 
         # Execute: scripts that train past train.steps on purpose go on together: b leaves out only the
         # steps its loop counted for the rounds it missed, so neither waits for the other
-        threads = [threading.Thread(target=loop, args=(h, m, 0)) for h, m in ((a, a_model), (b, b_model))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        _run_loops(backward, (a, a_model, 0), (b, b_model, 0))
         # Assert: both pushed rounds 6 to 11 (version 12), and hold the same parameters
         assert shards.status()[0]["version"] == 2 * STEPS and a.step_count == b.step_count == 2 * STEPS
         again = shards.params()
@@ -175,31 +171,8 @@ def test_a_worker_whose_catch_up_pull_is_cut_rejoins_and_takes_up_the_open_round
         return real_send(sendall, items)
 
     monkeypatch.setattr(bulk_server, "send_values", cutting)
-    handles: dict[int, object] = {}
     try:
-        def join(rank):
-            model, opt = build()
-            handles[rank] = (connect(model, opt, shards.config(rank)), model)
-
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        (a, a_model), (b, b_model) = handles[0], handles[1]
-        client = b.session.client
-        client._hb_stop.set()
-        deadline = time.monotonic() + 20
-        while _live(shards) != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _live(shards) == 1
-        for _ in range(3):
-            a.zero_grad()
-            backward(a_model)
-            a.step()
-        client._hb_stop.clear()
-        client._hb_thread = threading.Thread(target=client._heartbeat_loop, args=(0.2,), daemon=True)
-        client._hb_thread.start()
+        (a, a_model), (b, b_model) = _b_falls_behind(shards, connect, build, backward)
 
         # Execute: b's stale push is refused, the pull after it is cut, b joins the shard again
         cut["armed"] = True
@@ -211,22 +184,10 @@ def test_a_worker_whose_catch_up_pull_is_cut_rejoins_and_takes_up_the_open_round
         assert cut["done"] == 1
         assert b.session.caught_up == 2 and b.step_count == 3 and shards.status()[0]["version"] == 3
 
-        # Execute: both loops run to the job's end
-        def loop(handle, model, start):
-            for _ in range(start, STEPS):
-                handle.zero_grad()
-                backward(model)
-                handle.step()
+        # Execute: both loops run to the job's end (neither waits for a round the other will not push)
+        _run_loops(backward, (a, a_model, a.step_count), (b, b_model, 1))
 
-        threads = [threading.Thread(target=loop, args=(a, a_model, a.step_count), daemon=True),
-                   threading.Thread(target=loop, args=(b, b_model, 1), daemon=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-
-        # Assert: neither waits for a round the other will not push; six rounds, one model
-        assert not any(t.is_alive() for t in threads)
+        # Assert: six rounds, one model
         assert a.step_count == b.step_count == STEPS and shards.status()[0]["version"] == STEPS
         final = shards.params()
         for values in (_values(a), _values(b)):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from hybridfleet.ps.server import bulk_server, downlink
-from tests.script_optim_helpers import job, start_shards
+from tests.script_optim_helpers import job, run_workers, start_shards
 
 STEPS = 8
 LOCAL_STEPS = 2  # sync local: the workers' steps per outer round
@@ -81,32 +81,21 @@ def _train(tmp_path, framework: str, sync: str) -> tuple[list[dict], list[int], 
     spec = job(framework, workers=2, shards=2, sync=sync, **local)
     spec.train.steps = STEPS
     shards = start_shards(tmp_path, spec)
-    out: dict[int, tuple[dict, int]] = {}
-    errors: list[BaseException] = []
 
     def worker(rank):
-        try:
-            model, opt = build()
-            ps = connect(model, opt, shards.config(rank))
-            for x, y in _batches(rank)[ps.step_count:]:
-                ps.zero_grad()
-                backward(model, x, y)
-                ps.step()
-            out[rank] = (values(model), ps.step_count)
-            ps.close()
-        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(err)
+        model, opt = build()
+        ps = connect(model, opt, shards.config(rank))
+        for x, y in _batches(rank)[ps.step_count:]:
+            ps.zero_grad()
+            backward(model, x, y)
+            ps.step()
+        result = values(model), ps.step_count
+        ps.close()
+        return result
 
     try:
-        threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        if errors:
-            raise errors[0]
-        assert not any(t.is_alive() for t in threads), "a worker still waits: a round it needs never closed"
-        return [out[r][0] for r in range(2)], [out[r][1] for r in range(2)], [s["version"] for s in shards.status()]
+        out = run_workers(worker, 2, timeout_s=60)
+        return [v for v, _ in out], [n for _, n in out], [s["version"] for s in shards.status()]
     finally:
         shards.stop()
 
