@@ -216,27 +216,12 @@ def test_listen_sets_tcp_nodelay_so_small_responses_are_not_held_by_nagle():
 
 
 def test_free_port_never_hands_out_a_port_twice_within_its_window():
-    """The OS may give the same free port to two binds in a row; a job's processes (metrics, shards,
-    site hubs) each take one from free_port, so within the last 512 picks no port repeats, and each
-    one is free to bind."""
+    """The OS may give the same free port to two binds in a row; the ranks of one rendezvous each
+    take one from free_port, so within the last 512 picks no port repeats, and each one is free to
+    bind."""
     ports = [preflight.free_port() for _ in range(600)]
     for i in range(len(ports)):
         assert ports[i] not in ports[max(0, i - 511):i], (i, ports[i])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[-1]))
 
-
-def test_each_process_of_a_job_gets_its_own_metrics_port():
-    """`attach_metrics` gives the shards and workers of one job distinct metrics ports (two workers
-    handed the same one: the second fails to start, "metrics port N is in use")."""
-    from hybridfleet.launch.psjob import attach_metrics
-    from hybridfleet.launch.supervisor import ProcessSpec
-    from hybridfleet.spec import JobSpec
-
-    spec = JobSpec.model_validate({"name": "ports", "framework": "torch", "entrypoint": "train.py", "mode": "ps",
-                                   "sites": {"a": {"workers": 2, "data": "."}}})
-    for _ in range(20):
-        procs = [ProcessSpec(name=f"worker-{i}", argv=["true"], env={}, role="worker") for i in range(40)]
-        targets = attach_metrics(spec, procs)
-        assert len({t.address for t in targets}) == 40
-        assert [p.env["HFLEET_METRICS_PORT"] for p in procs] == [t.address.rsplit(":", 1)[1] for t in targets]

@@ -20,7 +20,7 @@ import pytest
 
 from hybridfleet.errors import AuthError
 from hybridfleet.ps.worker.bulk_channel import client_ssl_context
-from hybridfleet.ps.worker.site import PENDING_HANDSHAKES, SiteHub, SiteLink, _recv
+from hybridfleet.ps.worker.site import PENDING_HANDSHAKES, SiteHub, SiteLink, _recv, open_hub
 from hybridfleet.ps.worker.site_security import HUB_CERT_ENV, HUB_KEY_ENV, VERIFY_KEY_ENV, HubSecurity, \
     LinkSecurity
 from hybridfleet.security.certs import hub_certificate_paths, issue_hub_certificate, make_dev_pki
@@ -54,17 +54,23 @@ def _tokens(pki_dir, job, site):
 
 
 def _hub(pki_dir, job, site="h") -> SiteHub:
+    return SiteHub("127.0.0.1:0", job.sites[site].workers - 1, NUMEL, _hub_security(pki_dir, job, site))
+
+
+def _hub_security(pki_dir, job, site="h") -> HubSecurity:
     pair = hub_certificate_paths(pki_dir, site)
     env = {HUB_CERT_ENV: str(pair.cert), HUB_KEY_ENV: str(pair.key), "HFLEET_CA_CERT": str(pki_dir / "ca.pem"),
            VERIFY_KEY_ENV: str(pki_dir / VERIFY_KEY)}
-    return SiteHub("127.0.0.1:0", job.sites[site].workers - 1, NUMEL, HubSecurity.from_env(job, site, env))
+    return HubSecurity.from_env(job, site, env)
 
 
-def _link(pki_dir, hub, rank, token, site="h", client_cert_of=None, timeout_s=5.0) -> SiteLink:
+def _link(pki_dir, hub, rank, token, site="h", client_cert_of=None, timeout_s=5.0, port_file=None) -> SiteLink:
     cert = (str(pki_dir / f"client-{client_cert_of}.pem"), str(pki_dir / f"client-{client_cert_of}.key")) \
         if client_cert_of else (None, None)
     ctx = client_ssl_context(str(pki_dir / "ca.pem"), *cert)
-    return SiteLink(f"127.0.0.1:{hub.port}", rank, NUMEL, LinkSecurity(site, ctx, lambda: token), timeout_s=timeout_s)
+    address = "127.0.0.1:0" if port_file else f"127.0.0.1:{hub.port}"
+    return SiteLink(address, rank, NUMEL, LinkSecurity(site, ctx, lambda: token), timeout_s=timeout_s,
+                    port_file=port_file)
 
 
 def _reduce(hub, links, step=1):
@@ -332,3 +338,57 @@ def test_the_sum_carries_which_parameters_some_worker_had_a_gradient_for(pki_dir
             links[1].send(np.zeros(NUMEL, np.float32), np.array([1, 1, 1]))
     finally:
         hub.close()
+
+
+def test_the_leader_binds_its_own_port_and_its_followers_find_it_in_the_port_file(pki_dir, tmp_path):
+    """`hfleet run` hands no hub port out (one picked and released could be taken first): the leader
+    binds port 0, writes the port; followers wait for the file. A restarted leader keeps its port
+    while free, else takes another, and followers connecting then find the new one."""
+    # Prepare
+    job, port_file = _job(), tmp_path / "site-hubs" / "h.port"
+    tokens = _tokens(pki_dir, job, "h")
+    links: dict[int, SiteLink] = {}
+    early = threading.Thread(target=lambda: links.update({1: _link(pki_dir, None, 1, tokens["h-1"],
+                                                                  port_file=str(port_file))}))
+    early.start()  # a follower that starts before its leader waits for the file
+    time.sleep(0.3)
+    # Execute
+    hub = open_hub("127.0.0.1:0", 2, NUMEL, _hub_security(pki_dir, job), port_file=str(port_file))
+    links[2] = _link(pki_dir, None, 2, tokens["h-2"], port_file=str(port_file))
+    early.join(10)
+    first = hub.port
+    # Assert
+    assert port_file.read_text() == f"{first}\n"
+    assert hub.wait_for_followers(5.0) == 2
+    _assert_honest_sum(hub, links)
+    for link in links.values():
+        link.close()
+    hub.close()
+    # Execute: the leader restarts with its port free, then with another process holding it
+    again = open_hub("127.0.0.1:0", 2, NUMEL, _hub_security(pki_dir, job), port_file=str(port_file))
+    assert again.port == first
+    again.close()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first))
+        holder.listen()
+        moved = open_hub("127.0.0.1:0", 2, NUMEL, _hub_security(pki_dir, job), port_file=str(port_file))
+        try:
+            links = {r: _link(pki_dir, None, r, tokens[f"h-{r}"], port_file=str(port_file)) for r in (1, 2)}
+            # Assert
+            assert moved.port != first and port_file.read_text() == f"{moved.port}\n"
+            assert moved.wait_for_followers(5.0) == 2
+            _assert_honest_sum(moved, links)
+        finally:
+            for link in links.values():
+                link.close()
+            moved.close()
+
+
+def test_a_follower_whose_port_file_never_appears_says_so(pki_dir, tmp_path):
+    # Prepare
+    job = _job()
+    tokens = _tokens(pki_dir, job, "h")
+    missing = tmp_path / "h.port"
+    # Execute / Assert
+    with pytest.raises(ConnectionError, match=f"site leader at the port in {missing} did not answer within 1 s"):
+        _link(pki_dir, None, 1, tokens["h-1"], port_file=str(missing), timeout_s=1.0)

@@ -77,8 +77,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS reports free on ``host`` right now, and not one this process handed out lately.
 
     The OS can give the same free port to two binds in a row (the first socket closed at once), so
-    ports picked for the processes of one job (metrics, shards, site hubs) would collide; the last
-    512 returned are never returned again."""
+    ports picked for the ranks of one rendezvous would collide; the last 512 returned are never
+    returned again. A picked port is free only when picked: whatever binds port 0 in between may
+    take it. Where the process can bind port 0 itself and say which port it got, it does (the
+    metrics ports, shards and site hubs of `hfleet run`: `hybridfleet.portfile`); a framework's
+    rendezvous needs its ports up front."""
     for _ in range(64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host if _is_local(host) else "", 0))

@@ -7,8 +7,9 @@ certificate, one client certificate per site and the token-signing key, when
 security is on), ``credentials/`` (one token file per worker, renewed at half the
 token lifetime while the job runs) and ``summary.json``; ``run.json`` (job, pid, start time) is written first, so a run
 without ``summary.json`` is live while that pid runs and crashed otherwise. With
-metrics on, every process serves ``/metrics`` on its own port and
-``prometheus/targets.json`` lists them for Prometheus (file-based service discovery);
+metrics on, every process serves ``/metrics`` on a port it binds itself, writes it under
+``metrics-ports/``, and ``prometheus/targets.json`` lists them for Prometheus (file-based
+service discovery, `hybridfleet.launch.targets`);
 ``report.html`` is written at the end.
 """
 
@@ -23,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridfleet.errors import EXIT_CODES, LaunchError, PortInUseError
-from hybridfleet.launch.preflight import free_port
 from hybridfleet.launch.reshard import reshard_for_resume
 from hybridfleet.launch.scale import supervised_watcher
 from hybridfleet.launch.run_summary import summarize
 from hybridfleet.launch.run_view import RunProgress
 from hybridfleet.launch.supervisor import ProcessSpec, Supervisor, run_supervised
-from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config, write_targets
+from hybridfleet.launch.targets import RunTargets
+from hybridfleet.obs.discovery import Target, retire_targets, write_scrape_config
 from hybridfleet.obs.log import get_logger, redirect_log
-from hybridfleet.obs.metrics import ENV_PORT
 from hybridfleet.obs.runinfo import JOB_COPY
 from hybridfleet.ps.worker.resolve import PORT_DIR_ENV, port_file
+from hybridfleet.ps.worker.site import HUB_FILE_ENV
 from hybridfleet.spec.models import JobSpec
 from hybridfleet.spec.preflight import check_here
 from hybridfleet.spec.resolved import resolved_job
@@ -247,13 +248,14 @@ def worker_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list[P
     procs, rank = [], 0
     for site, s in spec.sites.items():
         entry = str(Path(spec.site_entrypoint(site)))
-        hub = f"127.0.0.1:{free_port()}" if s.aggregate and s.workers > 1 else None
+        # the leader binds a free port and writes it to the hub file; its followers read it there
+        hub = ({"HFLEET_SITE_HUB": "127.0.0.1:0", HUB_FILE_ENV: str(layout.run_dir / "site-hubs" / f"{site}.port")}
+               if s.aggregate and s.workers > 1 else {})
         for site_rank in range(s.workers):
             prefix = ["ip", "netns", "exec", s.netns] if s.netns else []
             procs.append(ProcessSpec(name=f"worker-{site}-{site_rank}",
                                      argv=[*prefix, sys.executable, entry, *spec.args],
-                                     env={**worker_env(spec, job_path, layout, site, rank, site_rank),
-                                          **({"HFLEET_SITE_HUB": hub} if hub else {})},
+                                     env={**worker_env(spec, job_path, layout, site, rank, site_rank), **hub},
                                      max_restarts=spec.max_restarts, role="worker"))
             if hub and site_rank == 0:
                 procs[-1].env.update(site_hub_env(spec, layout, site))
@@ -284,25 +286,6 @@ def baseline_processes(spec: JobSpec, job_path: Path, layout: RunLayout) -> list
     return [ProcessSpec(name=f"baseline-{site}", argv=[sys.executable, str(spec.site_entrypoint(site)), *spec.args],
                         env=worker_env(spec, job_path, layout, site, 0, 0, with_servers=False), role="baseline")
             for site in spec.sites]
-
-
-def attach_metrics(spec: JobSpec, procs: list[ProcessSpec], host: str = "127.0.0.1") -> list[Target]:
-    """Give each process a metrics port (``HFLEET_METRICS_PORT``, kept across its restarts) and
-    return its Prometheus target with the labels job, site, role, rank and process."""
-    targets = []
-    for p in procs:
-        env = p.env or {}
-        port = free_port(host)
-        p.env = {**env, ENV_PORT: str(port)}
-        labels = {"job": spec.name, "role": p.role, "process": p.name}
-        if "HFLEET_SITE" in env:
-            labels["site"] = env["HFLEET_SITE"]
-        if p.role == "shard":
-            labels["rank"] = p.name.rsplit("-", 1)[-1]
-        elif "HFLEET_RANK" in env and p.role == "worker":
-            labels["rank"] = env["HFLEET_RANK"]
-        targets.append(Target(f"{host}:{port}", labels))
-    return targets
 
 
 def write_run_info(spec: JobSpec, run_dir: Path, resume_from: Path | None = None) -> None:
@@ -430,19 +413,20 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
     started = time.monotonic()
     exporter = None
     targets: list[Target] = []
+    run_targets = None
     if metrics:
         from hybridfleet.obs.metrics import serve_metrics
 
         exporter = serve_metrics(0)
         targets.append(Target(f"127.0.0.1:{exporter.server_port}",
                               {"job": spec.name, "role": "supervisor", "process": "hfleet-run"}))
+        run_targets = RunTargets(spec.name, run_dir, targets).start()
     with Supervisor(run_dir, echo=echo, on_line=collector.on_line) as sup, \
             RunProgress(spec, layout, targets, lambda: list(sup.events),
                         stream, enabled=show_progress) as progress:
         def start_all(procs: list[ProcessSpec]) -> None:
-            if metrics:
-                targets.extend(attach_metrics(spec, procs))
-                write_targets(run_dir, targets)
+            if run_targets is not None:
+                run_targets.attach(procs)
             for p in procs:
                 sup.start(p)
 
@@ -482,7 +466,8 @@ def _run(spec: JobSpec, job_path: Path, run_dir: Path, echo: bool, show_progress
         finally:
             if renewer is not None:
                 renewer.stop()
-            if metrics:
+            if run_targets is not None:
+                run_targets.stop()
                 retire_targets(run_dir)
             if exporter is not None:
                 exporter.shutdown()

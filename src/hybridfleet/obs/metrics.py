@@ -28,17 +28,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hybridfleet.errors import LaunchError
+from hybridfleet.portfile import read_port_file, write_port_file
 from hybridfleet.obs.log import get_logger
 
 pc.disable_created_metrics()  # `_created` series would double the series count (client_python #438)
 
 __all__ = ["ProcessMetrics", "process_metrics", "serve_metrics", "serve_from_env", "counter", "gauge",
-           "ENV_PORT", "ENV_HOST", "MAX_REPORTED_NAMES", "WorkerMetrics",
+           "ENV_PORT", "ENV_HOST", "ENV_PORT_FILE", "MAX_REPORTED_NAMES", "WorkerMetrics",
            "ShardMetrics", "CheckpointMetrics", "SupervisorMetrics", "StepTimer", "count_rejected_push",
            "observe_snapshot", "observe_checkpoint"]
 
 ENV_PORT = "HFLEET_METRICS_PORT"
 ENV_HOST = "HFLEET_METRICS_HOST"
+ENV_PORT_FILE = "HFLEET_METRICS_PORT_FILE"  # where the bound port goes (how `hfleet run` learns a port 0 bind)
 # At most this many distinct names of script-reported values become series; more are dropped (logged once).
 MAX_REPORTED_NAMES = 32
 PHASES = ("compute", "encode", "transfer", "wait")
@@ -230,7 +232,14 @@ def serve_metrics(port: int, host: str = "127.0.0.1", metrics: ProcessMetrics | 
 
 def serve_from_env(metrics: ProcessMetrics | None = None) -> int | None:
     """Serve metrics when ``HFLEET_METRICS_PORT`` is set (``HFLEET_METRICS_HOST``, default 127.0.0.1);
-    returns the bound port, or None when unset. Safe to call more than once: the first call serves."""
+    returns the bound port, or None when unset. Safe to call more than once: the first call serves.
+
+    With ``HFLEET_METRICS_PORT_FILE`` the bound port is written to that file (atomically), which is
+    how a launcher learns the port of a process it started with port 0: the process binds a free
+    port itself, so no port is picked and released for another process to take in between. Port 0
+    and a file that already names a port (the process was restarted) try that port first, so the
+    process keeps its Prometheus target; when another process holds it now, any free port is taken.
+    """
     global _served_port
     value = os.environ.get(ENV_PORT, "").strip()
     if not value:
@@ -243,7 +252,19 @@ def serve_from_env(metrics: ProcessMetrics | None = None) -> int | None:
         except ValueError:
             raise LaunchError(f"{ENV_PORT} must be a port number (got {value!r})") from None
         host = os.environ.get(ENV_HOST, "127.0.0.1")
-        _served_port = int(serve_metrics(port, host, metrics).server_port)
+        port_file = os.environ.get(ENV_PORT_FILE, "").strip()
+        server = None
+        previous = read_port_file(port_file) if port_file and port == 0 else None
+        if previous is not None:
+            try:
+                server = serve_metrics(previous, host, metrics)
+            except LaunchError:
+                _log.warning("metrics_port_taken", port=previous)
+        if server is None:
+            server = serve_metrics(port, host, metrics)
+        _served_port = int(server.server_port)
+        if port_file:
+            write_port_file(port_file, _served_port)
         _log.info("metrics_serving", address=f"{host}:{_served_port}")
         return _served_port
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from hybridfleet.ps.worker.client import ClientSecurity
 from hybridfleet.ps.worker.egress import CAPTURE_ENV
 from hybridfleet.ps.worker.resolve import PORT_DIR_ENV
+from hybridfleet.ps.worker.site import HUB_FILE_ENV
 from hybridfleet.spec.models import JobSpec
 
 
@@ -22,6 +23,7 @@ class WorkerConfig:
     servers: list[str] = field(default_factory=list)
     security: ClientSecurity = field(default_factory=lambda: ClientSecurity(insecure=True))
     site_hub: str | None = None   # host:port of the site leader when the site aggregates
+    site_hub_file: str | None = None  # with port 0 in site_hub: the leader writes the port it bound here
     egress_capture: str | None = None  # test mode: keep every sent byte here (see hybridfleet.ps.worker.egress)
     shard_port_dir: str | None = None  # where shard-<i>.port files name each shard's address (replacements)
 
@@ -59,6 +61,7 @@ class WorkerConfig:
         return cls(job=job, site=site, rank=int(env.get("HFLEET_RANK", "0")),
                    site_rank=int(env.get("HFLEET_SITE_RANK", "0")), servers=servers,
                    security=client_security_from_env(env), site_hub=env.get("HFLEET_SITE_HUB") or None,
+                   site_hub_file=env.get(HUB_FILE_ENV) or None,
                    egress_capture=env.get(CAPTURE_ENV) or None, shard_port_dir=env.get(PORT_DIR_ENV) or None)
 
 

@@ -11,6 +11,11 @@ set-up; the traffic stays inside the site. A follower that fails is dropped from
 the reduce (the supervisor restarts it and it reconnects); a leader that fails
 takes its followers down with it, and they reconnect to its restart.
 
+`hfleet run` gives the site ``HFLEET_SITE_HUB=127.0.0.1:0`` and ``HFLEET_SITE_HUB_FILE``: the
+leader binds a free port itself and writes it to that file (a restarted leader binds the port
+the file names while it is free), and followers connect to the port the file names, read
+again at each try. No port is picked for the leader and released, for another process to take.
+
 Who may join (TLS, each follower's own token, at most the site's followers) is
 `hybridfleet.ps.worker.site_security`'s to decide. No peer holds up another: each
 connection's TLS handshake and hello run in their own thread under a deadline
@@ -46,6 +51,7 @@ import numpy as np
 from hybridfleet.codec.base import all_finite
 from hybridfleet.errors import AuthError, ProtocolError
 from hybridfleet.obs.log import get_logger
+from hybridfleet.portfile import read_port_file, write_port_file
 from hybridfleet.ps.wire.admission import HandshakeSlots
 from hybridfleet.ps.worker.site_security import HubSecurity, LinkSecurity
 from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endian
@@ -53,6 +59,7 @@ from hybridfleet.ps.wire.buffers import DTYPE  # the wire's float32, little-endi
 log = get_logger("ps.site")
 
 _LEN = struct.Struct("<Q")
+HUB_FILE_ENV = "HFLEET_SITE_HUB_FILE"
 CONNECT_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 600.0       # how long the leader waits for a follower's next gradient to start
 HANDSHAKE_TIMEOUT_S = 10.0   # TLS handshake, hello and verdict together
@@ -327,32 +334,65 @@ class SiteHub:
         self._sync_ids()
 
     def close(self) -> None:
+        """Stop accepting and close every connection; returns once the port is free again (the
+        accept loop's wait holds the listening socket until it wakes)."""
         self._stop.set()
         self._server.close()
         with self._lock:
             conns = [c for _, c in self._followers] + list(self._pending.values())
         for conn in conns:
             conn.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+
+
+def open_hub(address: str, expected_followers: int, numel: int, security: HubSecurity,
+             sizes: list[int] | None = None, port_file: str | None = None) -> SiteHub:
+    """The leader's hub on ``address``; with ``port_file``, on the port that file names while it is
+    free (a restarted leader stays where its followers look for it), and the port bound is written
+    to the file for the followers to read."""
+    previous = read_port_file(port_file) if port_file else None
+    if previous is not None:
+        host = address.rsplit(":", 1)[0]
+        try:
+            hub = SiteHub(f"{host}:{previous}", expected_followers, numel, security, sizes=sizes)
+        except OSError:
+            log.warning("site_hub_port_taken", site=security.site, port=previous)
+        else:
+            write_port_file(port_file, hub.port)
+            return hub
+    hub = SiteHub(address, expected_followers, numel, security, sizes=sizes)
+    if port_file:
+        write_port_file(port_file, hub.port)
+    return hub
 
 
 class SiteLink:
     """A follower's side: proves it is a worker of the site, sends gradients, receives parameters."""
 
     def __init__(self, address: str, site_rank: int, numel: int, security: LinkSecurity,
-                 timeout_s: float = CONNECT_TIMEOUT_S, params: int = 0):
+                 timeout_s: float = CONNECT_TIMEOUT_S, params: int = 0, port_file: str | None = None):
         """Raises `AuthError` with the leader's reason when the leader refuses this worker.
-        ``params``: how many parameters each gradient carries a presence flag for (the hub's ``sizes``)."""
+        ``params``: how many parameters each gradient carries a presence flag for (the hub's ``sizes``).
+        ``port_file``: the leader's port is the one this file names (read again at each try), not
+        ``address``'s."""
         host, port = address.rsplit(":", 1)
         self.numel = numel
         self.params = params
         deadline = time.monotonic() + timeout_s
         while True:
+            if port_file is not None:
+                port = read_port_file(port_file) or 0
+                address = f"{host}:{port}"
             try:
+                if port_file is not None and not int(port):
+                    raise ConnectionRefusedError(f"{port_file} names no port yet")
                 sock = socket.create_connection((host, int(port)), timeout=HANDSHAKE_TIMEOUT_S)
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise ConnectionError(f"site leader at {address} did not answer within {timeout_s:.0f} s") from None
+                    where = f"the port in {port_file}" if port_file is not None and not int(port) else address
+                    raise ConnectionError(f"site leader at {where} did not answer within {timeout_s:.0f} s") from None
                 time.sleep(0.1)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

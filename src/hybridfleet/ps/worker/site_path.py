@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridfleet.obs.log import get_logger
-from hybridfleet.ps.worker.site import SiteHub, SiteLink, flatten, unflatten
+from hybridfleet.ps.worker.site import SiteLink, flatten, open_hub, unflatten
 from hybridfleet.ps.worker.site_security import HubSecurity, LinkSecurity
 
 log = get_logger("ps.worker")
@@ -23,15 +23,15 @@ class SitePath:
         """The site leader listens for its followers and waits until they joined (or the timeout)."""
         cfg = self.config
         followers = cfg.job.sites[cfg.site].workers - 1
-        self.hub = SiteHub(cfg.site_hub, followers, self._numel(), HubSecurity.from_env(cfg.job, cfg.site),
-                           sizes=self._sizes())
+        self.hub = open_hub(cfg.site_hub, followers, self._numel(), HubSecurity.from_env(cfg.job, cfg.site),
+                            sizes=self._sizes(), port_file=cfg.site_hub_file)
         joined = self.hub.wait_for_followers()
         log.info("site_leader_ready", site=cfg.site, followers=joined, expected=followers)
 
     def _start_follower(self) -> dict[str, np.ndarray]:
         cfg = self.config
         self.link = SiteLink(cfg.site_hub, cfg.site_rank, self._numel(), LinkSecurity.from_client(cfg.site, cfg.security),
-                             params=len(self._names))
+                             params=len(self._names), port_file=cfg.site_hub_file)
         self._receive_from_leader()
         log.info("worker_started", worker=cfg.worker_id, site=cfg.site, rank=cfg.rank, site_follower=True,
                  resumed_clock=self.step_count)
