@@ -318,7 +318,7 @@ class PSClient:
                 err = f.exception()
                 if err is not None and not isinstance(err, (ShardRestarted, grpc.RpcError)):
                     raise err
-        errors = [f.exception() for f in futs if f.exception() is not None]
+        errors = [err for err in (f.exception() for f in futs) if err is not None]
         if not errors:
             return [f.result() for f in futs]
         restarted = [e for e in errors if isinstance(e, ShardRestarted)]
