@@ -33,11 +33,11 @@ from hybridfleet.spec import load_spec
 STEPS, KILL_AT = 16, 6
 
 
-def _job_file(tmp_path: Path, framework: str, snapshot_every: int | None = 1) -> Path:
+def _job_file(tmp_path: Path, framework: str, snapshot_every: int | None = 1, **ps) -> Path:
     (tmp_path / "train.py").write_text("")
     doc = {"name": "elastic", "framework": framework, "entrypoint": "train.py", "sites": {"a": {"workers": 2}},
            "ps": {"shards": 2, "sync": "bsp", "block_size_bytes": 1024, "snapshot_every_steps": snapshot_every,
-                  "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0}}
+                  "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0, **ps}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -71,32 +71,43 @@ def _wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
 
 @pytest.fixture
 def elastic_cluster(tmp_path):
-    """Start the two shard processes of a framework's job; stops every process it started."""
-    procs: list[subprocess.Popen] = []
+    """Start the two shard processes of a framework's job (each cluster its own process list, which
+    a replacement joins); stops every process it started."""
+    clusters: list[list[subprocess.Popen]] = []
     held: list[socket.socket] = []
 
-    def start(framework: str, snapshot_every: int | None = 1):
-        job = _job_file(tmp_path, framework, snapshot_every)
-        certs = tmp_path / "certs"
+    def start(framework: str, snapshot_every: int | None = 1, root: str = "", **ps):
+        """``root``: a folder of its own under the test's, for a second cluster in one test."""
+        base = tmp_path / root
+        base.mkdir(exist_ok=True)
+        job = _job_file(base, framework, snapshot_every, **ps)
+        certs = base / "certs"
         make_dev_pki(certs)
         generate_signing_key(certs)
-        run_dir = tmp_path / "run"
+        run_dir = base / "run"
         run_dir.mkdir()
-        store = f"file://{tmp_path / 'snap'}"
-        for i in range(2):
-            procs.append(_serve(job, i, run_dir, certs, store))
+        store = f"file://{base / 'snap'}"
+        procs = [_serve(job, i, run_dir, certs, store) for i in range(2)]
+        clusters.append(procs)
         resolve = port_file_resolver(run_dir)
         _wait_for(lambda: all(resolve(i) for i in range(2)), "the shards' port files")
         return job, certs, run_dir, store, procs, held
 
     yield start
-    for p in procs:
+    every = [p for procs in clusters for p in procs]
+    for p in every:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    for p in procs:
+    for p in every:
         _stop(p)
     for s in held:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def secure_runs():
+    """framework -> an uninterrupted run's values under secure aggregation, made by the first test that needs it."""
+    return {}
 
 
 def _config(job: Path, certs: Path, run_dir: Path, rank: int) -> WorkerConfig:
@@ -190,6 +201,44 @@ def test_sigkilled_shard_replaced_at_a_new_address_ends_equal_to_an_uninterrupte
     assert procs[0].returncode == -signal.SIGKILL and procs[-1].poll() is None
     h.assert_close(got[0], f.values(ref))
     h.assert_close(got[1], f.values(ref))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, name", [pytest.param("torch", "adamw_amsgrad", marks=pytest.mark.torch),
+                                             pytest.param("paddle", "momentum_nesterov", marks=pytest.mark.paddle)])
+@pytest.mark.parametrize("both_waiting", [True, False], ids=["both-in-the-push", "anywhere"])
+def test_under_secure_aggregation_a_replaced_shard_gets_every_workers_step_again(elastic_cluster, secure_runs,
+                                                                                  monkeypatch, framework, name,
+                                                                                  both_waiting, capfd):
+    """The replacement restores the round but no keys: each worker advertises a fresh key to it and
+    pushes the step there again, masked anew, and the shard that stayed up gets it once (a worker
+    that saw the restart while masking had pushed it nowhere yet). No round lacks a worker, so
+    every round is unmasked and training ends where an uninterrupted secure run does, up to the
+    random rounding of the step masked again (a step lost or doubled moves the values ~1e-3)."""
+    # Prepare: an uninterrupted run under secure aggregation (once per framework), then two real shard processes
+    f, hf = _framework(framework)
+    if framework not in secure_runs:
+        with monkeypatch.context() as never:
+            never.setattr(sys.modules[__name__], "KILL_AT", STEPS + 1)
+            clean = elastic_cluster(framework, root="uninterrupted", secure_aggregation=True)
+            secure_runs[framework] = _train_killing_shard_0(f, hf, name, clean, snapshot_of=None)[0][0]
+    cluster = elastic_cluster(framework, root="killed", secure_aggregation=True)
+    _, _, run_dir, _, procs, _ = cluster
+    capfd.readouterr()
+
+    # Execute: shard 0 killed with KILL_AT rounds applied and their snapshot written
+    got, frontends, _ = _train_killing_shard_0(f, hf, name, cluster, snapshot_of=KILL_AT, both_waiting=both_waiting)
+
+    # Assert: every step of both workers went into every shard's rounds, masked again for the replacement
+    assert [ps.session.step_count for ps in frontends] == [STEPS, STEPS]
+    assert procs[-1].poll() is None  # the replacement serves
+    replacement = "".join(p.read_text() for p in run_dir.glob("shard-0.*.log"))
+    logs = capfd.readouterr()
+    assert '"event":"secagg_failed"' not in logs.out + logs.err + replacement
+    assert (logs.out + logs.err).count('"event":"secagg_step_finished","shard":0') >= 2  # each worker, anew
+    for k in got[0]:
+        assert (got[0][k] == got[1][k]).all(), k
+    h.assert_close(got[0], secure_runs[framework], rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import numpy as np
 import pytest
 
@@ -75,9 +76,12 @@ def _batches(rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def _train(tmp_path, framework: str, sync: str) -> tuple[list[dict], list[int], list[int]]:
-    """Train the job; returns each worker's final values and step count, and the shards' versions."""
+    """Train the job; returns each worker's final values and step count, and the shards' versions.
+    ``sync`` "secure": bsp under secure aggregation (see `_seeded_masks`)."""
     connect, build, backward, values = (_torch_worker if framework == "torch" else _paddle_worker)()
     local = {"local_steps": LOCAL_STEPS, "optimizer": {"name": "sgd", "lr": 1.0}} if sync == "local" else {}
+    if sync == "secure":
+        local, sync = {"secure_aggregation": True}, "bsp"
     spec = job(framework, workers=2, shards=2, sync=sync, **local)
     spec.train.steps = STEPS
     shards = start_shards(tmp_path, spec)
@@ -176,6 +180,39 @@ def _fail_connections(monkeypatch, cut_pulls=(), waiting_pulls=(), cut_pushes=()
     return made
 
 
+def _fail_secure_calls(monkeypatch, made: list, lost_shares=(), dropped_unmasks=(), lost_reveals=(),
+                       dropped_reveals=()) -> None:
+    """Under secure aggregation, make the shards fail the n-th Shares / Unmask / Reveal call (1-based,
+    counted over both shards) as a lost connection does: Shares and Reveal taken in whose answer is
+    lost, an Unmask request dropped while it waits, a Reveal dropped before it arrives. The worker
+    sees UNAVAILABLE, as when the connection breaks, and re-joins."""
+    from hybridfleet.ps.secagg.service import SecAggServicer
+
+    count = {"Shares": 0, "Unmask": 0, "Reveal": 0}
+    lose = {"Shares": set(lost_shares), "Unmask": set(), "Reveal": set(lost_reveals)}  # taken in, answer lost
+    drop = {"Shares": set(), "Unmask": set(dropped_unmasks), "Reveal": set(dropped_reveals)}  # never taken in
+
+    def failing(name):
+        real = getattr(SecAggServicer, name)
+
+        def call(self, request, context):
+            count[name] += 1
+            n = count[name]
+            if n in drop[name]:
+                made.append((f"{name.lower()} dropped", n))
+            elif n in lose[name]:
+                real(self, request, context)
+                made.append((f"{name.lower()} answer lost", n))
+            else:
+                return real(self, request, context)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost (test)")
+
+        return call
+
+    for name in count:
+        monkeypatch.setattr(SecAggServicer, name, failing(name))
+
+
 def _mixed(seed: int) -> dict:
     """Several failures of every kind at random points of the run."""
     rng = np.random.default_rng(seed)
@@ -186,6 +223,18 @@ def _mixed(seed: int) -> dict:
     answers = pick(3, 4)
     return {"cut_pulls": pick(1, 6), "waiting_pulls": pick(1, 4), "lost_answers": answers,
             "cut_pushes": pick(3, 4) - answers}
+
+
+def _mixed_secure(seed: int) -> dict:
+    """Several failures of each secure aggregation call at random points of the run (4 of each per round)."""
+    rng = np.random.default_rng(1000 + seed)
+
+    def pick(k):
+        return set(rng.choice(np.arange(1, 33), k, replace=False).tolist())
+
+    reveals = pick(4)
+    return {"lost_shares": pick(3), "dropped_unmasks": pick(3), "lost_reveals": set(sorted(reveals)[:2]),
+            "dropped_reveals": set(sorted(reveals)[2:])}
 
 
 # pushes 1-2 are the initial values (one per shard); 3-6 are round 1's (both workers to both shards)
@@ -199,8 +248,32 @@ CASES = {
     "a push cut and its re-push cut again": {"cut_pushes": {7, 9, 10, 11}},
     **{f"mixed {seed}": _mixed(seed) for seed in (0, 1, 6, 9, 57)},
 }
+SECURE_CASES = {
+    "shares answer lost": {"lost_shares": {2}},
+    "unmask request dropped while it waits": {"dropped_unmasks": {3}},
+    "reveal answer lost": {"lost_reveals": {1}},
+    "reveal dropped before it arrives": {"dropped_reveals": {2}},
+    "every secure call of one step fails once": {"lost_shares": {5}, "dropped_unmasks": {6}, "lost_reveals": {7},
+                                                  "dropped_reveals": {8}},
+    **{f"mixed secure {seed}": {**_mixed(seed), **_mixed_secure(seed)} for seed in (0, 6)},
+}
 RUNS = [("bsp", case) for case in CASES] + \
-       [("local", case) for case in ("push answer lost", "one step's pushes to both shards cut", "mixed 0", "mixed 6")]
+       [("local", case) for case in ("push answer lost", "one step's pushes to both shards cut", "mixed 0", "mixed 6")] + \
+       [("secure", case) for case in [*CASES, *SECURE_CASES]]
+
+
+def _seeded_masks(monkeypatch) -> None:
+    """Secure aggregation quantises each update with random rounding; seeded per worker and shard,
+    the draws are the same in every run, so a run with failures must end at the uninterrupted run's
+    parameters to the bit (the masks cancel exactly in the ring, whatever their seeds)."""
+    from hybridfleet.ps.secagg import pusher
+
+    init = pusher.ShardMasker.__init__
+
+    def seeded(self, me, shard, settings, rng=None):
+        init(self, me, shard, settings, np.random.default_rng([int(me.rsplit("-", 1)[1]), shard]))
+
+    monkeypatch.setattr(pusher.ShardMasker, "__init__", seeded)
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +290,18 @@ def test_lost_connections_leave_the_job_as_an_uninterrupted_run_would(tmp_path, 
                                                                      framework, sync, case):
     # Prepare: the uninterrupted run's result (once per framework and mode), then failing connections
     rounds = STEPS // LOCAL_STEPS if sync == "local" else STEPS
+    if sync == "secure":
+        _seeded_masks(monkeypatch)
     if (framework, sync) not in uninterrupted:
         uninterrupted[framework, sync] = _train(tmp_path / "uninterrupted", framework, sync)
     clean, steps, versions = uninterrupted[framework, sync]
     assert steps == [STEPS, STEPS] and versions == [rounds, rounds]
     expected = clean[0]
-    made = _fail_connections(monkeypatch, **CASES[case])
+    faults = dict({**CASES, **SECURE_CASES}[case])
+    secure = {k: faults.pop(k) for k in ("lost_shares", "dropped_unmasks", "lost_reveals", "dropped_reveals")
+              if k in faults}
+    made = _fail_connections(monkeypatch, **faults)
+    _fail_secure_calls(monkeypatch, made, **secure)
     # Execute
     values, steps, versions = _train(tmp_path / "failing", framework, sync)
     # Assert: the failures happened; every worker took every step once, the shards closed every

@@ -478,3 +478,56 @@ def test_paddle_momentum_over_model_parameters_with_batchnorm_matches_the_plain_
     want, got = state("paddle", plain), state("paddle", model)
     assert any(k.endswith("_mean") for k in want)
     h.assert_close(got, want)
+
+
+STEP_IN_TWO_THREADS = """
+import sys, threading
+import numpy as np
+from hybridfleet.ps.server.groups import ScriptOptimizer, parse_description
+
+desc = parse_description(sys.stdin.read(), "paddle", {"fc.weight", "fc.bias"})
+params = {"fc.weight/0": np.arange(12, dtype="<f4") / 10, "fc.bias/0": np.ones(4, "<f4")}
+grads = {k: np.full(v.size, 0.5, "<f4") for k, v in params.items()}
+made = []
+
+
+def close_round():  # as the shard does: the optimizer (and paddle) made when the first round closes
+    if not made:
+        made.append(ScriptOptimizer("paddle", {"fc.weight/0": "fc.weight", "fc.bias/0": "fc.bias"}))
+    made[0].step(params, grads, desc)
+
+
+for round_ in range(2):  # each round in a thread of its own
+    t = threading.Thread(target=close_round)
+    t.start()
+    t.join()
+assert "paddle" in sys.modules and not sys.modules["paddle"].in_dynamic_mode()  # this thread never imported it
+print(params["fc.bias/0"].tolist())
+"""
+
+
+@pytest.mark.paddle
+def test_the_shard_steps_a_paddle_optimizer_in_any_thread_whichever_imported_paddle():
+    """A shard imports paddle at its first round, in the thread that closes it, and paddle's
+    dynamic-graph mode is then on in that thread alone. Under secure aggregation each round closes
+    in a thread of its own: the second round failed ("We only support 'set_lr()' in dynamic graph
+    mode") and the job waited for a round that never closed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import paddle
+
+    from hybridfleet.ps.worker.optim_spec import encode, reader_for
+
+    # Prepare: the description of paddle SGD (lr 0.1), made here; the shard's process imports paddle late
+    params = {"fc.weight": paddle.create_parameter([4, 3], "float32"), "fc.bias": paddle.create_parameter([4], "float32")}
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=list(params.values()))
+    desc = encode(reader_for(opt, "paddle", params).describe())
+    src = Path(__file__).resolve().parents[1] / "src"
+    # Execute
+    result = subprocess.run([sys.executable, "-c", STEP_IN_TWO_THREADS], input=desc, capture_output=True, text=True,
+                            timeout=120, env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    # Assert: both rounds stepped, 1 - 2 * 0.1 * 0.5
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == pytest.approx([0.9] * 4)

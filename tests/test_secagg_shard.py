@@ -239,7 +239,7 @@ def test_a_token_for_one_worker_cannot_act_for_another_and_nothing_changes(clust
     state = cluster.servers[0].state
     mallory = cluster.client("c", retry_timeout_s=1.0, token=cluster.token("c", worker="c-0"))
     mallory.join(PARAMS, cluster.spec.ps.block_size_bytes, "none", "torch")
-    stub = SecureRounds(mallory, pushers[0].settings, cluster.spec.ps).stubs[0]
+    stub = SecureRounds(mallory, pushers[0].settings, cluster.spec.ps)._stub(0)
     meta = mallory._metadata
     with pytest.raises(grpc.RpcError) as err:
         stub.Advertise(pb.AdvertiseRequest(worker_id="a-0", public_key=bytes(32)), metadata=meta)

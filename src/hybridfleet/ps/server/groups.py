@@ -303,6 +303,10 @@ class _PaddleRunner:
 
     def step(self, params, grads, desc, groups, block_param) -> None:
         paddle = self.paddle
+        # paddle's dynamic-graph mode is per thread, and only the thread that first imported paddle has
+        # it on its own: a round may close in any thread (a pool thread, secure aggregation's unmask thread)
+        if not paddle.in_dynamic_mode():
+            paddle.disable_static()
         for key, arr in params.items():
             self._param(key, arr)
         # everything but the learning rate (set every step) fixes the optimizer; a change rebuilds it

@@ -31,8 +31,10 @@ class _Recovery:
     they hold it), whether every shard that came back is one of the plan's, and whether the
     push's error feedback is settled."""
 
-    def __init__(self, settled: bool):
+    def __init__(self, settled: bool, clock: int = 0, present: set[str] | None = None):
         self.settled = settled
+        self.clock = clock        # this worker's clock once the step is pushed
+        self.present = present    # under secure aggregation: the parameters with a gradient (None: all)
         self.versions: dict[int, int] = {}
         self.pushed_again: set[int] = set()
         self.known = True
@@ -68,6 +70,7 @@ class ShardExchange(NewPlan):
         payloads = self._encode(grads, staged) if self.secure is None else self._blocks_of(grads)
         self.timer.mark("encode")
         base = list(self.client.versions)
+        clock = self.client.clock + 1  # a push moves it, once a step
         wait_round = self.client.sync in ROUND_SYNC_MODES
         settled = stale = False
         try:
@@ -106,8 +109,8 @@ class ShardExchange(NewPlan):
             if stale:
                 self._take_up_open_round()
         except ShardRestarted as restarted:
-            self._recover(restarted, payloads, base, wait_round, settled, contributors, optimizer_json,
-                          bool(nonfinite))
+            self._recover(restarted, payloads, base, wait_round, _Recovery(settled, clock, present), contributors,
+                          optimizer_json, bool(nonfinite))
         except PlanChanged as changed:
             self._carry_on_new_plan(changed, payloads, base, wait_round, settled, contributors, optimizer_json,
                                     bool(nonfinite))
@@ -141,12 +144,11 @@ class ShardExchange(NewPlan):
             raise
 
     def _recover(self, restarted: ShardRestarted, payloads: dict, base: list[int], wait_round: bool,
-                 settled: bool, contributors: int, optimizer_json: str, skip_nonfinite: bool) -> None:
+                 step: _Recovery, contributors: int, optimizer_json: str, skip_nonfinite: bool) -> None:
         """Carry on after a shard came back from a snapshot (restarted, or replaced at a new address),
         or answered a Join after the connection to it was lost; again as often as that happens
         while recovering (up to `MAX_RECOVERIES` times in one step), each time from what the shard
         that came back last holds (`_recover_once`)."""
-        step = _Recovery(settled)
         for _ in range(MAX_RECOVERIES):
             try:
                 self._recover_once(restarted, step, payloads, base, wait_round, contributors, optimizer_json,
@@ -182,7 +184,10 @@ class ShardExchange(NewPlan):
         if empty:
             self._apply_pulled(self.client.pull(full=True))  # waits for the initialising worker's values
             step.versions.update({shard: self.client.versions[shard] for shard in empty})
-        known = step.known and bool(step.versions) and self.secure is None
+        if self.secure is not None:
+            self._recover_secure(restarted, step, payloads, base, wait_round, contributors, optimizer_json)
+            return
+        known = step.known and bool(step.versions)
         versions = step.versions
         for shard, version in sorted(versions.items()):
             if not known or version != base[shard] or shard in step.pushed_again:
@@ -200,20 +205,27 @@ class ShardExchange(NewPlan):
                 log.info("pushed_again", worker=self.config.worker_id, shard=shard, version=version)
             step.pushed_again.add(shard)
         if known and all(version >= base[shard] for shard, version in versions.items()):
-            if not step.settled:
-                self._settle_feedback(applied=True)
-                step.settled = True
-            self.step_count = self.client.clock
-            # in full: a pull the restart cut short may have advanced another shard's version
-            # without its values reaching the parameters
-            self._wait_and_pull(base, wait_round, full=True)
-            # rounds may have closed without this worker meanwhile (its push was stale, or it was
-            # dropped while the connection was down): count its steps from the round now open
-            self._take_up_open_round()
+            self._recovered(step, base, wait_round)
             return
-        # this step's gradient is dropped; train on from the restored shard's values. A residual
-        # committed with a push the restored shard no longer holds is not rolled back (the shard
-        # lost the values it was applied to as well); one still staged is discarded.
+        self._drop_step(step, restarted)
+
+    def _recovered(self, step: _Recovery, base: list[int], wait_round: bool) -> None:
+        """The step's push is in every shard's round (or applied there): wait for the rounds as usual."""
+        if not step.settled:
+            self._settle_feedback(applied=True)
+            step.settled = True
+        self.step_count = self.client.clock
+        # in full: a pull the restart cut short may have advanced another shard's version
+        # without its values reaching the parameters
+        self._wait_and_pull(base, wait_round, full=True)
+        # rounds may have closed without this worker meanwhile (its push was stale, or it was
+        # dropped while the connection was down): count its steps from the round now open
+        self._take_up_open_round()
+
+    def _drop_step(self, step: _Recovery, restarted: ShardRestarted) -> None:
+        """This step's gradient is dropped; train on from the restored shard's values. A residual
+        committed with a push the restored shard no longer holds is not rolled back (the shard lost
+        the values it was applied to as well); one still staged is discarded."""
         if not step.settled:
             self._settle_feedback(applied=False)
             step.settled = True
@@ -221,6 +233,30 @@ class ShardExchange(NewPlan):
         self.step_count = self.client.clock
         self._apply_pulled(self.client.pull(full=True))
         self._take_up_open_round()  # a re-push refused as stale: the round moved on without this worker
+
+    def _recover_secure(self, restarted: ShardRestarted, step: _Recovery, grads: dict, base: list[int],
+                        wait_round: bool, contributors: int, optimizer_json: str) -> None:
+        """`_recover_once` under secure aggregation: every shard holding the step's round open (it stayed
+        up, lost only the connection, or came back from a snapshot of that round) gets the step's
+        masked push and this worker's unmask answer, each once (`SecureRounds.finish`); a round is
+        unmasked only with every pusher's answer, so a step given up at one shard would leave that
+        round to fail for lack of it. Where a shard lost applied rounds (an older snapshot), or
+        refuses the push as stale (its round closed without this worker), the step is dropped as
+        without secure aggregation."""
+        versions = step.versions
+        if step.known and all(version >= base[shard] for shard, version in versions.items()):
+            redo = sorted(i for i in {b.shard for b in self.plan.blocks} if versions.get(i, base[i]) == base[i])
+            self.client.clock = max(self.client.clock, step.clock)  # the push may not have gone out at all
+            try:
+                self.secure.finish(grads, base, contributors, optimizer_json, step.present, redo)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.warning("push_skipped", worker=self.config.worker_id, detail=err.details())
+            else:
+                self._recovered(step, base, wait_round)
+                return
+        self._drop_step(step, restarted)
 
     def _first_values(self, init: dict | None) -> None:
         """The start: push the job's initial values ``init`` (the worker that initialises the job,
